@@ -1,0 +1,37 @@
+// The collective algorithms. Each is a schedule of steps over Links (ring,
+// chain, pairwise) or over the shared-memory one-shot areas; none knows how
+// bytes move. Counts are in elements of ctx.dtype.
+#pragma once
+
+#include "algo/context.h"
+
+namespace pyc {
+
+// Ring all-reduce = ring reduce-scatter + ring all-gather, chunked through the
+// slots. `in` and `out` may be the same buffer.
+void ring_all_reduce(OpCtx& c, const void* in, void* out, size_t count);
+// in: nranks blocks of `count`; out: `count` (may be in's own block).
+void ring_reduce_scatter(OpCtx& c, const void* in, void* out, size_t count);
+// in: `count` (may be out's own block); out: nranks blocks of `count`.
+void ring_all_gather(OpCtx& c, const void* in, void* out, size_t count);
+// Pipelined chain from root through root+1, ..., root-1.
+void chain_broadcast(OpCtx& c, void* buf, size_t count, int root);
+// Pipelined chain from root+1 through ..., root-1 into root.
+void chain_reduce(OpCtx& c, void* buf, size_t count, int root);
+// n-1 pairwise exchange steps; in and out hold nranks blocks of `count`.
+void pairwise_all_to_all(OpCtx& c, const void* in, void* out, size_t count);
+void p2p_send(OpCtx& c, const void* buf, size_t count, int peer);
+void p2p_recv(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect);
+
+// Every rank's input side by side in shared memory; every rank reduces them
+// all in rank order, so results are bitwise identical (small messages).
+struct OneShotAreas {
+  void* payload[2][64];  // [parity][rank]: at most kMaxOneShotRanks ranks
+  Counter* flag[2][64];  // the sequence-number flag of each area
+  uint64_t* sig[2][64];  // two words after the flag: the writer's OpSig
+  size_t bytes = 0;      // payload capacity
+};
+constexpr int kMaxOneShotRanks = 64;
+void oneshot_all_reduce(OpCtx& c, const OneShotAreas& a, const void* in, void* out, size_t count);
+
+}  // namespace pyc

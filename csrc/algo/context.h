@@ -1,0 +1,39 @@
+// What an algorithm needs to run one operation: who it is, the operation's
+// tag, the links to its peers and the monitor that bounds every wait.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/types.h"
+#include "core/wait.h"
+#include "transport/conn.h"
+
+namespace pyc {
+
+// The links of one communicator, provided by its transport.
+class Links {
+ public:
+  virtual ~Links() = default;
+  virtual SendConn& send_to(int peer) = 0;
+  virtual RecvConn& recv_from(int peer) = 0;
+  // A slot from `peer` carried another operation's tag: report and throw.
+  [[noreturn]] virtual void tag_mismatch(int peer, const SlotTag& got, const SlotTag& want) = 0;
+};
+
+struct OpCtx {
+  int rank = 0;
+  int nranks = 1;
+  DataType dtype = DataType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;  // as called; kAvg sums, then divides once
+  SlotTag tag;                   // what this rank's slots carry and expects
+  Links* links = nullptr;
+  WaitMonitor* mon = nullptr;
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_recv = 0;
+
+  size_t esize() const { return dtype_size(dtype); }
+  int mod(long i) const { return static_cast<int>(((i % nranks) + nranks) % nranks); }
+};
+
+}  // namespace pyc

@@ -1,0 +1,46 @@
+// All-to-all as n-1 pairwise exchange steps (step s: send to rank+s, receive
+// from rank-s, chunk by chunk), and point-to-point send / recv.
+#include <algorithm>
+
+#include "algo/algorithms.h"
+#include "algo/prims.h"
+#include "reduce/reduce.h"
+
+namespace pyc {
+
+void pairwise_all_to_all(OpCtx& c, const void* in, void* out, size_t count) {
+  const int n = c.nranks, r = c.rank;
+  const size_t es = c.esize();
+  const auto* src = static_cast<const char*>(in);
+  auto* dst = static_cast<char*>(out);
+  copy(dst + r * count * es, nullptr, src + r * count * es, count * es);
+  for (int s = 1; s < n; ++s) {
+    const int to = c.mod(r + s), from = c.mod(r - s);
+    Prims p(c, to, from);
+    const size_t slot = p.chunk_elems();
+    for (size_t off = 0; off < count; off += slot) {
+      const size_t len = std::min(slot, count - off);
+      p.send(src + (to * count + off) * es, len);
+      p.recv(dst + (from * count + off) * es, len);
+    }
+  }
+}
+
+void p2p_send(OpCtx& c, const void* buf, size_t count, int peer) {
+  Prims p(c, peer, -1);
+  const size_t slot = p.chunk_elems(), es = c.esize();
+  for (size_t off = 0; off < count; off += slot)
+    p.send(static_cast<const char*>(buf) + off * es, std::min(slot, count - off));
+}
+
+void p2p_recv(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect) {
+  SlotTag own = c.tag;
+  c.tag = expect;  // the receiver checks the sender's tag
+  Prims p(c, -1, peer);
+  const size_t slot = p.chunk_elems(), es = c.esize();
+  for (size_t off = 0; off < count; off += slot)
+    p.recv(static_cast<char*>(buf) + off * es, std::min(slot, count - off));
+  c.tag = own;
+}
+
+}  // namespace pyc

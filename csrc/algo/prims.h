@@ -1,0 +1,40 @@
+// Ring primitives, named by what they do (as NCCL's): each moves one chunk of
+// at most chunk_elems() elements through one slot, touching each byte once.
+// A Prims sends to one peer and receives from another.
+#pragma once
+
+#include "algo/context.h"
+
+namespace pyc {
+
+class Prims {
+ public:
+  Prims(OpCtx& ctx, int send_peer, int recv_peer);
+
+  // Elements that fit one slot, a multiple of 64 bytes.
+  size_t chunk_elems() const { return chunk_elems_; }
+
+  void send(const void* src, size_t n);
+  void copy_send(const void* src, void* dst, size_t n);  // dst = src; send src
+  void recv(void* dst, size_t n);
+  void recv_reduce_send(const void* src, size_t n);                  // send(in op src)
+  void recv_reduce_copy(const void* src, void* dst, size_t n);       // dst = in op src
+  void recv_reduce_copy_send(const void* src, void* dst, size_t n);  // dst = in op src; send dst
+  void recv_copy_send(void* dst, size_t n);                          // dst = in; send in
+
+ private:
+  const void* wait_in(size_t bytes);
+  void release_in();
+  void* acquire_out();
+  void post_out(size_t bytes);
+  // dst0 (and dst1) = a op b, finished (divided for AVG) when `final`.
+  void reduce2(void* dst0, void* dst1, const void* a, const void* b, size_t n, bool final);
+
+  OpCtx& c_;
+  SendConn* send_;
+  RecvConn* recv_;
+  int send_peer_, recv_peer_;
+  size_t chunk_elems_;
+};
+
+}  // namespace pyc

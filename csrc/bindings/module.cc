@@ -1,0 +1,147 @@
+// pycollectives._C: the Python bindings. Buffers arrive as integer addresses
+// with element counts (the Python layer validates torch tensors and NumPy
+// arrays); every blocking call releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bindings/reduce_bindings.h"
+#include "comm/communicator.h"
+#include "core/error.h"
+#include "reduce/reduce.h"
+
+namespace py = pybind11;
+using namespace pyc;
+
+namespace {
+
+void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
+
+DataType to_dtype(int v) {
+  if (!valid_dtype(v)) PYC_THROW(InvalidArgument, "pycollectives: invalid dtype code " << v);
+  return static_cast<DataType>(v);
+}
+
+ReduceOp to_op(int v) {
+  if (!valid_reduce_op(v))
+    PYC_THROW(InvalidArgument, "pycollectives: invalid reduce op code " << v);
+  return static_cast<ReduceOp>(v);
+}
+
+// Python exception classes from pycollectives.errors, looked up once.
+py::object error_class(const char* name) {
+  return py::module_::import("pycollectives.errors").attr(name);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pycollectives core: shared-memory collectives on raw buffers";
+  bind_reduce(m);
+
+  static py::object timeout_cls = error_class("CollectiveTimeout");
+  static py::object peer_cls = error_class("PeerFailure");
+  static py::object mismatch_cls = error_class("CollectiveMismatch");
+  static py::object aborted_cls = error_class("CommunicatorAborted");
+  static py::object base_cls = error_class("PyCollectivesError");
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const TimeoutError& e) {
+      PyErr_SetString(timeout_cls.ptr(), e.what());
+    } catch (const PeerFailure& e) {
+      PyErr_SetString(peer_cls.ptr(), e.what());
+    } catch (const Mismatch& e) {
+      PyErr_SetString(mismatch_cls.ptr(), e.what());
+    } catch (const Aborted& e) {
+      PyErr_SetString(aborted_cls.ptr(), e.what());
+    } catch (const Error& e) {
+      PyErr_SetString(base_cls.ptr(), e.what());
+    }
+  });
+
+  m.def("unique_segment_name", &ShmSegment::unique_name);
+
+  py::class_<Work, std::shared_ptr<Work>>(m, "Work")
+      .def("wait", &Work::wait, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())
+      .def("is_completed", &Work::is_completed);
+
+  using C = Communicator;
+  using G = py::call_guard<py::gil_scoped_release>;
+  py::class_<C, std::shared_ptr<C>>(m, "Communicator")
+      .def(py::init([](int rank, int n, const std::string& name, bool creator, double timeout) {
+             return std::make_shared<C>(rank, n, name, creator, CommConfig::from_env(), timeout);
+           }),
+           py::arg("rank"), py::arg("world_size"), py::arg("name"), py::arg("creator"),
+           py::arg("timeout"), G())
+      .def("connect", &C::connect, G())
+      .def("close", &C::close, G())
+      .def_property_readonly("rank", &C::rank)
+      .def_property_readonly("world_size", &C::world_size)
+      .def_property_readonly("algo", &C::algo_name)
+      .def(
+          "all_reduce",
+          [](C& c, uintptr_t buf, size_t n, int dt, int op, bool async, double to) {
+            return c.all_reduce(ptr(buf), n, to_dtype(dt), to_op(op), async, to);
+          },
+          G())
+      .def(
+          "reduce_scatter",
+          [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, int op, bool async, double to) {
+            return c.reduce_scatter(ptr(out), ptr(in), n, to_dtype(dt), to_op(op), async, to);
+          },
+          G())
+      .def(
+          "all_gather",
+          [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, bool async, double to) {
+            return c.all_gather(ptr(out), ptr(in), n, to_dtype(dt), async, to);
+          },
+          G())
+      .def(
+          "broadcast",
+          [](C& c, uintptr_t buf, size_t n, int dt, int root, bool async, double to) {
+            return c.broadcast(ptr(buf), n, to_dtype(dt), root, async, to);
+          },
+          G())
+      .def(
+          "reduce",
+          [](C& c, uintptr_t buf, size_t n, int dt, int op, int root, bool async, double to) {
+            return c.reduce(ptr(buf), n, to_dtype(dt), to_op(op), root, async, to);
+          },
+          G())
+      .def(
+          "all_to_all",
+          [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, bool async, double to) {
+            return c.all_to_all(ptr(out), ptr(in), n, to_dtype(dt), async, to);
+          },
+          G())
+      .def(
+          "send",
+          [](C& c, uintptr_t buf, size_t n, int dt, int peer, bool async, double to) {
+            return c.send(ptr(buf), n, to_dtype(dt), peer, async, to);
+          },
+          G())
+      .def(
+          "recv",
+          [](C& c, uintptr_t buf, size_t n, int dt, int peer, bool async, double to) {
+            return c.recv(ptr(buf), n, to_dtype(dt), peer, async, to);
+          },
+          G())
+      .def("barrier", &C::barrier, G())
+      .def("split", &C::split, G())
+      .def("stats", [](const C& c) {
+        py::dict d;
+        for (int k = 0; k < kNumOpKinds; ++k) {
+          const OpStats& s = c.stats(static_cast<OpKind>(k));
+          if (s.calls.load() == 0) continue;
+          py::dict e;
+          e["calls"] = s.calls.load();
+          e["bytes_sent"] = s.bytes_sent.load();
+          e["bytes_received"] = s.bytes_recv.load();
+          e["time_s"] = static_cast<double>(s.time_ns.load()) * 1e-9;
+          d[op_kind_name(static_cast<OpKind>(k))] = e;
+        }
+        return d;
+      });
+}

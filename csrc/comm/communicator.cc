@@ -1,0 +1,375 @@
+// Communicator: construction over shared memory, and the operations, each a
+// numbered, announced, monitored run of one algorithm (see communicator.h).
+#include "comm/communicator.h"
+
+#include <pthread.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "comm/monitor.h"
+#include "core/error.h"
+
+namespace pyc {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+size_t env_bytes(const char* name, size_t dflt) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return dflt;
+  char* end = nullptr;
+  double x = std::strtod(v, &end);
+  size_t mult = 1;
+  if (*end == 'K' || *end == 'k')
+    mult = 1 << 10;
+  else if (*end == 'M' || *end == 'm')
+    mult = 1 << 20;
+  else if (*end != '\0')
+    PYC_THROW(InvalidArgument, "pycollectives: cannot parse " << name << "=" << v);
+  if (x < 0) PYC_THROW(InvalidArgument, "pycollectives: " << name << " must be >= 0, not " << v);
+  return static_cast<size_t>(x * mult);
+}
+
+uint64_t elapsed_ns(Clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+}
+
+}  // namespace
+
+CommConfig CommConfig::from_env() {
+  CommConfig c;
+  c.slot_bytes = env_bytes("PYCOLL_SLOT_BYTES", 0);
+  c.nslots = static_cast<uint32_t>(env_bytes("PYCOLL_NSLOTS", 0));
+  c.oneshot_bytes = env_bytes("PYCOLL_ONESHOT_BYTES", 0);
+  const char* a = std::getenv("PYCOLL_ALGO");
+  std::string algo = a ? a : "auto";
+  if (algo == "auto" || algo.empty())
+    c.algo = Algo::kAuto;
+  else if (algo == "ring")
+    c.algo = Algo::kRing;
+  else if (algo == "oneshot")
+    c.algo = Algo::kOneShot;
+  else
+    PYC_THROW(InvalidArgument,
+              "pycollectives: PYCOLL_ALGO must be auto, ring or oneshot, not '" << algo << "'");
+  return c;
+}
+
+const char* Communicator::algo_name() const {
+  switch (algo_) {
+    case Algo::kRing:
+      return "ring";
+    case Algo::kOneShot:
+      return "oneshot";
+    default:
+      return "auto";
+  }
+}
+
+Communicator::Communicator(int rank, int n, const std::string& name, bool creator,
+                           const CommConfig& cfg, double timeout_s)
+    : rank_(rank), n_(n), timeout_s_(timeout_s), creator_(creator) {
+  if (n < 1) PYC_THROW(InvalidArgument, "pycollectives: init: world_size must be >= 1, not " << n);
+  if (rank < 0 || rank >= n)
+    PYC_THROW(InvalidArgument,
+              "pycollectives: init: rank " << rank << " is out of range for world_size " << n);
+  if (timeout_s <= 0)
+    PYC_THROW(InvalidArgument, "pycollectives: init: timeout must be > 0, not " << timeout_s);
+  if (creator) {
+    size_t slot = cfg.slot_bytes ? cfg.slot_bytes
+                  : n <= 4       ? 256 << 10
+                  : n <= 8       ? 128 << 10
+                                 : 64 << 10;
+    uint32_t nslots = cfg.nslots ? cfg.nslots : 4;
+    size_t oneshot = cfg.oneshot_bytes ? cfg.oneshot_bytes : 32 << 10;
+    if (slot < 64) PYC_THROW(InvalidArgument, "pycollectives: PYCOLL_SLOT_BYTES must be >= 64");
+    layout_ = ShmLayout(n, nslots, slot, oneshot);
+    seg_ = ShmSegment::create(name, layout_.total);
+    hdr_ = layout_.header(seg_.data());
+    hdr_->world_size = n;
+    hdr_->nslots = layout_.nslots;
+    hdr_->slot_bytes = layout_.slot_bytes;
+    hdr_->oneshot_bytes = layout_.oneshot_bytes;
+    hdr_->total_bytes = layout_.total;
+    hdr_->algo = static_cast<uint32_t>(cfg.algo);
+    pthread_mutexattr_t attr;
+    PYC_ERRCHECK(pthread_mutexattr_init(&attr));
+    PYC_ERRCHECK(pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED));
+    PYC_ERRCHECK(pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST));
+    for (int r = 0; r < n; ++r)
+      PYC_ERRCHECK(pthread_mutex_init(&layout_.rank_ctl(seg_.data(), r)->alive, &attr));
+    pthread_mutexattr_destroy(&attr);
+    hdr_->magic = kShmMagic;
+    hdr_->ready.store(1, std::memory_order_release);
+  } else {
+    seg_ = ShmSegment::open(name, sizeof(SegmentHeader), timeout_s);
+    hdr_ = reinterpret_cast<SegmentHeader*>(seg_.data());
+    auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+    while (hdr_->ready.load(std::memory_order_acquire) == 0) {
+      if (Clock::now() > deadline)
+        PYC_THROW(TimeoutError, "pycollectives: rank " << rank << ": init: segment " << name
+                                                       << " was not initialized within "
+                                                       << timeout_s << " s");
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    if (hdr_->magic != kShmMagic)
+      PYC_THROW(Error, "pycollectives: " << name << " is not a pycollectives segment");
+    if (static_cast<int>(hdr_->world_size) != n)
+      PYC_THROW(InvalidArgument, "pycollectives: rank " << rank << ": init: world_size " << n
+                                                        << " differs from rank 0's "
+                                                        << hdr_->world_size);
+    layout_ = ShmLayout(n, hdr_->nslots, hdr_->slot_bytes, hdr_->oneshot_bytes);
+    PYC_ASSERT(layout_.total == hdr_->total_bytes && seg_.size() >= layout_.total);
+  }
+  algo_ = static_cast<Algo>(hdr_->algo);
+  void* base = seg_.data();
+  send_.resize(n);
+  recv_.resize(n);
+  for (int p = 0; p < n; ++p) {
+    if (p == rank) continue;
+    send_[p] = std::make_unique<ShmSendConn>(layout_, base, rank, p);
+    recv_[p] = std::make_unique<ShmRecvConn>(layout_, base, p, rank);
+  }
+  if (n <= kMaxOneShotRanks) {
+    oneshot_.bytes = layout_.oneshot_bytes;
+    for (int par = 0; par < 2; ++par)
+      for (int r = 0; r < n; ++r) {
+        OneShotHeader* h = layout_.oneshot(base, r, par);
+        oneshot_.flag[par][r] = &h->seq;
+        oneshot_.sig[par][r] = &h->w0;
+        oneshot_.payload[par][r] = reinterpret_cast<char*>(h) + sizeof(OneShotHeader);
+      }
+  }
+  known_started_.assign(n, 0);
+  p2p_sent_.assign(n, 0);
+  p2p_recvd_.assign(n, 0);
+  RankCtl* me = layout_.rank_ctl(base, rank);
+  me->pid = getpid();
+  // The engine's thread holds this rank's robust mutex for the communicator's
+  // life: peers see EOWNERDEAD the moment this process dies, however it dies.
+  engine_ = std::make_unique<ProgressEngine>([me] { PYC_ERRCHECK(pthread_mutex_lock(&me->alive)); },
+                                             [me] {
+                                               me->closed.store(1);
+                                               pthread_mutex_unlock(&me->alive);
+                                             });
+  hdr_->attached.fetch_add(1);
+}
+
+Communicator::~Communicator() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+void Communicator::connect() {
+  auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_);
+  while (static_cast<int>(hdr_->attached.load()) < n_) {
+    if (Clock::now() > deadline)
+      PYC_THROW(TimeoutError, "pycollectives: rank "
+                                  << rank_ << ": init: only " << hdr_->attached.load() << " of "
+                                  << n_ << " ranks attached within " << timeout_s_ << " s");
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  if (creator_) seg_.unlink();  // every rank has it mapped: nothing stays in /dev/shm
+}
+
+void Communicator::close() {
+  if (closed_.exchange(true)) return;
+  engine_->shutdown();
+}
+
+void Communicator::check_open(OpKind kind) const {
+  if (closed_.load())
+    PYC_THROW(Aborted, "pycollectives: rank " << rank_ << ": " << op_kind_name(kind)
+                                              << " on a closed communicator");
+}
+
+void Communicator::check_rank(int r, const char* what, OpKind kind) const {
+  if (r < 0 || r >= n_)
+    PYC_THROW(InvalidArgument, "pycollectives: rank " << rank_ << ": " << op_kind_name(kind) << ": "
+                                                      << what << "=" << r << " is out of range [0, "
+                                                      << n_ << ")");
+}
+
+void Communicator::announce(uint32_t seq, const OpSig& sig) {
+  RankCtl* me = layout_.rank_ctl(seg_.data(), rank_);
+  SigEntry& e = me->sig[seq % kSigHistory];
+  e.seq.store(0, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  e.w0 = sig.word0();
+  e.w1 = sig.word1();
+  e.seq.store(seq, std::memory_order_release);
+  publish(me->started, seq);
+}
+
+void Communicator::wait_started(uint32_t seq, WaitMonitor& mon) {
+  for (int p = 0; p < n_; ++p) {
+    if (p == rank_ || reached(known_started_[p], seq)) continue;
+    mon.peer = p;
+    known_started_[p] = wait_reached(layout_.rank_ctl(seg_.data(), p)->started, seq, mon);
+  }
+}
+
+void Communicator::account(OpKind kind, const OpCtx& c, uint64_t ns) {
+  OpStats& s = stats_[static_cast<int>(kind)];
+  s.calls.fetch_add(1, std::memory_order_relaxed);
+  s.bytes_sent.fetch_add(c.bytes_sent, std::memory_order_relaxed);
+  s.bytes_recv.fetch_add(c.bytes_recv, std::memory_order_relaxed);
+  s.time_ns.fetch_add(ns, std::memory_order_relaxed);
+}
+
+std::shared_ptr<Work> Communicator::collective(const OpSig& sig, double timeout_s, bool async,
+                                               Body body) {
+  check_open(sig.kind);
+  if (timeout_s < 0) timeout_s = timeout_s_;
+  return engine_->submit([this] { return ++seq_; },
+                         [this, sig, timeout_s, body = std::move(body)](uint32_t seq) {
+                           run_collective(sig, seq, timeout_s, body);
+                         },
+                         async);
+}
+
+void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout_s,
+                                  const Body& body) {
+  if (aborted()) throw_abort();
+  auto t0 = Clock::now();
+  OpMonitor mon(*this, sig, seq, true, timeout_s);
+  OpCtx c;
+  c.rank = rank_;
+  c.nranks = n_;
+  c.dtype = sig.dtype;
+  c.op = sig.op;
+  c.tag = SlotTag{seq, sig.word0(), sig.word1()};
+  c.links = this;
+  c.mon = &mon;
+  try {
+    announce(seq, sig);
+    if (seq > static_cast<uint32_t>(kMaxLead)) wait_started(seq - kMaxLead, mon);
+    body(c);
+  } catch (const Error&) {
+    throw;  // the monitor or the transport already recorded it
+  } catch (const std::exception& e) {
+    set_abort(AbortKind::kError, e.what());
+    throw;
+  }
+  account(sig.kind, c, elapsed_ns(t0));
+}
+
+std::shared_ptr<Work> Communicator::point_to_point(const OpSig& sig, int peer, double timeout_s,
+                                                   bool async, Body body) {
+  check_open(sig.kind);
+  if (timeout_s < 0) timeout_s = timeout_s_;
+  const bool is_send = sig.kind == OpKind::kSend;
+  return engine_->submit(
+      [this, peer, is_send] { return is_send ? ++p2p_sent_[peer] : ++p2p_recvd_[peer]; },
+      [this, sig, timeout_s, body = std::move(body)](uint32_t seq) {
+        if (aborted()) throw_abort();
+        auto t0 = Clock::now();
+        OpMonitor mon(*this, sig, seq, false, timeout_s);
+        OpCtx c;
+        c.rank = rank_;
+        c.nranks = n_;
+        c.dtype = sig.dtype;
+        c.tag = SlotTag{seq, sig.word0(), sig.word1()};
+        c.links = this;
+        c.mon = &mon;
+        body(c);
+        account(sig.kind, c, elapsed_ns(t0));
+      },
+      async);
+}
+
+// ---- operations ----
+
+std::shared_ptr<Work> Communicator::all_reduce(void* buf, size_t count, DataType dt, ReduceOp op,
+                                               bool async, double timeout_s) {
+  OpSig sig{OpKind::kAllReduce, dt, op, -1, count};
+  return collective(sig, timeout_s, async, [this, buf, count](OpCtx& c) {
+    const size_t bytes = count * c.esize();
+    const bool fits = n_ <= kMaxOneShotRanks && bytes <= oneshot_.bytes;
+    if (fits && algo_ != Algo::kRing && n_ > 1) {
+      wait_started(c.tag.seq - 1, *c.mon);  // peers are done reading our area of op seq-2
+      oneshot_all_reduce(c, oneshot_, buf, buf, count);
+      for (int p = 0; p < n_; ++p) known_started_[p] = c.tag.seq;  // we saw every peer's flag
+    } else {
+      ring_all_reduce(c, buf, buf, count);
+    }
+  });
+}
+
+std::shared_ptr<Work> Communicator::reduce_scatter(void* out, const void* in, size_t count,
+                                                   DataType dt, ReduceOp op, bool async,
+                                                   double timeout_s) {
+  OpSig sig{OpKind::kReduceScatter, dt, op, -1, count};
+  return collective(sig, timeout_s, async,
+                    [out, in, count](OpCtx& c) { ring_reduce_scatter(c, in, out, count); });
+}
+
+std::shared_ptr<Work> Communicator::all_gather(void* out, const void* in, size_t count, DataType dt,
+                                               bool async, double timeout_s) {
+  OpSig sig{OpKind::kAllGather, dt, ReduceOp::kSum, -1, count};
+  return collective(sig, timeout_s, async,
+                    [out, in, count](OpCtx& c) { ring_all_gather(c, in, out, count); });
+}
+
+std::shared_ptr<Work> Communicator::broadcast(void* buf, size_t count, DataType dt, int root,
+                                              bool async, double timeout_s) {
+  check_rank(root, "src", OpKind::kBroadcast);
+  OpSig sig{OpKind::kBroadcast, dt, ReduceOp::kSum, root, count};
+  return collective(sig, timeout_s, async,
+                    [buf, count, root](OpCtx& c) { chain_broadcast(c, buf, count, root); });
+}
+
+std::shared_ptr<Work> Communicator::reduce(void* buf, size_t count, DataType dt, ReduceOp op,
+                                           int root, bool async, double timeout_s) {
+  check_rank(root, "dst", OpKind::kReduce);
+  OpSig sig{OpKind::kReduce, dt, op, root, count};
+  return collective(sig, timeout_s, async,
+                    [buf, count, root](OpCtx& c) { chain_reduce(c, buf, count, root); });
+}
+
+std::shared_ptr<Work> Communicator::all_to_all(void* out, const void* in, size_t count, DataType dt,
+                                               bool async, double timeout_s) {
+  OpSig sig{OpKind::kAllToAll, dt, ReduceOp::kSum, -1, count};
+  return collective(sig, timeout_s, async,
+                    [out, in, count](OpCtx& c) { pairwise_all_to_all(c, in, out, count); });
+}
+
+std::shared_ptr<Work> Communicator::barrier(bool async, double timeout_s) {
+  OpSig sig{OpKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, -1, 0};
+  return collective(sig, timeout_s, async, [this](OpCtx& c) {
+    wait_started(c.tag.seq, *c.mon);
+    static_cast<OpMonitor*>(c.mon)->check_slow();  // a peer may have started another collective
+  });
+}
+
+std::shared_ptr<Work> Communicator::send(const void* buf, size_t count, DataType dt, int peer,
+                                         bool async, double timeout_s) {
+  check_rank(peer, "dst", OpKind::kSend);
+  if (peer == rank_)
+    PYC_THROW(InvalidArgument,
+              "pycollectives: rank " << rank_ << ": send: dst=" << peer << " is this rank");
+  OpSig sig{OpKind::kSend, dt, ReduceOp::kSum, peer, count};
+  return point_to_point(sig, peer, timeout_s, async,
+                        [buf, count, peer](OpCtx& c) { p2p_send(c, buf, count, peer); });
+}
+
+std::shared_ptr<Work> Communicator::recv(void* buf, size_t count, DataType dt, int peer, bool async,
+                                         double timeout_s) {
+  check_rank(peer, "src", OpKind::kRecv);
+  if (peer == rank_)
+    PYC_THROW(InvalidArgument,
+              "pycollectives: rank " << rank_ << ": recv: src=" << peer << " is this rank");
+  OpSig sig{OpKind::kRecv, dt, ReduceOp::kSum, peer, count};
+  return point_to_point(sig, peer, timeout_s, async, [this, buf, count, peer, dt](OpCtx& c) {
+    OpSig expect{OpKind::kSend, dt, ReduceOp::kSum, rank_, count};
+    p2p_recv(c, buf, count, peer, SlotTag{c.tag.seq, expect.word0(), expect.word1()});
+  });
+}
+
+}  // namespace pyc

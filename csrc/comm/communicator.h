@@ -1,0 +1,126 @@
+// A communicator: the ranks of one group on one host, their shared-memory
+// segment, the links between them, and the operations on those links.
+// Like NCCL's API, operations take pointers, element counts, a dtype and an op.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "algo/algorithms.h"
+#include "comm/progress.h"
+#include "core/types.h"
+#include "transport/shm_fifo.h"
+#include "transport/shm_segment.h"
+
+namespace pyc {
+
+enum class Algo : uint32_t { kAuto = 0, kRing = 1, kOneShot = 2 };
+
+// Sizes chosen by the rank that creates the segment; the others read them.
+struct CommConfig {
+  size_t slot_bytes = 0;     // 0: default for the world size
+  uint32_t nslots = 0;       // 0: default
+  size_t oneshot_bytes = 0;  // 0: default
+  Algo algo = Algo::kAuto;
+  static CommConfig
+  from_env();  // PYCOLL_SLOT_BYTES, PYCOLL_NSLOTS, PYCOLL_ONESHOT_BYTES, PYCOLL_ALGO
+};
+
+struct OpStats {
+  std::atomic<uint64_t> calls{0}, bytes_sent{0}, bytes_recv{0}, time_ns{0};
+};
+
+enum class AbortKind : int32_t { kNone = 0, kError, kTimeout, kPeerFailure, kMismatch };
+
+class Communicator final : public Links {
+ public:
+  // The creator (rank 0 of the group) makes segment `name`; the others open it.
+  Communicator(int rank, int world_size, const std::string& name, bool creator,
+               const CommConfig& cfg, double timeout_s);
+  ~Communicator() override;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  // Waits until every rank has mapped the segment, then the creator unlinks it.
+  void connect();
+  // Finishes pending work and releases the segment. Idempotent.
+  void close();
+
+  int rank() const { return rank_; }
+  int world_size() const { return n_; }
+  double default_timeout() const { return timeout_s_; }
+  const char* algo_name() const;
+
+  // timeout_s < 0: the communicator's default. Return nullptr unless async.
+  std::shared_ptr<Work> all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, bool async,
+                                   double timeout_s);
+  std::shared_ptr<Work> reduce_scatter(void* out, const void* in, size_t count, DataType dt,
+                                       ReduceOp op, bool async, double timeout_s);
+  std::shared_ptr<Work> all_gather(void* out, const void* in, size_t count, DataType dt, bool async,
+                                   double timeout_s);
+  std::shared_ptr<Work> broadcast(void* buf, size_t count, DataType dt, int root, bool async,
+                                  double timeout_s);
+  std::shared_ptr<Work> reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root,
+                               bool async, double timeout_s);
+  std::shared_ptr<Work> all_to_all(void* out, const void* in, size_t count, DataType dt, bool async,
+                                   double timeout_s);
+  std::shared_ptr<Work> send(const void* buf, size_t count, DataType dt, int peer, bool async,
+                             double timeout_s);
+  std::shared_ptr<Work> recv(void* buf, size_t count, DataType dt, int peer, bool async,
+                             double timeout_s);
+  std::shared_ptr<Work> barrier(bool async, double timeout_s);
+  // Collective; returns nullptr for color < 0.
+  std::shared_ptr<Communicator> split(int color, int key, double timeout_s);
+
+  const OpStats& stats(OpKind k) const { return stats_[static_cast<int>(k)]; }
+
+  // Links
+  SendConn& send_to(int peer) override { return *send_[peer]; }
+  RecvConn& recv_from(int peer) override { return *recv_[peer]; }
+  [[noreturn]] void tag_mismatch(int peer, const SlotTag& got, const SlotTag& want) override;
+
+ private:
+  friend class OpMonitor;
+  using Body = std::function<void(OpCtx&)>;
+
+  void check_rank(int r, const char* what, OpKind kind) const;
+  void check_open(OpKind kind) const;
+  // Queues a collective: numbered at issue, announced and run in order.
+  std::shared_ptr<Work> collective(const OpSig& sig, double timeout_s, bool async, Body body);
+  void run_collective(const OpSig& sig, uint32_t seq, double timeout_s, const Body& body);
+  std::shared_ptr<Work> point_to_point(const OpSig& sig, int peer, double timeout_s, bool async,
+                                       Body body);
+  void announce(uint32_t seq, const OpSig& sig);
+  // Waits until every peer has started collective `seq` (or a later one).
+  void wait_started(uint32_t seq, WaitMonitor& mon);
+  void account(OpKind kind, const OpCtx& c, uint64_t ns);
+
+  // Abort state shared by all ranks: the first error wins.
+  void set_abort(AbortKind kind, const std::string& msg);
+  [[noreturn]] void throw_abort() const;
+  bool aborted() const;
+  // Peer liveness through its robust mutex: returns a description if gone.
+  std::string peer_gone(int peer);
+
+  int rank_, n_;
+  double timeout_s_;
+  bool creator_;
+  ShmSegment seg_;
+  ShmLayout layout_;
+  SegmentHeader* hdr_ = nullptr;
+  Algo algo_ = Algo::kAuto;
+  std::vector<std::unique_ptr<ShmSendConn>> send_;
+  std::vector<std::unique_ptr<ShmRecvConn>> recv_;
+  OneShotAreas oneshot_{};
+  std::vector<uint32_t> known_started_;  // lower bounds of peers' `started`
+  std::vector<uint32_t> p2p_sent_, p2p_recvd_;
+  uint32_t seq_ = 0;  // collectives issued (assigned under the engine's lock)
+  std::array<OpStats, kNumOpKinds> stats_;
+  std::unique_ptr<ProgressEngine> engine_;
+  std::atomic<bool> closed_{false};
+};
+
+}  // namespace pyc

@@ -1,0 +1,31 @@
+// The watchdog of one operation: bounds every wait by the timeout, notices
+// aborts, dead peers and mismatched collectives, and says who is to blame.
+#pragma once
+
+#include <chrono>
+
+#include "comm/communicator.h"
+
+namespace pyc {
+
+class OpMonitor final : public WaitMonitor {
+ public:
+  // collective: seq is a collective sequence number (else a point-to-point one).
+  OpMonitor(Communicator& comm, const OpSig& sig, uint32_t seq, bool collective, double timeout_s);
+  void check_fast() override;
+  void check_slow() override;
+
+ private:
+  [[noreturn]] void timed_out();
+  void check_mismatch();
+  void check_peers();
+
+  Communicator& c_;
+  OpSig sig_;
+  uint32_t seq_;
+  bool collective_;
+  double timeout_s_;
+  std::chrono::steady_clock::time_point start_, deadline_, next_liveness_;
+};
+
+}  // namespace pyc

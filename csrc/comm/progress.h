@@ -1,0 +1,70 @@
+// The progress engine: one C++ thread per communicator that runs operations
+// in the order they were issued, so Python computes while they run. A
+// synchronous call with nothing pending runs on the caller's thread instead
+// (no hand-off).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+namespace pyc {
+
+// Completion handle of one operation.
+class Work {
+ public:
+  // Blocks until done or until timeout_s (< 0: forever) passes; returns false
+  // on timeout. Rethrows the operation's error.
+  bool wait(double timeout_s = -1);
+  bool is_completed();
+  std::exception_ptr error();
+  void finish(std::exception_ptr err);
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr err_;
+};
+
+class ProgressEngine {
+ public:
+  // on_start / on_stop run on the engine's thread when it starts and exits.
+  ProgressEngine(std::function<void()> on_start, std::function<void()> on_stop);
+  ~ProgressEngine();
+
+  // Runs fn(ticket) after everything submitted before it. `order` is called
+  // under the engine's lock at submission and returns the ticket, so numbering
+  // follows issue order. async: returns a Work at once. Otherwise runs it
+  // (inline when idle) and returns nullptr, rethrowing its error.
+  using Task = std::function<void(uint32_t)>;
+  std::shared_ptr<Work> submit(const std::function<uint32_t()>& order, Task fn, bool async);
+  // Waits for every submitted operation.
+  void drain();
+  // Drains, then stops the thread (runs on_stop there).
+  void shutdown();
+
+ private:
+  void loop();
+
+  std::function<void()> on_start_, on_stop_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  struct Item {
+    Task fn;
+    uint32_t ticket;
+    std::shared_ptr<Work> work;
+  };
+  std::deque<Item> queue_;
+  bool busy_ = false;
+  int drainers_ = 0;  // threads in drain(): the inline path wakes them
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace pyc

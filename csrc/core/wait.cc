@@ -1,0 +1,77 @@
+// Spin, yield, then futex: see wait.h.
+#include "core/wait.h"
+
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <climits>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PYC_PAUSE() _mm_pause()
+#elif defined(__aarch64__)
+#define PYC_PAUSE() asm volatile("yield")
+#else
+#define PYC_PAUSE() \
+  do {              \
+  } while (0)
+#endif
+
+namespace pyc {
+namespace {
+
+constexpr int kSpinRounds = 64;     // x 16 pauses: a few microseconds
+constexpr int kYieldRounds = 32;    // sched_yield calls before sleeping
+constexpr long kSleepNs = 1000000;  // futex sleep slice: 1 ms
+
+// Shared (not private) futex: the word lives in memory mapped by several processes.
+long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
+}
+
+}  // namespace
+
+uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon) {
+  uint32_t v = c.value.load(std::memory_order_acquire);
+  if (reached(v, target)) return v;
+  for (int r = 0; r < kSpinRounds; ++r) {
+    for (int i = 0; i < 16; ++i) PYC_PAUSE();
+    v = c.value.load(std::memory_order_acquire);
+    if (reached(v, target)) return v;
+    mon.check_fast();
+  }
+  for (int r = 0; r < kYieldRounds; ++r) {
+    sched_yield();
+    v = c.value.load(std::memory_order_acquire);
+    if (reached(v, target)) return v;
+    mon.check_fast();
+  }
+  const timespec slice{0, kSleepNs};
+  for (;;) {
+    c.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    v = c.value.load(std::memory_order_seq_cst);
+    if (!reached(v, target)) {
+      // EAGAIN (value changed), EINTR and ETIMEDOUT all just mean: look again.
+      futex(&c.value, FUTEX_WAIT, v, &slice);
+    }
+    c.sleepers.fetch_sub(1, std::memory_order_relaxed);
+    v = c.value.load(std::memory_order_acquire);
+    if (reached(v, target)) return v;
+    mon.check_fast();
+    mon.check_slow();
+  }
+}
+
+void publish(Counter& c, uint32_t value) {
+  c.value.store(value, std::memory_order_release);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (c.sleepers.load(std::memory_order_relaxed) != 0)
+    futex(&c.value, FUTEX_WAKE, INT_MAX, nullptr);
+}
+
+void wake_all(Counter& c) { futex(&c.value, FUTEX_WAKE, INT_MAX, nullptr); }
+
+}  // namespace pyc

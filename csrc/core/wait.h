@@ -1,0 +1,44 @@
+// Waiting on a counter in shared memory: spin briefly, then yield, then sleep
+// on a futex, so that ranks progress when there are more ranks than cores.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace pyc {
+
+// Watches a wait on behalf of the operation that waits. Either hook throws to
+// stop the wait (abort, mismatch, dead peer, timeout).
+class WaitMonitor {
+ public:
+  virtual ~WaitMonitor() = default;
+  // The rank whose progress the current wait depends on (-1: several), set by
+  // the transport before it waits, for error messages.
+  int peer = -1;
+  // Called every few spins; must be cheap (one load).
+  virtual void check_fast() = 0;
+  // Called about once a millisecond after the wait has started sleeping.
+  virtual void check_slow() = 0;
+};
+
+// True when counter `value` has reached `target` (wrap-around safe).
+inline bool reached(uint32_t value, uint32_t target) {
+  return static_cast<int32_t>(value - target) >= 0;
+}
+
+// A counter with a count of sleeping waiters beside it, in shared memory.
+struct alignas(64) Counter {
+  std::atomic<uint32_t> value{0};
+  std::atomic<uint32_t> sleepers{0};
+};
+
+// Blocks until reached(c.value, target); returns the value seen.
+uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon);
+
+// Stores `value` (release) and wakes sleepers, if any.
+void publish(Counter& c, uint32_t value);
+
+// Wakes every sleeper on `c` (used on abort).
+void wake_all(Counter& c);
+
+}  // namespace pyc

@@ -1,0 +1,97 @@
+// Layout of a communicator's shared-memory segment: a header, a control block
+// per rank, a slot FIFO per ordered pair of ranks, and per-rank one-shot areas.
+#pragma once
+
+#include <pthread.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "core/wait.h"
+
+namespace pyc {
+
+constexpr uint64_t kShmMagic = 0x31636f6c6c637970ull;  // "pycollc1"
+constexpr int kSigHistory = 64;                        // operations whose signature each rank keeps
+constexpr int kMaxLead = 32;                           // how many collectives a rank may run ahead
+constexpr size_t kAlign = 64;
+
+struct SegmentHeader {
+  uint64_t magic;
+  uint32_t world_size;
+  uint32_t nslots;
+  uint64_t slot_bytes;
+  uint64_t oneshot_bytes;
+  uint64_t total_bytes;
+  uint32_t algo;                   // the creator's PYCOLL_ALGO choice, binding on all ranks
+  std::atomic<uint32_t> ready;     // creator sets 1 once everything is initialized
+  std::atomic<uint32_t> attached;  // ranks that mapped the segment
+  alignas(64) std::atomic<uint32_t> abort_state;  // 0 none, 1 being written, 2 set
+  int32_t abort_kind;                             // an AbortKind
+  int32_t abort_rank;                             // the rank that reported it
+  char abort_msg[1024];
+};
+
+struct SigEntry {
+  std::atomic<uint32_t> seq;
+  uint32_t pad;
+  uint64_t w0, w1;
+};
+
+struct alignas(64) RankCtl {
+  Counter started;  // latest collective sequence number started
+  alignas(64) int32_t pid;
+  std::atomic<uint32_t> closed;       // set by close() before `alive` is released
+  alignas(64) pthread_mutex_t alive;  // robust; held while the rank's communicator lives
+  alignas(64) SigEntry sig[kSigHistory];
+};
+
+struct alignas(64) FifoCtl {
+  Counter tail;  // slots posted by the sender
+  Counter head;  // slots released by the receiver
+};
+
+// Header of every FIFO slot: which operation wrote it.
+struct alignas(64) SlotHeader {
+  uint32_t seq;
+  uint32_t pad;
+  uint64_t w0, w1;
+  uint64_t bytes;
+};
+
+// One-shot area header: the sequence number is the ready flag.
+struct alignas(64) OneShotHeader {
+  Counter seq;
+  alignas(64) uint64_t w0, w1;
+};
+
+// Byte offsets of every part of the segment, computed identically by all ranks.
+struct ShmLayout {
+  int world_size = 0;
+  uint32_t nslots = 0;
+  size_t slot_bytes = 0;     // payload per slot
+  size_t oneshot_bytes = 0;  // payload per one-shot buffer (two per rank)
+
+  size_t rank_ctl_off = 0;
+  size_t fifo_ctl_off = 0;
+  size_t fifo_data_off = 0;
+  size_t oneshot_off = 0;
+  size_t total = 0;
+
+  ShmLayout() = default;
+  ShmLayout(int world_size, uint32_t nslots, size_t slot_bytes, size_t oneshot_bytes);
+
+  size_t slot_stride() const { return sizeof(SlotHeader) + slot_bytes; }
+  size_t oneshot_stride() const { return sizeof(OneShotHeader) + oneshot_bytes; }
+  // Index of the FIFO that carries data from `src` to `dst` (src != dst).
+  int pair(int src, int dst) const { return src * (world_size - 1) + (dst < src ? dst : dst - 1); }
+
+  SegmentHeader* header(void* base) const { return static_cast<SegmentHeader*>(base); }
+  RankCtl* rank_ctl(void* base, int r) const;
+  FifoCtl* fifo_ctl(void* base, int src, int dst) const;
+  char* fifo_slots(void* base, int src, int dst) const;
+  OneShotHeader* oneshot(void* base, int r, int parity) const;
+};
+
+}  // namespace pyc

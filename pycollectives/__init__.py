@@ -1,0 +1,38 @@
+"""pycollectives: collective communication for distributed deep learning.
+
+import pycollectives as pc
+comm = pc.init()            # under torchrun
+comm.all_reduce(tensor)     # in place, SUM
+"""
+
+from . import _C
+from .communicator import Communicator, ReduceOp, Work
+from .errors import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    CommunicatorAborted,
+    PeerFailure,
+    PyCollectivesError,
+)
+from .rendezvous import init
+
+__version__ = "0.1.0"
+
+
+def simd_level() -> str:
+    """Which CPU reduction kernels are in use: "avx512", "avx2" or "generic"."""
+    return _C.simd_level()
+
+
+__all__ = [
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "Communicator",
+    "CommunicatorAborted",
+    "PeerFailure",
+    "PyCollectivesError",
+    "ReduceOp",
+    "Work",
+    "init",
+    "simd_level",
+]

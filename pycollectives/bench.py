@@ -1,0 +1,670 @@
+"""pycollectives-bench: nccl-tests style benchmark of pycollectives (and of gloo / MPI for comparison).
+
+Run it under torchrun (one process per rank)::
+
+    torchrun --nproc-per-node 2 -m pycollectives.bench -b 8 -e 64M -f 2 --coll all
+
+or let it spawn the local ranks itself::
+
+    python -m pycollectives.bench --nproc 2 -b 1K -e 16M --compare gloo,mpi --json out.json
+
+Each size is timed ``--trials`` times; one trial is ``-n`` iterations timed together after a
+barrier. The reported time is the median over trials of (max over ranks of the time per
+iteration). With ``-c 1`` every row is then checked on a fresh call whose inputs are small
+integers, so the exact result is known in every dtype (tolerance 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from importlib.util import find_spec
+
+import torch
+
+from pycollectives._bench_util import (
+    BACKENDS,
+    COLLECTIVES,
+    DTYPES,
+    OPS,
+    SPECS,
+    CollSpec,
+    GlooRunner,
+    MpiRunner,
+    PycollRunner,
+    Row,
+    Runner,
+    base_metadata,
+    check_matplotlib,
+    column_header,
+    comparison_tables,
+    count_wrong,
+    counts_for,
+    expected_result,
+    fill_check_inputs,
+    footer,
+    format_row,
+    mpi_version,
+    parse_size,
+    plot,
+    pycoll_version,
+    read_json,
+    size_list,
+    write_json,
+)
+
+_RESULT_ENV = "PYCOLL_BENCH_RESULT"  # set by the launcher: rank 0 writes its rows there
+_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+# --------------------------------------------------------------------------------------------
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _int_at_least(lo: int) -> Callable[[str], int]:
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    return conv
+
+
+def _coll_arg(text: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    if names == ["all"]:
+        return list(COLLECTIVES)
+    bad = [c for c in names if c not in COLLECTIVES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown collective {', '.join(bad) or text!r}; choose from {', '.join(COLLECTIVES)} or all"
+        )
+    return list(dict.fromkeys(names))
+
+
+def _compare_arg(text: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in BACKENDS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown backend {', '.join(bad)}; choose from gloo, mpi")
+    return list(dict.fromkeys(names))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (nccl-tests flags plus launcher / comparison options)."""
+    p = argparse.ArgumentParser(
+        prog="pycollectives-bench",
+        description="nccl-tests style collective benchmark for pycollectives "
+        "(run under torchrun, or with --nproc N to spawn local ranks)",
+    )
+    p.add_argument(
+        "-b",
+        "--minbytes",
+        type=_size_arg,
+        default=8,
+        help="smallest size (default 8; K/M/G suffixes)",
+    )
+    p.add_argument(
+        "-e", "--maxbytes", type=_size_arg, default=64 << 20, help="largest size (default 64M)"
+    )
+    p.add_argument(
+        "-f", "--stepfactor", type=_int_at_least(2), default=2, help="size multiplier (default 2)"
+    )
+    p.add_argument(
+        "-n", "--iters", type=_int_at_least(1), default=20, help="iterations per trial (default 20)"
+    )
+    p.add_argument(
+        "-w",
+        "--warmup_iters",
+        type=_int_at_least(0),
+        default=5,
+        help="warmup iterations (default 5)",
+    )
+    p.add_argument(
+        "-c", "--check", type=int, choices=(0, 1), default=1, help="check results (default 1)"
+    )
+    p.add_argument("-o", "--op", choices=OPS, default="sum", help="reduction op (default sum)")
+    p.add_argument(
+        "-d",
+        "--datatype",
+        choices=list(DTYPES),
+        default="float32",
+        metavar="DTYPE",
+        help=f"data type (default float32): {', '.join(DTYPES)}",
+    )
+    p.add_argument(
+        "-r",
+        "--root",
+        type=_int_at_least(0),
+        default=0,
+        help="root of broadcast / reduce (default 0)",
+    )
+    p.add_argument(
+        "--coll",
+        type=_coll_arg,
+        default=["all_reduce"],
+        metavar="NAME[,NAME]",
+        help=f"collectives: {', '.join(COLLECTIVES)} or all (default all_reduce)",
+    )
+    p.add_argument(
+        "--trials", type=_int_at_least(1), default=5, help="timed trials per size (default 5)"
+    )
+    p.add_argument(
+        "--nproc",
+        type=_int_at_least(1),
+        default=None,
+        help="spawn this many local ranks (default 2; ignored under torchrun)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="overall timeout in seconds, also each operation's timeout (default 3600)",
+    )
+    p.add_argument(
+        "--compare",
+        type=_compare_arg,
+        default=[],
+        metavar="gloo[,mpi]",
+        help="also run the same sizes on torch.distributed gloo and/or MPI (mpi4py + mpirun)",
+    )
+    p.add_argument("--json", metavar="FILE", help="write every row and the run's metadata as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size (needs matplotlib)")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="pycoll",
+        help="(advanced) backend run by the rank processes (default pycoll)",
+    )
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# benchmark loop (inside a rank process)
+# --------------------------------------------------------------------------------------------
+
+
+def time_op(runner: Runner, fn: Callable[[], None], iters: int, warmup: int, trials: int) -> float:
+    """Seconds per call: median over trials of (max over ranks of the per-iteration time)."""
+    for _ in range(warmup):
+        fn()
+    per_iter = []
+    for _ in range(trials):
+        runner.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        per_iter.append((time.perf_counter() - t0) / iters)
+    return statistics.median(runner.max_over_ranks(per_iter))
+
+
+def bench_collective(
+    runner: Runner, spec: CollSpec, args: argparse.Namespace, say: Callable[[str], None]
+) -> list[Row]:
+    """Benchmark one collective over all sizes, printing each row as it is measured."""
+    dname, tdtype, tname = DTYPES[args.datatype]
+    elsize = torch.empty(0, dtype=tdtype).element_size()
+    n, rank, op, root = runner.world_size, runner.rank, args.op, args.root
+    rows: list[Row] = []
+    reason = runner.unsupported(spec, dname, op)
+    say(f"# Collective: {spec.name}  backend: {runner.name}\n{column_header(spec)}")
+    seen: set[int] = set()
+    for nbytes in size_list(args.minbytes, args.maxbytes, args.stepfactor):
+        count, size = counts_for(spec, nbytes, elsize, n)
+        if count == 0 or size in seen:
+            continue  # too small for one element per rank, or a duplicate after rounding
+        seen.add(size)
+        row = Row(
+            backend=runner.name, collective=spec.name, nranks=n, size=size, count=count,
+            dtype=dname, op=op if spec.reduces else "none", root=root if spec.rooted else -1,
+            time_us=None, algbw=None, busbw=None, wrong=None, note=reason or "",
+        )  # fmt: skip
+        if reason is None:
+            inp, out = _buffers(spec, count, n, tdtype)
+            fill_check_inputs(spec, rank, n, count, op, root, inp, out)
+            fn = runner.bind(spec.name, inp, out, op, root)
+            if runner.probe_first_call and not rows:
+                try:
+                    fn()
+                except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
+                    reason = f"{runner.name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    row.note = reason
+            if reason is None:
+                t = time_op(runner, fn, args.iters, args.warmup_iters, args.trials)
+                row.time_us = t * 1e6
+                row.algbw = size / t / 1e9 if t > 0 else 0.0
+                row.busbw = row.algbw * spec.busbw_factor(n)
+                if args.check:
+                    fill_check_inputs(spec, rank, n, count, op, root, inp, out)
+                    fn()
+                    want = expected_result(spec, rank, n, count, op, root, tdtype,
+                                           check_nonroot=runner.check_nonroot_reduce)  # fmt: skip
+                    row.wrong = runner.sum_over_ranks(
+                        count_wrong(out if out is not None else inp, want)
+                    )
+        line = format_row(row, tname)
+        if row.time_us is None and row.note and (len(rows) == 0 or rows[-1].note != row.note):
+            line += f"   # {row.note}"
+        say(line)
+        rows.append(row)
+    say(footer(rows))
+    return rows
+
+
+def _buffers(
+    spec: CollSpec, count: int, n: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input, output) of one call; output is None for the in-place collectives."""
+    if spec.inplace:
+        return torch.empty(count, dtype=dtype), None
+    if spec.name == "all_gather":
+        return torch.empty(count, dtype=dtype), torch.empty(n * count, dtype=dtype)
+    if spec.name == "reduce_scatter":
+        return torch.empty(n * count, dtype=dtype), torch.empty(count, dtype=dtype)
+    return torch.empty(n * count, dtype=dtype), torch.empty(n * count, dtype=dtype)  # all_to_all
+
+
+def _make_store(rank: int, world_size: int, timeout: float) -> object:
+    import torch.distributed as dist
+
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun already serves it
+    store = dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=(rank == 0 and not agent),
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    return dist.PrefixStore("pycoll-bench", store)
+
+
+def _run_header(runner: Runner, args: argparse.Namespace, ranks_info: list[str]) -> str:
+    dname, _, tname = DTYPES[args.datatype]
+    lines = [
+        f"# pycollectives-bench  backend: {runner.name}  nranks: {runner.world_size}  "
+        f"collectives: {','.join(args.coll)}",
+        f"# minBytes {args.minbytes} maxBytes {args.maxbytes} step: {args.stepfactor}(factor) "
+        f"warmup iters: {args.warmup_iters} iters: {args.iters} trials: {args.trials} "
+        f"validation: {args.check}",
+        f"# dtype: {dname} ({tname})  op: {args.op}  root: {args.root}",
+        f"# time: median over {args.trials} trials of (max over ranks of the time per iteration); "
+        "algbw = size / time; busbw = algbw * factor",
+        *runner.describe(),
+        "#",
+        *ranks_info,
+        "#",
+    ]
+    return "\n".join(lines)
+
+
+def _rank_main(args: argparse.Namespace) -> int:
+    """Body of one rank process (torchrun, the --nproc launcher, or mpirun for --backend mpi)."""
+    if args.backend == "mpi":
+        runners_todo: list[str] = ["mpi"]
+        mpi = MpiRunner()
+        rank, world, store = mpi.rank, mpi.world_size, None
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        runners_todo = [args.backend] + [b for b in args.compare if b not in (args.backend, "mpi")]
+        store = _make_store(rank, world, args.timeout)
+
+    def say(text: str) -> None:
+        if rank == 0:
+            print(text, flush=True)
+
+    if args.root >= world:
+        if rank == 0:
+            print(
+                f"pycollectives-bench: error: --root {args.root} is not a rank (nranks {world})",
+                file=sys.stderr,
+            )
+        return 2
+    if args.nproc is not None and "TORCHELASTIC_RUN_ID" in os.environ:
+        say("# --nproc is ignored under torchrun (one process per rank)")
+    if "mpi" in args.compare and args.backend != "mpi" and not os.environ.get(_RESULT_ENV):
+        say(
+            "# --compare mpi: only available when the benchmark spawns the ranks itself (--nproc); skipped"
+        )
+
+    info = f"#  Rank {rank:2d} Pid {os.getpid():6d} on {socket.gethostname()}"
+    if store is not None:
+        store.set(f"info/{rank}", info)
+        ranks_info = [store.get(f"info/{r}").decode() for r in range(world)] if rank == 0 else []
+    else:
+        ranks_info = mpi.comm.gather(info, root=0) or []
+
+    rows: list[Row] = []
+    extra_meta: dict[str, str] = {}
+    for backend in runners_todo:
+        if backend == "pycoll":
+            runner: Runner = PycollRunner(rank, world, store, args.timeout)
+            extra_meta["pycollectives"] = pycoll_version()
+            extra_meta["simd_level"] = (
+                runner.pc.simd_level() if hasattr(runner.pc, "simd_level") else "?"
+            )
+        elif backend == "gloo":
+            runner = GlooRunner(rank, world, store, args.timeout)
+        else:
+            runner = mpi
+            extra_meta["mpi"] = mpi_version()
+            extra_meta["mpi4py"] = __import__("mpi4py").__version__
+        say(_run_header(runner, args, ranks_info))
+        for coll in args.coll:
+            rows += bench_collective(runner, SPECS[coll], args, say)
+        runner.close()
+
+    if store is not None:  # rank 0 serves the store: let it leave last
+        store.add("done", 1)
+        if rank == 0:
+            deadline = time.monotonic() + 60
+            while store.add("done", 0) < world and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    wrong = sum(r.wrong or 0 for r in rows)
+    if rank == 0:
+        meta = base_metadata()
+        meta["command"] = _command_line(sys.argv[1:])
+        meta["versions"].update(extra_meta)
+        meta.update(nranks=world, backends=runners_todo, args=dict(vars(args)))
+        result = os.environ.get(_RESULT_ENV)
+        if result:
+            write_json(result, meta, rows)
+            return 0
+        return finalize(args, meta, rows, runners_todo)
+    if os.environ.get(_RESULT_ENV):
+        return 0
+    return 1 if wrong else 0
+
+
+def finalize(args: argparse.Namespace, meta: dict, rows: list[Row], backends: Sequence[str]) -> int:
+    """Comparison tables, --json, --plot. Returns the exit status (1 if any value was wrong)."""
+    if len(backends) > 1:
+        print(comparison_tables(rows, list(backends)), flush=True)
+    if args.json:
+        write_json(args.json, meta, rows)
+        print(f"# wrote {len(rows)} rows to {args.json}", flush=True)
+    if args.plot:
+        plot(args.plot, rows)
+        print(f"# wrote plot to {args.plot}", flush=True)
+    wrong = sum(r.wrong or 0 for r in rows)
+    if wrong:
+        print(f"pycollectives-bench: {wrong} wrong values", file=sys.stderr)
+    return 1 if wrong else 0
+
+
+# --------------------------------------------------------------------------------------------
+# launcher (--nproc)
+# --------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(extra: dict[str, str]) -> dict[str, str]:
+    env = os.environ.copy()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PKG_PARENT, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + 5
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _run_ranks(argv: Sequence[str], nproc: int, deadline: float, result_path: str) -> int:
+    """Spawn nproc ranks, wait for all; on a failure or the deadline stop the others."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pycollectives.bench", *argv]
+    procs: list[subprocess.Popen] = []
+    try:
+        for r in range(nproc):
+            env = _child_env(
+                {
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "RANK": str(r),
+                    "WORLD_SIZE": str(nproc),
+                    "LOCAL_RANK": str(r),
+                    "LOCAL_WORLD_SIZE": str(nproc),
+                    _RESULT_ENV: result_path,
+                }
+            )
+            procs.append(subprocess.Popen(cmd, env=env))
+        while True:
+            running = False
+            for r, p in enumerate(procs):
+                rc = p.poll()
+                if rc is None:
+                    running = True
+                elif rc != 0:
+                    print(
+                        f"pycollectives-bench: rank {r} (pid {p.pid}) exited with status {rc}; "
+                        "stopping the other ranks",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    _stop(procs)
+                    return rc if rc > 0 else 1
+            if not running:
+                return 0
+            if time.monotonic() > deadline:
+                print(
+                    "pycollectives-bench: timeout; stopping the ranks", file=sys.stderr, flush=True
+                )
+                _stop(procs)
+                return 124
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        _stop(procs)
+        return 130
+
+
+def _mpi_argv(args: argparse.Namespace) -> list[str]:
+    return [
+        "--backend",
+        "mpi",
+        "-b",
+        str(args.minbytes),
+        "-e",
+        str(args.maxbytes),
+        "-f",
+        str(args.stepfactor),
+        "-n",
+        str(args.iters),
+        "-w",
+        str(args.warmup_iters),
+        "-c",
+        str(args.check),
+        "-o",
+        args.op,
+        "-d",
+        args.datatype,
+        "-r",
+        str(args.root),
+        "--coll",
+        ",".join(args.coll),
+        "--trials",
+        str(args.trials),
+        "--timeout",
+        str(args.timeout),
+    ]
+
+
+def _run_mpi(
+    args: argparse.Namespace, nproc: int, deadline: float
+) -> tuple[dict, list[Row]] | None:
+    """Run the same benchmark under mpirun (--backend mpi) and return its metadata and rows."""
+    missing = [
+        w
+        for w, ok in (
+            ("mpi4py", find_spec("mpi4py") is not None),
+            ("mpirun", shutil.which("mpirun") is not None),
+        )
+        if not ok
+    ]
+    if missing:
+        print(
+            f"# --compare mpi: {' and '.join(missing)} not found; skipping MPI "
+            "(apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py)",
+            flush=True,
+        )
+        return None
+    fd, path = tempfile.mkstemp(prefix="pycoll-bench-mpi-", suffix=".json")
+    os.close(fd)
+    cmd = [
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        str(nproc),
+        sys.executable,
+        "-m",
+        "pycollectives.bench",
+        *_mpi_argv(args),
+    ]
+    env = _child_env(
+        {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", _RESULT_ENV: path}
+    )
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        _stop([proc])
+        rc = 124
+    try:
+        if rc == 0 and os.path.getsize(path) > 0:
+            return read_json(path)
+        print(
+            f"# --compare mpi: the MPI job failed (status {rc}); comparing without it", flush=True
+        )
+        return None
+    finally:
+        os.unlink(path)
+
+
+def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    nproc = args.nproc or 2
+    if args.root >= nproc:
+        build_parser().error(f"--root {args.root} is not a rank (--nproc {nproc})")
+    deadline = time.monotonic() + args.timeout
+    fd, result_path = tempfile.mkstemp(prefix="pycoll-bench-", suffix=".json")
+    os.close(fd)
+    try:
+        rc = _run_ranks(argv, nproc, deadline, result_path)
+        if rc != 0:
+            return rc
+        meta, rows = read_json(result_path)
+    finally:
+        os.unlink(result_path)
+    meta["command"] = _command_line(argv)
+    backends = list(meta.get("backends", []))
+    if "mpi" in args.compare and args.backend != "mpi":
+        sys.stdout.flush()
+        got = _run_mpi(args, nproc, deadline)
+        if got is not None:
+            mmeta, mrows = got
+            rows += mrows
+            backends.append("mpi")
+            meta["backends"] = backends
+            meta["versions"].update(
+                {k: v for k, v in mmeta["versions"].items() if k.startswith("mpi")}
+            )
+    return finalize(args, meta, rows, backends)
+
+
+def _command_line(argv: Sequence[str]) -> str:
+    prog = os.path.basename(sys.argv[0])
+    prog = "python -m pycollectives.bench" if prog in ("bench.py", "__main__.py", "-c") else prog
+    return " ".join([prog, *(shlex.quote(a) for a in argv)])
+
+
+def _under_mpirun() -> bool:
+    return any(
+        k in os.environ
+        for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+    )
+
+
+def _launch_mpi(args: argparse.Namespace) -> int:
+    """--backend mpi outside mpirun: run the MPI job with --nproc ranks."""
+    nproc = args.nproc or 2
+    if args.root >= nproc:
+        build_parser().error(f"--root {args.root} is not a rank (--nproc {nproc})")
+    got = _run_mpi(args, nproc, time.monotonic() + args.timeout)
+    if got is None:
+        return 1
+    meta, rows = got
+    meta["command"] = _command_line(sys.argv[1:])
+    return finalize(args, meta, rows, ["mpi"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``pycollectives-bench`` / ``python -m pycollectives.bench``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.minbytes > args.maxbytes:
+        parser.error(f"--minbytes {args.minbytes} is larger than --maxbytes {args.maxbytes}")
+    if args.plot and (msg := check_matplotlib()):
+        parser.error(msg)
+    try:
+        if args.backend == "mpi" and not _under_mpirun():
+            return _launch_mpi(args)
+        if args.backend == "mpi" or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+            return _rank_main(args)
+        return _launch(args, argv)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        rank = os.environ.get("RANK", "?")
+        traceback.print_exc()
+        print(
+            f"pycollectives-bench: rank {rank}: {type(e).__name__}: {e}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""The Communicator: collectives on torch tensors and NumPy arrays, run by the
+C++ core over shared memory."""
+
+from __future__ import annotations
+
+import datetime
+import enum
+from typing import Any
+
+from ._buffers import ITEMSIZE, describe
+from .errors import PyCollectivesError
+
+Buffer = Any  # torch.Tensor | numpy.ndarray
+Timeout = float | datetime.timedelta | None
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction operators (codes of the C++ core)."""
+
+    SUM = 0
+    PROD = 1
+    MIN = 2
+    MAX = 3
+    AVG = 4
+
+
+def to_seconds(timeout: Timeout, what: str = "timeout") -> float:
+    """Converts a timeout (seconds or timedelta; None: -1, the default) to seconds.
+
+    Raises ValueError for a non-positive timeout and TypeError for another type.
+    """
+    if timeout is None:
+        return -1.0
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        raise TypeError(
+            f"pycollectives: {what} must be seconds or a timedelta, not {type(timeout).__name__}"
+        )
+    if timeout <= 0:
+        raise ValueError(f"pycollectives: {what} must be > 0, not {timeout}")
+    return float(timeout)
+
+
+class Work:
+    """Handle of an asynchronous operation; keeps its buffers alive until done."""
+
+    __slots__ = ("_work", "_buffers")
+
+    def __init__(self, work: Any, buffers: tuple) -> None:
+        self._work = work
+        self._buffers = buffers
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        """Blocks until the operation is done and returns True; re-raises its
+        error. With `timeout` (seconds or timedelta), returns False if it is
+        not done by then."""
+        done = self._work.wait(to_seconds(timeout))
+        if done:
+            self._buffers = ()
+        return done
+
+    def is_completed(self) -> bool:
+        """True once the operation finished, successfully or not."""
+        return self._work.is_completed()
+
+    def exception(self) -> BaseException | None:
+        """The operation's error once it completed with one, else None."""
+        if not self._work.is_completed():
+            return None
+        try:
+            self._work.wait(-1.0)
+        except PyCollectivesError as e:
+            return e
+        return None
+
+
+_OP_CODES = {op: int(op) for op in ReduceOp}  # IntEnum members and plain ints alike
+
+
+def _op_code(op: Any, rank: int, name: str) -> int:
+    code = _OP_CODES.get(op) if not isinstance(op, (bool, float)) else None
+    if code is None:
+        raise ValueError(
+            f"pycollectives: rank {rank}: {name}: op={op!r} is not a pycollectives.ReduceOp "
+            "(SUM, PROD, MIN, MAX, AVG)"
+        )
+    return code
+
+
+def _check_no_overlap(a: tuple, b: tuple, allowed: int | None, rank: int, name: str) -> None:
+    """Raises ValueError if byte ranges a=(ptr, nbytes) and b overlap, unless b
+    starts exactly at `allowed` (the in-place layout torch uses)."""
+    (pa, na), (pb, nb) = a, b
+    if na == 0 or nb == 0 or pa + na <= pb or pb + nb <= pa:
+        return
+    if allowed is not None and pb == allowed:
+        return
+    raise ValueError(f"pycollectives: rank {rank}: {name}: input and output overlap")
+
+
+class Communicator:
+    """A group of ranks on one host; create with pycollectives.init() or split()."""
+
+    def __init__(self, core: Any) -> None:
+        self._c = core
+        self.rank: int = core.rank
+        self.world_size: int = core.world_size
+
+    # -- helpers --------------------------------------------------------------
+    def _ret(self, work: Any, *buffers: Buffer) -> Work | None:
+        return None if work is None else Work(work, buffers)
+
+    def _same_dtype(self, out_dt: int, in_dt: int, name: str) -> None:
+        if out_dt != in_dt:
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: {name}: output dtype differs from input dtype"
+            )
+
+    def _root(self, root: int, arg: str, name: str) -> int:
+        if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < self.world_size:
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: {name}: {arg}={root!r} is out of range [0, {self.world_size})"
+            )
+        return root
+
+    # -- collectives ----------------------------------------------------------
+    def all_reduce(
+        self,
+        tensor: Buffer,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+        timeout: Timeout = None,
+    ) -> Work | None:
+        """Reduces `tensor` across ranks in place; every rank gets the same bits."""
+        ptr, n, dt = describe(tensor, self.rank, "all_reduce", "tensor")
+        code = _op_code(op, self.rank, "all_reduce")
+        return self._ret(
+            self._c.all_reduce(ptr, n, dt, code, async_op, to_seconds(timeout)), tensor
+        )
+
+    def reduce_scatter(
+        self,
+        output: Buffer,
+        input: Buffer,
+        op: ReduceOp = ReduceOp.SUM,
+        *,  # noqa: A002
+        async_op: bool = False,
+        timeout: Timeout = None,
+    ) -> Work | None:
+        """Reduces `input` (world_size blocks) across ranks; rank r gets block r in `output`."""
+        name = "reduce_scatter"
+        po, no, do = describe(output, self.rank, name, "output")
+        pi, ni, di = describe(input, self.rank, name, "input")
+        self._same_dtype(do, di, name)
+        if ni != no * self.world_size:
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: {name}: input has {ni} elements, expected "
+                f"world_size * output.numel() = {self.world_size * no}"
+            )
+        es = ITEMSIZE[di]
+        _check_no_overlap((pi, ni * es), (po, no * es), pi + self.rank * no * es, self.rank, name)
+        code = _op_code(op, self.rank, name)
+        w = self._c.reduce_scatter(po, pi, no, di, code, async_op, to_seconds(timeout))
+        return self._ret(w, output, input)
+
+    def all_gather(
+        self,
+        output: Buffer,
+        input: Buffer,
+        *,
+        async_op: bool = False,  # noqa: A002
+        timeout: Timeout = None,
+    ) -> Work | None:
+        """Gathers every rank's `input` into `output` (world_size blocks, block r from rank r)."""
+        name = "all_gather"
+        po, no, do = describe(output, self.rank, name, "output")
+        pi, ni, di = describe(input, self.rank, name, "input")
+        self._same_dtype(do, di, name)
+        if no != ni * self.world_size:
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: {name}: output has {no} elements, expected "
+                f"world_size * input.numel() = {self.world_size * ni}"
+            )
+        es = ITEMSIZE[di]
+        _check_no_overlap((po, no * es), (pi, ni * es), po + self.rank * ni * es, self.rank, name)
+        w = self._c.all_gather(po, pi, ni, di, async_op, to_seconds(timeout))
+        return self._ret(w, output, input)
+
+    def broadcast(
+        self, tensor: Buffer, src: int, *, async_op: bool = False, timeout: Timeout = None
+    ) -> Work | None:
+        """Copies rank `src`'s `tensor` into every rank's `tensor`."""
+        ptr, n, dt = describe(tensor, self.rank, "broadcast", "tensor")
+        src = self._root(src, "src", "broadcast")
+        return self._ret(self._c.broadcast(ptr, n, dt, src, async_op, to_seconds(timeout)), tensor)
+
+    def reduce(
+        self,
+        tensor: Buffer,
+        dst: int,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+        timeout: Timeout = None,
+    ) -> Work | None:
+        """Reduces `tensor` across ranks into rank `dst`'s `tensor` (others unchanged)."""
+        ptr, n, dt = describe(tensor, self.rank, "reduce", "tensor")
+        dst = self._root(dst, "dst", "reduce")
+        code = _op_code(op, self.rank, "reduce")
+        return self._ret(
+            self._c.reduce(ptr, n, dt, code, dst, async_op, to_seconds(timeout)), tensor
+        )
+
+    def all_to_all(
+        self,
+        output: Buffer,
+        input: Buffer,
+        *,
+        async_op: bool = False,  # noqa: A002
+        timeout: Timeout = None,
+    ) -> Work | None:
+        """Block j of this rank's `input` goes to block `rank` of rank j's `output`."""
+        name = "all_to_all"
+        po, no, do = describe(output, self.rank, name, "output")
+        pi, ni, di = describe(input, self.rank, name, "input")
+        self._same_dtype(do, di, name)
+        if no != ni:
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: {name}: output has {no} elements, input {ni}"
+            )
+        if ni % self.world_size:
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: {name}: input has {ni} elements, not divisible by "
+                f"world_size {self.world_size}"
+            )
+        es = ITEMSIZE[di]
+        _check_no_overlap((po, no * es), (pi, ni * es), None, self.rank, name)
+        w = self._c.all_to_all(po, pi, ni // self.world_size, di, async_op, to_seconds(timeout))
+        return self._ret(w, output, input)
+
+    def send(
+        self, tensor: Buffer, dst: int, *, async_op: bool = False, timeout: Timeout = None
+    ) -> Work | None:
+        """Sends `tensor` to rank `dst`; returns once it is buffered or delivered."""
+        ptr, n, dt = describe(tensor, self.rank, "send", "tensor")
+        dst = self._root(dst, "dst", "send")
+        return self._ret(self._c.send(ptr, n, dt, dst, async_op, to_seconds(timeout)), tensor)
+
+    def recv(
+        self, tensor: Buffer, src: int, *, async_op: bool = False, timeout: Timeout = None
+    ) -> Work | None:
+        """Receives into `tensor` from rank `src` (count and dtype must match the send)."""
+        ptr, n, dt = describe(tensor, self.rank, "recv", "tensor")
+        src = self._root(src, "src", "recv")
+        return self._ret(self._c.recv(ptr, n, dt, src, async_op, to_seconds(timeout)), tensor)
+
+    def barrier(self, *, async_op: bool = False, timeout: Timeout = None) -> Work | None:
+        """Returns once every rank has entered the barrier."""
+        return self._ret(self._c.barrier(async_op, to_seconds(timeout)))
+
+    def split(
+        self, color: int | None, key: int = 0, *, timeout: Timeout = None
+    ) -> Communicator | None:
+        """Collective: ranks with equal `color` form a new communicator, ordered by
+        (key, rank). Returns None where color is None or negative."""
+        c = -1 if color is None else color
+        if not isinstance(c, int) or not isinstance(key, int):
+            raise TypeError(f"pycollectives: rank {self.rank}: split: color and key must be ints")
+        child = self._c.split(c, key, to_seconds(timeout))
+        return None if child is None else Communicator(child)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per-operation counters: calls, bytes_sent, bytes_received, time_s."""
+        return self._c.stats()
+
+    @property
+    def algorithm(self) -> str:
+        """The PYCOLL_ALGO setting in force (rank 0's): auto, ring or oneshot."""
+        return self._c.algo
+
+    def close(self) -> None:
+        """Finishes pending operations and releases the communicator (idempotent)."""
+        self._c.close()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<pycollectives.Communicator rank={self.rank} world_size={self.world_size}>"

@@ -1,0 +1,25 @@
+"""Exceptions raised by pycollectives (the C++ core raises these classes too)."""
+
+from __future__ import annotations
+
+
+class PyCollectivesError(RuntimeError):
+    """Base class of every error raised by an operation of pycollectives."""
+
+
+class CollectiveTimeout(PyCollectivesError, TimeoutError):
+    """A peer was late past the timeout; the message names the operation, its
+    sequence number and the ranks being waited for."""
+
+
+class PeerFailure(PyCollectivesError):
+    """A peer process died or closed the communicator; the message names it."""
+
+
+class CollectiveMismatch(PyCollectivesError):
+    """Ranks called different operations (kind, count, dtype, op or root) at the
+    same sequence number; the message names both calls."""
+
+
+class CommunicatorAborted(PyCollectivesError):
+    """The communicator is unusable: closed, or aborted by an earlier error."""

@@ -1,0 +1,91 @@
+"""Bootstrap the torchrun way: a torch.distributed Store carries the name of the
+shared-memory segment; nothing else goes through it."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+from . import _C
+from .communicator import Communicator, Timeout, to_seconds
+
+_inits: dict[str, int] = {}
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise ValueError(
+            f"pycollectives: init: {name} is not set (run under torchrun or pass rank=, world_size=, store=)"
+        )
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"pycollectives: init: {name}={value!r} is not an integer") from None
+
+
+def init(
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: Any = None,
+    timeout: Timeout = 600.0,
+    prefix: str = "pycoll",
+) -> Communicator:
+    """Creates the communicator of all ranks of this host.
+
+    Without `store`, reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT and
+    creates a torch.distributed.TCPStore (rank 0 serves it) just for the
+    bootstrap. With `store` (any torch.distributed.Store), rank and world_size
+    are required. `timeout` (seconds or timedelta) bounds the bootstrap and is
+    the default timeout of every operation. Every rank must call init the same
+    number of times with the same prefix.
+
+    Raises ValueError for missing or inconsistent arguments, and
+    CollectiveTimeout if the other ranks do not arrive within `timeout`.
+    """
+    seconds = to_seconds(timeout)
+    if seconds < 0:
+        seconds = 600.0
+    own_store = store is None
+    if own_store:
+        import torch.distributed as dist
+
+        rank = _env_int("RANK") if rank is None else rank
+        world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = _env_int("MASTER_PORT")
+        store = dist.TCPStore(
+            addr,
+            port,
+            world_size,
+            rank == 0,
+            datetime.timedelta(seconds=seconds),
+            wait_for_workers=False,
+        )
+    if rank is None or world_size is None:
+        raise ValueError("pycollectives: init: rank and world_size are required with store=")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(
+            f"pycollectives: init: world_size must be a positive int, not {world_size!r}"
+        )
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"pycollectives: init: rank={rank!r} is out of range [0, {world_size})")
+
+    generation = _inits.get(prefix, 0)
+    _inits[prefix] = generation + 1
+    key = f"{prefix}/{generation}/segment"
+    if rank == 0:
+        name = _C.unique_segment_name()
+        core = _C.Communicator(0, world_size, name, True, seconds)
+        store.set(key, name)
+    else:
+        store.wait([key], datetime.timedelta(seconds=seconds))
+        name = store.get(key).decode()
+        core = _C.Communicator(rank, world_size, name, False, seconds)
+    core.connect()
+    if own_store:
+        # Every rank has read the name (connect() saw them all attach): the
+        # store's server can go, freeing MASTER_PORT for the caller.
+        del store
+    return Communicator(core)

@@ -1,0 +1,216 @@
+"""The one spawn helper of the multi-rank tests.
+
+`run(fn, world_size, ...)` starts `world_size` fresh processes on a free port
+(MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set, as torchrun does), calls
+fn(rank, world_size, *args) in each, checks every exit code and kills all of
+them at the timeout, so a hang fails the test instead of the run.
+
+`RankPool` keeps one set of ranks alive with an open communicator and runs
+jobs fn(comm, *args) on all of them, which saves the process start and the
+torch import per test. A pool whose job failed or hung is torn down and
+replaced by the fixture.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_CTX = mp.get_context("spawn")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _set_env(rank: int, world_size: int, port: int, env: dict[str, str] | None) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    os.environ.update(env or {})
+
+
+def _child(
+    rank: int, world_size: int, port: int, env: dict | None, fn: Callable, args: tuple, results: Any
+) -> None:
+    _set_env(rank, world_size, port, env)
+    try:
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+        sys.stdout.flush()
+        os._exit(1)
+
+
+class RankError(AssertionError):
+    """One or more ranks failed, exited badly or hung."""
+
+
+def _collect(
+    procs: list, results: Any, ranks: list[int], timeout: float, label: str
+) -> dict[int, Any]:
+    """Waits for one report from each of `ranks`; raises RankError naming the
+    ranks that raised, died without reporting, or hung past the timeout."""
+    out: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(out) + len(errors) < len(ranks):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            rank, ok, value = results.get(timeout=min(left, 0.2))
+        except queue.Empty:
+            dead = [
+                r
+                for r in ranks
+                if r not in out and r not in errors and procs[r].exitcode is not None
+            ]
+            if dead:  # died without reporting: let the others report, then stop waiting
+                deadline = min(deadline, time.monotonic() + 10)
+            continue
+        if ok:
+            out[rank] = value
+        else:
+            errors[rank] = value
+    if errors or len(out) < len(ranks):
+        silent = sorted(set(ranks) - set(out) - set(errors))
+        msg = f"{label}: ranks {sorted(errors)} raised"
+        for r in silent:
+            code = procs[r].exitcode
+            msg += f"; rank {r} " + (
+                "hung past the timeout" if code is None else f"exited with {code} without reporting"
+            )
+        raise RankError(
+            msg + "\n" + "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+        )
+    return out
+
+
+def _stop(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(5)
+
+
+def run(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    expect_exit: dict[int, int] | None = None,
+) -> list[Any]:
+    """Runs fn(rank, world_size, *args) on `world_size` fresh processes.
+
+    Returns the ranks' return values in rank order. Ranks listed in
+    `expect_exit` must exit with that code without reporting (fault tests);
+    every other rank must return normally and exit 0. Raises RankError with
+    every rank's traceback otherwise, or when the timeout passes.
+    """
+    expect_exit = expect_exit or {}
+    port = free_port()
+    results = _CTX.Queue()
+    procs = [
+        _CTX.Process(target=_child, args=(r, world_size, port, env, fn, args, results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        live = [r for r in range(world_size) if r not in expect_exit]
+        values = _collect(procs, results, live, timeout, getattr(fn, "__name__", str(fn)))
+        for p in procs:
+            p.join(max(1.0, timeout / 4))
+        bad = []
+        for r, p in enumerate(procs):
+            want = expect_exit.get(r, 0)
+            if p.exitcode != want:
+                bad.append(f"rank {r} exited with {p.exitcode}, expected {want}")
+        if bad:
+            raise RankError("; ".join(bad))
+        return [values.get(r) for r in range(world_size)]
+    finally:
+        _stop(procs)
+
+
+def _pool_worker(
+    rank: int, world_size: int, port: int, env: dict | None, jobs: Any, results: Any
+) -> None:
+    _set_env(rank, world_size, port, env)
+    import pycollectives as pc
+
+    comm = pc.init(timeout=60)
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            results.put((rank, True, fn(comm, *args)))
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            results.put((rank, False, traceback.format_exc()))
+    comm.close()
+
+
+class RankPool:
+    """`world_size` long-lived ranks sharing one communicator."""
+
+    def __init__(self, world_size: int, env: dict[str, str] | None = None) -> None:
+        self.world_size = world_size
+        self.healthy = True
+        port = free_port()
+        self._results = _CTX.Queue()
+        self._jobs = [_CTX.Queue() for _ in range(world_size)]
+        self._procs = [
+            _CTX.Process(
+                target=_pool_worker,
+                args=(r, world_size, port, env, self._jobs[r], self._results),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 120.0) -> list[Any]:
+        """Runs fn(comm, *args) on every rank; returns the results in rank order."""
+        for q in self._jobs:
+            q.put((fn, args))
+        try:
+            out = _collect(
+                self._procs,
+                self._results,
+                list(range(self.world_size)),
+                timeout,
+                f"{getattr(fn, '__name__', fn)} on {self.world_size} ranks",
+            )
+            return [out[r] for r in range(self.world_size)]
+        except BaseException:
+            self.healthy = False
+            raise
+
+    def close(self) -> None:
+        """Stops the ranks (politely if healthy)."""
+        if self.healthy:
+            for q in self._jobs:
+                q.put(None)
+            for p in self._procs:
+                p.join(10)
+        _stop(self._procs)

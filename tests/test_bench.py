@@ -1,0 +1,138 @@
+"""End-to-end checks of the benchmark CLI (python -m pycollectives.bench), run as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("pycollectives", reason="pycollectives (and its extension) cannot be imported")
+
+from pycollectives._bench_util import COLLECTIVES  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLUMNS = "#       size         count      type   redop    root     time   algbw   busbw #wrong"
+TIMEOUT = 120
+
+
+def run_bench(*flags: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    """Run the benchmark with these flags; fails the test on a timeout."""
+    env = dict(os.environ)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)  # never let the benchmark think it runs under torchrun
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "pycollectives.bench", *flags, "--timeout", str(timeout - 10)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def parse_tables(stdout: str) -> dict[tuple[str, str], list[list[str]]]:
+    """{(backend, collective): [row fields]} from the nccl-tests style tables."""
+    tables: dict[tuple[str, str], list[list[str]]] = {}
+    current = None
+    for line in stdout.splitlines():
+        m = re.match(r"# Collective: (\w+)\s+backend: (\w+)", line)
+        if m:
+            current = (m.group(2), m.group(1))
+            tables[current] = []
+        elif line.startswith("#") or not line.strip():
+            if line.startswith("# Comparison"):
+                current = None
+        elif current is not None:
+            tables[current].append(line.split())
+    return tables
+
+
+def test_bench_all_collectives(tmp_path):
+    out_json = tmp_path / "bench.json"
+    p = run_bench(
+        "--nproc",
+        "2",
+        "-b",
+        "8",
+        "-e",
+        "64K",
+        "-f",
+        "8",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "--trials",
+        "1",
+        "--coll",
+        "all",
+        "--json",
+        str(out_json),
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "# pycollectives-bench" in p.stdout and "simd_level" in p.stdout
+    assert COLUMNS in p.stdout
+    tables = parse_tables(p.stdout)
+    printed = 0
+    for coll in COLLECTIVES:
+        rows = tables.get(("pycoll", coll))
+        assert rows, f"no rows for {coll}:\n{p.stdout}"
+        for fields in rows:
+            assert len(fields) == 9, fields
+            assert fields[-1] == "0", f"{coll}: wrong values in {fields}"
+            float(fields[5]), float(fields[6]), float(fields[7])  # time, algbw, busbw are numbers
+        printed += len(rows)
+    assert p.stdout.count("# Avg bus bandwidth    :") == len(COLLECTIVES)
+    assert p.stdout.count("# Out of bounds values : 0 OK") == len(COLLECTIVES)
+
+    data = json.loads(out_json.read_text())
+    assert data["metadata"]["hostname"] and data["metadata"]["cpu_model"]
+    assert len(data["rows"]) == printed
+    for r in data["rows"]:
+        assert r["backend"] == "pycoll" and r["nranks"] == 2 and r["wrong"] == 0
+        assert r["time_us"] > 0 and r["busbw"] >= 0
+    assert {r["collective"] for r in data["rows"]} == set(COLLECTIVES)
+
+
+def test_bench_compare_gloo():
+    p = run_bench(
+        "--nproc",
+        "2",
+        "-b",
+        "1K",
+        "-e",
+        "4K",
+        "-f",
+        "4",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "--trials",
+        "1",
+        "--coll",
+        "all_reduce,all_gather",
+        "--compare",
+        "gloo",
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    tables = parse_tables(p.stdout)
+    for backend in ("pycoll", "gloo"):
+        for coll in ("all_reduce", "all_gather"):
+            rows = tables.get((backend, coll))
+            assert rows and all(f[-1] == "0" for f in rows), (backend, coll, p.stdout)
+    for coll in ("all_reduce", "all_gather"):
+        assert f"# Comparison: {coll}" in p.stdout
+    lines = p.stdout.splitlines()
+    head = [ln for ln in lines if ln.startswith("#") and "ratio" in ln and "gloo us" in ln]
+    assert len(head) == 2, p.stdout
+    ratios = [ln.split()[-1] for ln in lines if re.match(r"^\s+\d+ \|", ln)]
+    assert len(ratios) == 4 and all(float(r) > 0 for r in ratios), p.stdout
+
+
+def test_bench_bad_flags():
+    p = run_bench("-d", "float8", timeout=60)
+    assert p.returncode == 2 and "invalid choice" in p.stderr
+    p = run_bench("-e", "12Q", timeout=60)
+    assert p.returncode == 2 and "invalid size" in p.stderr
+    p = run_bench("--coll", "allreduce", timeout=60)
+    assert p.returncode == 2 and "unknown collective" in p.stderr

@@ -1,0 +1,192 @@
+"""Every collective x world size 1-4 x sizes {0, 1, 7, 1000, 2^20+3} x every
+dtype x op, exact on small-integer data (any summation order gives the same
+answer), on a pool of live ranks."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import pycollectives as pc
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+]
+SIZES = [0, 1, 7, 1000, 2**20 + 3]
+OPS = [pc.ReduceOp.SUM, pc.ReduceOp.PROD, pc.ReduceOp.MIN, pc.ReduceOp.MAX, pc.ReduceOp.AVG]
+WORLD_SIZES = [1, 2, 3, 4]
+
+
+@functools.lru_cache(maxsize=8)
+def _pattern(n: int, count: int, op: pc.ReduceOp, signed: bool) -> tuple:
+    """Every rank's data (int64, [n, count]) and its exact reduction (float64),
+    computed once per shape and cast to each dtype by the caller."""
+    i = torch.arange(count, dtype=torch.int64)
+    r = torch.arange(n, dtype=torch.int64).unsqueeze(1)
+    if op == pc.ReduceOp.PROD:  # |product| <= 16 over 4 ranks
+        table = torch.tensor([1, 2, -1] if signed else [1, 2, 1])
+        v = table[(i + r) % 3]
+    else:  # values in [-3, 3] (signed) or [0, 6]; varies along i and across ranks
+        v = (i * 5 + i // 7 + r * 3) % 7 - (3 if signed else 0)
+    f = v.to(torch.float64)
+    if op == pc.ReduceOp.SUM:
+        red = f.sum(0)
+    elif op == pc.ReduceOp.PROD:
+        red = f.prod(0)
+    elif op == pc.ReduceOp.MIN:
+        red = f.min(0).values
+    elif op == pc.ReduceOp.MAX:
+        red = f.max(0).values
+    else:
+        red = f.sum(0) / n
+    return v, red
+
+
+def data(rank: int, count: int, dtype: torch.dtype, op: pc.ReduceOp, n: int) -> torch.Tensor:
+    """Rank `rank`'s small integers: their reduction over n ranks is exact in every dtype."""
+    return _pattern(n, count, op, dtype != torch.uint8)[0][rank].to(dtype, copy=True)
+
+
+def reference(n: int, count: int, dtype: torch.dtype, op: pc.ReduceOp) -> torch.Tensor:
+    """The exact reduction of data(0..n-1), in `dtype` (integer sums wrap, AVG truncates)."""
+    red = _pattern(n, count, op, dtype != torch.uint8)[1]
+    if dtype.is_floating_point:
+        return red.to(dtype)
+    if op == pc.ReduceOp.AVG:
+        red = torch.trunc(red)
+    bits = torch.iinfo(dtype).bits
+    r = red.to(torch.int64)
+    if dtype == torch.uint8:
+        r = r % 256
+    elif bits < 64:
+        r = (r + 2 ** (bits - 1)) % 2**bits - 2 ** (bits - 1)
+    return r.to(dtype)
+
+
+def mismatches(got: torch.Tensor, want: torch.Tensor) -> int:
+    return int((got.view(-1).to(torch.float64) != want.view(-1).to(torch.float64)).sum())
+
+
+def _cases(dtypes=DTYPES, ops=OPS, sizes=SIZES):
+    for size in sizes:  # op before dtype: one cached pattern serves every dtype
+        for op in ops:
+            for dtype in dtypes:
+                yield size, dtype, op
+
+
+def job_all_reduce(comm: pc.Communicator) -> list[str]:
+    n, r, bad = comm.world_size, comm.rank, []
+    for size, dtype, op in _cases():
+        t = data(r, size, dtype, op, n)
+        comm.all_reduce(t, op)
+        want = reference(n, size, dtype, op)
+        if k := mismatches(t, want):
+            bad.append(f"all_reduce size={size} {dtype} {op.name}: {k} wrong")
+    return bad
+
+
+def job_reduce_scatter(comm: pc.Communicator) -> list[str]:
+    n, r, bad = comm.world_size, comm.rank, []
+    for size, dtype, op in _cases():
+        inp = data(r, size * n, dtype, op, n)
+        out = torch.full((size,), 99).to(dtype)
+        comm.reduce_scatter(out, inp, op)
+        full = reference(n, size * n, dtype, op)
+        if k := mismatches(out, full[r * size : (r + 1) * size]):
+            bad.append(f"reduce_scatter size={size} {dtype} {op.name}: {k} wrong")
+    return bad
+
+
+def job_all_gather(comm: pc.Communicator) -> list[str]:
+    n, r, bad = comm.world_size, comm.rank, []
+    for size, dtype, _ in _cases(ops=[pc.ReduceOp.SUM]):
+        out = torch.full((size * n,), 99).to(dtype)
+        comm.all_gather(out, data(r, size, dtype, pc.ReduceOp.SUM, n))
+        want = _pattern(n, size, pc.ReduceOp.SUM, dtype != torch.uint8)[0].reshape(-1).to(dtype)
+        if k := mismatches(out, want):
+            bad.append(f"all_gather size={size} {dtype}: {k} wrong")
+    return bad
+
+
+def job_broadcast(comm: pc.Communicator) -> list[str]:
+    n, r, bad = comm.world_size, comm.rank, []
+    for size, dtype, _ in _cases(ops=[pc.ReduceOp.SUM]):
+        for root in sorted({0, n - 1}):
+            t = data(r, size, dtype, pc.ReduceOp.SUM, n)
+            comm.broadcast(t, root)
+            if k := mismatches(t, data(root, size, dtype, pc.ReduceOp.SUM, n)):
+                bad.append(f"broadcast size={size} {dtype} root={root}: {k} wrong")
+    return bad
+
+
+def job_reduce(comm: pc.Communicator) -> list[str]:
+    n, r, bad = comm.world_size, comm.rank, []
+    for size, dtype, op in _cases():
+        for root in sorted({0, n - 1}):
+            t = data(r, size, dtype, op, n)
+            comm.reduce(t, root, op)
+            want = reference(n, size, dtype, op) if r == root else data(r, size, dtype, op, n)
+            if k := mismatches(t, want):
+                bad.append(f"reduce size={size} {dtype} {op.name} root={root}: {k} wrong")
+    return bad
+
+
+def job_all_to_all(comm: pc.Communicator) -> list[str]:
+    n, r, bad = comm.world_size, comm.rank, []
+    for size, dtype, _ in _cases(ops=[pc.ReduceOp.SUM]):
+        everyone = _pattern(n, size * n, pc.ReduceOp.SUM, dtype != torch.uint8)[0]
+        out = torch.full((size * n,), 99).to(dtype)
+        comm.all_to_all(out, everyone[r].to(dtype))
+        want = everyone[:, r * size : (r + 1) * size].reshape(-1).to(dtype)
+        if k := mismatches(out, want):
+            bad.append(f"all_to_all size={size} {dtype}: {k} wrong")
+    return bad
+
+
+def job_send_recv(comm: pc.Communicator) -> list[str]:
+    n, r, bad = comm.world_size, comm.rank, []
+    if n == 1:
+        return bad
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    for size, dtype, _ in _cases(ops=[pc.ReduceOp.SUM]):
+        out = data(r, size, dtype, pc.ReduceOp.SUM, n)
+        got = torch.full((size,), 99).to(dtype)
+        # Even ranks send first, odd ranks receive first: no cycle of blocked sends.
+        if r % 2 == 0:
+            comm.send(out, nxt)
+            comm.recv(got, prv)
+        else:
+            comm.recv(got, prv)
+            comm.send(out, nxt)
+        if k := mismatches(got, data(prv, size, dtype, pc.ReduceOp.SUM, n)):
+            bad.append(f"send/recv size={size} {dtype}: {k} wrong")
+    comm.barrier()
+    return bad
+
+
+JOBS = [
+    job_all_reduce,
+    job_reduce_scatter,
+    job_all_gather,
+    job_broadcast,
+    job_reduce,
+    job_all_to_all,
+    job_send_recv,
+]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("job", JOBS, ids=lambda j: j.__name__[4:])
+def test_collective_exact(pool, job, world_size):
+    results = pool(world_size).run(job, timeout=240)
+    bad = [f"rank {r}: {line}" for r, lines in enumerate(results) for line in lines]
+    assert not bad, "\n".join(bad[:40])
