@@ -35,6 +35,9 @@ if torch is not None:
         torch.int64: 7,
     }
     _Tensor = torch.Tensor
+    from . import _C
+
+    _C.set_torch_dtypes([d for d, _ in sorted(_TORCH_CODES.items(), key=lambda kv: kv[1])])
 else:
     _Tensor = ()
 DTYPE_NAMES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "bindings/fast_path.h"
 #include "bindings/reduce_bindings.h"
 #include "comm/communicator.h"
 #include "core/error.h"
@@ -62,6 +63,7 @@ PYBIND11_MODULE(_C, m) {
   });
 
   m.def("unique_segment_name", &ShmSegment::unique_name);
+  m.def("set_torch_dtypes", &set_torch_dtypes);
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("wait", &Work::wait, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())
@@ -86,6 +88,26 @@ PYBIND11_MODULE(_C, m) {
             return c.all_reduce(ptr(buf), n, to_dtype(dt), to_op(op), async, to);
           },
           G())
+      .def("all_reduce_fast",
+           // Synchronous all-reduce of a torch CPU tensor with the default
+           // timeout; returns False (nothing done) when the tensor or op needs
+           // the Python path.
+           [](C& c, py::handle tensor, py::handle op) {
+             TensorView v;
+             if (!PyLong_CheckExact(op.ptr()) && !PyLong_Check(op.ptr())) return false;
+             const long code = PyLong_AsLong(op.ptr());
+             if (PyErr_Occurred()) {
+               PyErr_Clear();
+               return false;
+             }
+             if (!valid_reduce_op(static_cast<int>(code)) || PyBool_Check(op.ptr()) ||
+                 !view_tensor(tensor, &v))
+               return false;
+             py::gil_scoped_release nogil;
+             c.all_reduce(ptr(v.ptr), v.numel, static_cast<DataType>(v.dtype),
+                          static_cast<ReduceOp>(code), false, -1.0);
+             return true;
+           })
       .def(
           "reduce_scatter",
           [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, int op, bool async, double to) {

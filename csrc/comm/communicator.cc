@@ -3,6 +3,7 @@
 #include "comm/communicator.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -144,6 +145,9 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
         oneshot_.payload[par][r] = reinterpret_cast<char*>(h) + sizeof(OneShotHeader);
       }
   }
+  // More ranks than cores: spin briefly, then give the core to the peer.
+  cpu_set_t cpus;
+  if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) < n) spin_polls_ = 64;
   known_started_.assign(n, 0);
   p2p_sent_.assign(n, 0);
   p2p_recvd_.assign(n, 0);

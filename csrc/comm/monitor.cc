@@ -28,6 +28,7 @@ OpMonitor::OpMonitor(Communicator& comm, const OpSig& sig, uint32_t seq, bool co
   deadline_ = start_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                            std::chrono::duration<double>(timeout_s));
   next_liveness_ = start_ + kLivenessPeriod;
+  spin_polls = comm.spin_polls_;
 }
 
 void OpMonitor::check_fast() {

@@ -15,6 +15,9 @@ class WaitMonitor {
   // The rank whose progress the current wait depends on (-1: several), set by
   // the transport before it waits, for error messages.
   int peer = -1;
+  // How many polls (one pause each) before yielding: long when every rank has
+  // a core, short when ranks outnumber cores and spinning starves the peer.
+  int spin_polls = 4096;
   // Called every few spins; must be cheap (one load).
   virtual void check_fast() = 0;
   // Called about once a millisecond after the wait has started sleeping.
