@@ -44,11 +44,12 @@ DTYPE_NAMES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "in
 ITEMSIZE = [4, 8, 2, 2, 1, 1, 4, 8]
 
 
-def describe(buf: Any, rank: int, op: str, arg: str) -> tuple[int, int, int]:
+def describe(buf: Any, rank: int, op: str, arg: str, writable: bool = True) -> tuple[int, int, int]:
     """Returns (address, numel, dtype code) of a contiguous CPU buffer.
 
     Raises TypeError for an object that is not a tensor or array, or of an
-    unsupported dtype; ValueError for a non-contiguous buffer or a CUDA tensor.
+    unsupported dtype; ValueError for a non-contiguous buffer, a CUDA tensor,
+    or a read-only array where the operation writes (`writable`).
     """
     if isinstance(buf, _Tensor):
         code = _TORCH_CODES.get(buf.dtype)
@@ -83,7 +84,7 @@ def describe(buf: Any, rank: int, op: str, arg: str) -> tuple[int, int, int]:
             )
         if not buf.flags.c_contiguous:
             raise ValueError(f"pycollectives: rank {rank}: {op}: {arg} is not C-contiguous")
-        if not buf.flags.writeable:
+        if writable and not buf.flags.writeable:
             raise ValueError(f"pycollectives: rank {rank}: {op}: {arg} is read-only")
         return buf.ctypes.data, buf.size, code
     raise TypeError(

@@ -3,6 +3,7 @@ C++ core over shared memory."""
 
 from __future__ import annotations
 
+import collections
 import datetime
 import enum
 from typing import Any
@@ -106,10 +107,20 @@ class Communicator:
         self._c = core
         self.rank: int = core.rank
         self.world_size: int = core.world_size
+        # (core work, buffers) of asynchronous operations not known to be done:
+        # the buffers stay alive until the operation completes, even if the
+        # caller drops its Work (the progress thread still reads and writes them).
+        self._inflight: collections.deque = collections.deque()
 
     # -- helpers --------------------------------------------------------------
     def _ret(self, work: Any, *buffers: Buffer) -> Work | None:
-        return None if work is None else Work(work, buffers)
+        if work is None:
+            return None
+        inflight = self._inflight
+        while inflight and inflight[0][0].is_completed():  # operations complete in order
+            inflight.popleft()
+        inflight.append((work, buffers))
+        return Work(work, buffers)
 
     def _same_dtype(self, out_dt: int, in_dt: int, name: str) -> None:
         if out_dt != in_dt:
@@ -154,7 +165,7 @@ class Communicator:
         """Reduces `input` (world_size blocks) across ranks; rank r gets block r in `output`."""
         name = "reduce_scatter"
         po, no, do = describe(output, self.rank, name, "output")
-        pi, ni, di = describe(input, self.rank, name, "input")
+        pi, ni, di = describe(input, self.rank, name, "input", writable=False)
         self._same_dtype(do, di, name)
         if ni != no * self.world_size:
             raise ValueError(
@@ -178,7 +189,7 @@ class Communicator:
         """Gathers every rank's `input` into `output` (world_size blocks, block r from rank r)."""
         name = "all_gather"
         po, no, do = describe(output, self.rank, name, "output")
-        pi, ni, di = describe(input, self.rank, name, "input")
+        pi, ni, di = describe(input, self.rank, name, "input", writable=False)
         self._same_dtype(do, di, name)
         if no != ni * self.world_size:
             raise ValueError(
@@ -226,7 +237,7 @@ class Communicator:
         """Block j of this rank's `input` goes to block `rank` of rank j's `output`."""
         name = "all_to_all"
         po, no, do = describe(output, self.rank, name, "output")
-        pi, ni, di = describe(input, self.rank, name, "input")
+        pi, ni, di = describe(input, self.rank, name, "input", writable=False)
         self._same_dtype(do, di, name)
         if no != ni:
             raise ValueError(
@@ -246,7 +257,7 @@ class Communicator:
         self, tensor: Buffer, dst: int, *, async_op: bool = False, timeout: Timeout = None
     ) -> Work | None:
         """Sends `tensor` to rank `dst`; returns once it is buffered or delivered."""
-        ptr, n, dt = describe(tensor, self.rank, "send", "tensor")
+        ptr, n, dt = describe(tensor, self.rank, "send", "tensor", writable=False)
         dst = self._root(dst, "dst", "send")
         return self._ret(self._c.send(ptr, n, dt, dst, async_op, to_seconds(timeout)), tensor)
 
@@ -285,6 +296,7 @@ class Communicator:
     def close(self) -> None:
         """Finishes pending operations and releases the communicator (idempotent)."""
         self._c.close()
+        self._inflight.clear()
 
     def __enter__(self) -> Communicator:
         return self

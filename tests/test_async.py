@@ -4,6 +4,7 @@ Python computes, and Work reports errors."""
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
@@ -59,3 +60,22 @@ def test_work_wait_timeout_returns_false(pool):
     res = pool(2).run(job_wait_timeout)
     early, done, exc, val = res[0]
     assert early is False and done is True and exc is None and val == 2.0
+
+
+def job_dropped_work_keeps_buffers(comm: pc.Communicator) -> tuple:
+    if comm.rank == 1:
+        time.sleep(0.5)  # rank 0's operation stays in flight meanwhile
+    t = torch.ones(1 << 16)
+    ref = weakref.ref(t)
+    comm.all_reduce(t, async_op=True)  # the Work is dropped at once
+    del t
+    alive_in_flight = ref() is not None
+    comm.barrier()
+    comm.all_reduce(torch.ones(1), async_op=True).wait()  # prunes completed operations
+    return alive_in_flight, ref() is None
+
+
+def test_dropped_work_keeps_its_buffers_until_done(pool):
+    (alive, released), _ = pool(2).run(job_dropped_work_keeps_buffers)
+    assert alive, "the tensor of an in-flight operation was freed"
+    assert released, "the tensor was kept after its operation completed"

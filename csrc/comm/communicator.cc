@@ -147,7 +147,8 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
   }
   // More ranks than cores: spin briefly, then give the core to the peer.
   cpu_set_t cpus;
-  if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) < n) spin_polls_ = 64;
+  if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) < n)
+    spin_polls_ = max_spin_polls_ = 16;
   known_started_.assign(n, 0);
   p2p_sent_.assign(n, 0);
   p2p_recvd_.assign(n, 0);
@@ -255,9 +256,10 @@ void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout
     announce(seq, sig);
     if (seq > static_cast<uint32_t>(kMaxLead)) wait_started(seq - kMaxLead, mon);
     body(c);
-  } catch (const Error&) {
-    throw;  // the monitor or the transport already recorded it
   } catch (const std::exception& e) {
+    // The peers must not wait for a rank that gave up: abort them all. The
+    // monitor and the transport have usually recorded the error already (the
+    // first one wins), this covers every other failure.
     set_abort(AbortKind::kError, e.what());
     throw;
   }
@@ -282,7 +284,12 @@ std::shared_ptr<Work> Communicator::point_to_point(const OpSig& sig, int peer, d
         c.tag = SlotTag{seq, sig.word0(), sig.word1()};
         c.links = this;
         c.mon = &mon;
-        body(c);
+        try {
+          body(c);
+        } catch (const std::exception& e) {
+          set_abort(AbortKind::kError, e.what());  // see run_collective
+          throw;
+        }
         account(sig.kind, c, elapsed_ns(t0));
       },
       async);

@@ -117,8 +117,9 @@ class Communicator final : public Links {
   OneShotAreas oneshot_{};
   std::vector<uint32_t> known_started_;  // lower bounds of peers' `started`
   std::vector<uint32_t> p2p_sent_, p2p_recvd_;
-  int spin_polls_ = 4096;  // see WaitMonitor::spin_polls
-  uint32_t seq_ = 0;       // collectives issued (assigned under the engine's lock)
+  int spin_polls_ = 256;  // see WaitMonitor::spin_polls
+  int max_spin_polls_ = 256;
+  uint32_t seq_ = 0;  // collectives issued (assigned under the engine's lock)
   std::array<OpStats, kNumOpKinds> stats_;
   std::unique_ptr<ProgressEngine> engine_;
   std::atomic<bool> closed_{false};

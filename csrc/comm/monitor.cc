@@ -29,7 +29,10 @@ OpMonitor::OpMonitor(Communicator& comm, const OpSig& sig, uint32_t seq, bool co
                            std::chrono::duration<double>(timeout_s));
   next_liveness_ = start_ + kLivenessPeriod;
   spin_polls = comm.spin_polls_;
+  max_spin_polls = comm.max_spin_polls_;
 }
+
+OpMonitor::~OpMonitor() { c_.spin_polls_ = spin_polls; }
 
 void OpMonitor::check_fast() {
   if (c_.hdr_->abort_state.load(std::memory_order_acquire) == 2) c_.throw_abort();

@@ -12,6 +12,7 @@ class OpMonitor final : public WaitMonitor {
  public:
   // collective: seq is a collective sequence number (else a point-to-point one).
   OpMonitor(Communicator& comm, const OpSig& sig, uint32_t seq, bool collective, double timeout_s);
+  ~OpMonitor() override;  // hands the adapted spin budget back to the communicator
   void check_fast() override;
   void check_slow() override;
 

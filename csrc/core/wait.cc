@@ -23,8 +23,9 @@
 namespace pyc {
 namespace {
 
-constexpr int kSpinRounds = 64;     // x 16 pauses: a few microseconds
-constexpr int kYieldRounds = 32;    // sched_yield calls before sleeping
+constexpr int kSpinRounds = 64;    // x 16 pauses: a few microseconds
+constexpr int kYieldRounds = 256;  // polls between sched_yield calls before sleeping
+constexpr int kMinSpinPolls = 4;
 constexpr long kSleepNs = 1000000;  // futex sleep slice: 1 ms
 
 // Shared (not private) futex: the word lives in memory mapped by several processes.
@@ -42,9 +43,13 @@ uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon) {
   for (int i = 0; i < mon.spin_polls; ++i) {
     PYC_PAUSE();
     v = c.value.load(std::memory_order_acquire);
-    if (reached(v, target)) return v;
+    if (reached(v, target)) {
+      if (mon.spin_polls < mon.max_spin_polls) mon.spin_polls *= 2;
+      return v;
+    }
     if ((i & 63) == 63) mon.check_fast();
   }
+  if (mon.spin_polls > kMinSpinPolls) mon.spin_polls /= 2;
   for (int r = 0; r < kYieldRounds; ++r) {
     sched_yield();
     v = c.value.load(std::memory_order_acquire);

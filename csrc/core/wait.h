@@ -15,9 +15,14 @@ class WaitMonitor {
   // The rank whose progress the current wait depends on (-1: several), set by
   // the transport before it waits, for error messages.
   int peer = -1;
-  // How many polls (one pause each) before yielding: long when every rank has
-  // a core, short when ranks outnumber cores and spinning starves the peer.
-  int spin_polls = 4096;
+  // How many polls (one pause each, ~35 ns) before polling between yields.
+  // Short: a peer that shares our core (oversubscribed, or not yet spread out
+  // by the scheduler) runs only once we yield, so every poll past a few
+  // microseconds delays the very data we wait for.
+  // wait_reached adapts it: halved when a wait succeeded only after yielding
+  // (the peer needed our core), doubled back when data arrived while spinning.
+  int spin_polls = 256;
+  int max_spin_polls = 256;
   // Called every few spins; must be cheap (one load).
   virtual void check_fast() = 0;
   // Called about once a millisecond after the wait has started sleeping.

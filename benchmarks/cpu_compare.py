@@ -1,0 +1,260 @@
+"""pycollectives against torch.distributed gloo and OpenMPI on local ranks, in one run.
+
+    python benchmarks/cpu_compare.py [--ranks 1,2,3,4] [--out docs/benchmarks.md]
+
+For each world size, runs `pycollectives-bench --compare gloo,mpi` (same sizes,
+same timing method: median over trials of the slowest rank's time) for
+all-reduce, reduce-scatter and all-gather from 16 B to 64 MiB, plus an 8-byte
+all-reduce latency run, then rewrites the CPU section of docs/benchmarks.md
+with the command, machine, date, every figure and the issue's targets checked
+against the ratios measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+COLLS = ["all_reduce", "reduce_scatter", "all_gather"]
+BEGIN, END = "<!-- cpu_compare:begin -->", "<!-- cpu_compare:end -->"
+
+
+def bench(nranks: int, extra: list[str]) -> dict:
+    """Runs one comparison; returns the bench's JSON (metadata and rows)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [
+            sys.executable,
+            "-m",
+            "pycollectives.bench",
+            "--nproc",
+            str(nranks),
+            "--compare",
+            "gloo,mpi",
+            "--json",
+            out,
+            *extra,
+        ]
+        print("+", " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(Path(out).read_text())
+
+
+def fmt_size(b: int) -> str:
+    for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= k:
+            return f"{b // k} {unit}"
+    return f"{b} B"
+
+
+def _bw(r: dict | None) -> str:
+    return f"{r['busbw']:.3f}" if r and r.get("busbw") else "n/a"
+
+
+def _ratio(peer: dict | None, own: dict) -> str:
+    ok = peer and peer.get("time_us") and own["time_us"]
+    return f"{peer['time_us'] / own['time_us']:.2f}" if ok else "n/a"
+
+
+def table(rows: list[dict], coll: str, n: int) -> list[str]:
+    by = {
+        (r["backend"], r["size"]): r for r in rows if r["collective"] == coll and r["nranks"] == n
+    }
+    sizes = sorted({s for (_, s) in by})
+    out = [
+        "| size | pycoll us | pycoll busbw | gloo busbw | mpi busbw | x gloo | x mpi |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in sizes:
+        p, g, m = by.get(("pycoll", s)), by.get(("gloo", s)), by.get(("mpi", s))
+        if p is None:
+            continue
+
+        out.append(
+            f"| {fmt_size(s)} | {p['time_us']:.2f} | {_bw(p)} | {_bw(g)} | {_bw(m)} | {_ratio(g, p)} | {_ratio(m, p)} |"
+        )
+    return out
+
+
+def speedup(rows: list[dict], coll: str, n: int, size: int, peer: str) -> float | None:
+    """Peer time / pycollectives time (= busbw ratio) at one size, or None."""
+    t = {
+        r["backend"]: r["time_us"]
+        for r in rows
+        if r["collective"] == coll and r["nranks"] == n and r["size"] == size and r.get("time_us")
+    }
+    return t[peer] / t["pycoll"] if "pycoll" in t and peer in t else None
+
+
+def targets(rows: list[dict], lat: dict[str, float]) -> list[str]:
+    """The issue's targets, each checked on this run's ratios."""
+    mib = 1 << 20
+    lines = [
+        "| target | measured (ratio = peer time / pycollectives time) | verdict |",
+        "|---|---|---|",
+    ]
+
+    def check(name: str, pairs: list[tuple[str, float | None]], need: float) -> None:
+        vals = [(k, v) for k, v in pairs if v is not None]
+        ok = bool(vals) and all(v >= need for _, v in vals)
+        txt = ", ".join(f"{k}: {v:.2f}x" for k, v in vals) or "not measured"
+        lines.append(f"| {name} | {txt} | {'met' if ok else 'MISSED'} |")
+
+    check(
+        "all-reduce, 2 ranks, >= 1.25x OpenMPI from 1 to 16 MiB",
+        [(fmt_size(s), speedup(rows, "all_reduce", 2, s, "mpi")) for s in (mib, 4 * mib, 16 * mib)],
+        1.25,
+    )
+    check(
+        "all-reduce, 2 ranks, >= 2x OpenMPI at 64 MiB",
+        [("64 MiB", speedup(rows, "all_reduce", 2, 64 * mib, "mpi"))],
+        2,
+    )
+    check(
+        "all-reduce, 4 ranks on 2 cores, >= OpenMPI (64 KiB to 64 MiB)",
+        [
+            (fmt_size(s), speedup(rows, "all_reduce", 4, s, "mpi"))
+            for s in (64 << 10, mib, 16 * mib, 64 * mib)
+        ],
+        1,
+    )
+    for n in (2, 3, 4):
+        check(
+            f"all-reduce, {n} ranks, >= 5x gloo at every size from 64 KiB",
+            [
+                (fmt_size(s), speedup(rows, "all_reduce", n, s, "gloo"))
+                for s in (64 << 10, 256 << 10, mib, 4 * mib, 16 * mib, 64 * mib)
+            ],
+            5,
+        )
+    for coll in ("reduce_scatter", "all_gather"):
+        check(
+            f"{coll.replace('_', '-')}, 2 ranks, >= OpenMPI (64 KiB to 64 MiB)",
+            [
+                (fmt_size(s), speedup(rows, coll, 2, s, "mpi"))
+                for s in (64 << 10, mib, 16 * mib, 64 * mib)
+            ],
+            1,
+        )
+    if "pycoll" in lat and "mpi" in lat:
+        lines.append(
+            f"| 8-byte all-reduce, 2 ranks, within 2x OpenMPI (Python call included) | pycollectives "
+            f"{lat['pycoll']:.2f} us, OpenMPI {lat['mpi']:.2f} us, gloo {lat.get('gloo', float('nan')):.0f} us: "
+            f"{lat['pycoll'] / lat['mpi']:.2f}x OpenMPI's time | {'met' if lat['pycoll'] <= 2 * lat['mpi'] else 'MISSED'} |"
+        )
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", default="1,2,3,4")
+    ap.add_argument(
+        "--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md")
+    )
+    ap.add_argument("--trials", default="5")
+    args = ap.parse_args()
+    ranks = [int(x) for x in args.ranks.split(",")]
+
+    rows, meta = [], None
+    for n in ranks:
+        data = bench(
+            n,
+            [
+                "-b",
+                "16",
+                "-e",
+                "64M",
+                "-f",
+                "4",
+                "--coll",
+                ",".join(COLLS),
+                "-n",
+                "10",
+                "-w",
+                "3",
+                "--trials",
+                args.trials,
+                "-c",
+                "1",
+            ],
+        )
+        rows += data["rows"]
+        meta = meta or data["metadata"]
+    lat: dict[str, float] = {}
+    if 2 in ranks:
+        runs = [
+            bench(
+                2,
+                [
+                    "-b",
+                    "8",
+                    "-e",
+                    "8",
+                    "--coll",
+                    "all_reduce",
+                    "-n",
+                    "2000",
+                    "-w",
+                    "200",
+                    "--trials",
+                    "9",
+                ],
+            )
+            for _ in range(3)
+        ]
+        for backend in ("pycoll", "gloo", "mpi"):
+            ts = [
+                r["time_us"]
+                for d in runs
+                for r in d["rows"]
+                if r["backend"] == backend and r.get("time_us")
+            ]
+            if ts:
+                lat[backend] = statistics.median(ts)
+    wrong = sum(r.get("wrong") or 0 for r in rows)
+
+    v = meta["versions"]
+    body = [
+        BEGIN,
+        "## CPU: pycollectives vs gloo vs OpenMPI (shared memory, one host)",
+        "",
+        f"- Command: `python benchmarks/cpu_compare.py --ranks {args.ranks} --trials {args.trials}` "
+        "(each world size: `pycollectives-bench --nproc N -b 16 -e 64M -f 4 --coll "
+        f"{','.join(COLLS)} -n 10 -w 3 --trials {args.trials} -c 1 --compare gloo,mpi`; 8-byte latency: "
+        "three runs of `-b 8 -e 8 -n 2000 -w 200 --trials 9`, median)",
+        f"- Machine: {meta['cpu_model']}, {meta['cpu_count']} cores (KVM), host `{meta['hostname']}`",
+        f"- Date: {meta['date']}",
+        f"- Software: pycollectives {v['pycollectives']} ({v['simd_level']}), torch {v['torch']} (gloo), "
+        f"{v.get('mpi', 'no MPI')}, mpi4py {v.get('mpi4py', '-')}, Python {v['python']}",
+        "- float32, op sum; time = median over trials of the slowest rank's mean time per call; "
+        "busbw in GB/s (nccl-tests factors); ratio = peer time / pycollectives time (> 1: pycollectives faster)",
+        f"- Correctness: every pycollectives row was checked (`-c 1`): {wrong} wrong elements in total",
+        "",
+        "### Targets (issue 'The collective core on CPU'), checked on this run",
+        "",
+        *targets(rows, lat),
+        "",
+    ]
+    for coll in COLLS:
+        for n in ranks:
+            body += [f"### {coll}, {n} rank{'s' if n > 1 else ''}", "", *table(rows, coll, n), ""]
+    body.append(END)
+
+    out = Path(args.out)
+    text = out.read_text() if out.exists() else "# Benchmarks\n\n"
+    if BEGIN in text:
+        text = text[: text.index(BEGIN)] + "\n".join(body) + text[text.index(END) + len(END) :]
+    else:
+        text = text.rstrip() + "\n\n" + "\n".join(body) + "\n"
+    out.write_text(text)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
