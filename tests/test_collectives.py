@@ -8,6 +8,7 @@ import functools
 
 import pytest
 import torch
+from spawn import RankPool
 
 import pycollectives as pc
 
@@ -190,3 +191,25 @@ def test_collective_exact(pool, job, world_size):
     results = pool(world_size).run(job, timeout=240)
     bad = [f"rank {r}: {line}" for r, lines in enumerate(results) for line in lines]
     assert not bad, "\n".join(bad[:40])
+
+
+@pytest.mark.parametrize(
+    "job",
+    [job_all_reduce, job_reduce_scatter, job_all_gather, job_broadcast],
+    ids=lambda j: j.__name__[4:],
+)
+def test_ring_forced_at_every_size(job):
+    """Small sizes take the one-shot path by default: force the ring so its
+    uneven and empty chunks are checked too (3 ranks: sizes not divisible)."""
+    ring = RankPool(3, env={"PYCOLL_ALGO": "ring"})
+    try:
+        assert ring.run(job_algorithm) == ["ring"] * 3
+        results = ring.run(job, timeout=240)
+    finally:
+        ring.close()
+    bad = [f"rank {r}: {line}" for r, lines in enumerate(results) for line in lines]
+    assert not bad, "\n".join(bad[:40])
+
+
+def job_algorithm(comm: pc.Communicator) -> str:
+    return comm.algorithm

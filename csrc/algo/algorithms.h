@@ -23,8 +23,10 @@ void pairwise_all_to_all(OpCtx& c, const void* in, void* out, size_t count);
 void p2p_send(OpCtx& c, const void* buf, size_t count, int peer);
 void p2p_recv(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect);
 
-// Every rank's input side by side in shared memory; every rank reduces them
-// all in rank order, so results are bitwise identical (small messages).
+// One-shot collectives over per-rank shared areas (small messages): each
+// writer copies its data once and raises a flag; readers read the areas
+// directly. Reductions fold all ranks in rank order, so every rank gets the
+// same bits. The caller waits until every peer has started operation seq-1.
 struct OneShotAreas {
   void* payload[2][64];  // [parity][rank]: at most kMaxOneShotRanks ranks
   Counter* flag[2][64];  // the sequence-number flag of each area
@@ -32,6 +34,13 @@ struct OneShotAreas {
   size_t bytes = 0;      // payload capacity
 };
 constexpr int kMaxOneShotRanks = 64;
+// Whether `bytes` per rank fit the areas (and one-shot applies at all).
+bool oneshot_fits(const OneShotAreas& a, int nranks, size_t bytes);
 void oneshot_all_reduce(OpCtx& c, const OneShotAreas& a, const void* in, void* out, size_t count);
+// in: nranks blocks of `count` (all of it is posted); out: `count`.
+void oneshot_reduce_scatter(OpCtx& c, const OneShotAreas& a, const void* in, void* out,
+                            size_t count);
+void oneshot_all_gather(OpCtx& c, const OneShotAreas& a, const void* in, void* out, size_t count);
+void oneshot_broadcast(OpCtx& c, const OneShotAreas& a, void* buf, size_t count, int root);
 
 }  // namespace pyc

@@ -1,37 +1,90 @@
-// One-shot all-reduce for small messages: every rank copies its input into
-// its own area, raises its flag, waits for every peer's flag, then reduces all
-// areas in rank order. One handshake instead of 2(n-1) ring steps, and the
-// same bits on every rank.
+// One-shot collectives for small messages: every writer copies its data into
+// its own shared area once and raises its flag; readers wait for the flags they
+// need and read the areas directly. One handshake instead of the ring's
+// 2(n-1) steps. An area is reused every other operation (by parity); the
+// caller makes sure every peer has started operation seq-1, i.e. finished
+// reading the areas of operation seq-2.
+#include <algorithm>
+
 #include "algo/algorithms.h"
 #include "core/error.h"
 #include "reduce/reduce.h"
 
 namespace pyc {
+namespace {
 
-void oneshot_all_reduce(OpCtx& c, const OneShotAreas& a, const void* in, void* out, size_t count) {
-  const int n = c.nranks, r = c.rank;
-  const size_t bytes = count * c.esize();
-  PYC_ASSERT(bytes <= a.bytes && n <= kMaxOneShotRanks);
-  const int par = c.tag.seq & 1;
-  copy(a.payload[par][r], nullptr, in, bytes);
+// Copies `bytes` of `src` into this rank's area for this operation and raises its flag.
+void post_area(OpCtx& c, const OneShotAreas& a, const void* src, size_t bytes) {
+  PYC_ASSERT(bytes <= a.bytes && c.nranks <= kMaxOneShotRanks);
+  const int par = c.tag.seq & 1, r = c.rank;
+  copy(a.payload[par][r], nullptr, src, bytes);
   a.sig[par][r][0] = c.tag.w0;
   a.sig[par][r][1] = c.tag.w1;
   publish(*a.flag[par][r], c.tag.seq);
-  const void* srcs[kMaxOneShotRanks];
-  for (int p = 0; p < n; ++p) {
-    srcs[p] = a.payload[par][p];
-    if (p == r) continue;
-    c.mon->peer = p;
-    uint32_t got = wait_reached(*a.flag[par][p], c.tag.seq, *c.mon);
-    SlotTag seen{got, a.sig[par][p][0], a.sig[par][p][1]};
-    if (!(seen == c.tag)) c.links->tag_mismatch(p, seen, c.tag);
-    c.bytes_recv += bytes;
-  }
-  c.bytes_sent += bytes;  // written once, read by every peer
+  c.bytes_sent += bytes;
+}
+
+// Waits for rank p's area of this operation, checks its tag, returns its payload.
+const void* wait_area(OpCtx& c, const OneShotAreas& a, int p, size_t bytes) {
+  const int par = c.tag.seq & 1;
+  c.mon->peer = p;
+  uint32_t got = wait_reached(*a.flag[par][p], c.tag.seq, *c.mon);
+  SlotTag seen{got, a.sig[par][p][0], a.sig[par][p][1]};
+  if (!(seen == c.tag)) c.links->tag_mismatch(p, seen, c.tag);
+  c.bytes_recv += bytes;
+  return a.payload[par][p];
+}
+
+// dst = reduction of srcs[0..n) in rank order (the same bits on every rank).
+void reduce_all(OpCtx& c, void* dst, const void* const* srcs, size_t count) {
   const bool avg = c.op == ReduceOp::kAvg;
-  ReduceArgs args{c.dtype, avg ? ReduceOp::kSum : c.op, out, nullptr, srcs, n, count};
-  reduce(args);
-  if (avg) scale_avg(out, c.dtype, count, n);
+  reduce(ReduceArgs{c.dtype, avg ? ReduceOp::kSum : c.op, dst, nullptr, srcs, c.nranks, count});
+  if (avg) scale_avg(dst, c.dtype, count, c.nranks);
+}
+
+}  // namespace
+
+bool oneshot_fits(const OneShotAreas& a, int nranks, size_t bytes) {
+  return nranks > 1 && nranks <= kMaxOneShotRanks && bytes <= a.bytes;
+}
+
+void oneshot_all_reduce(OpCtx& c, const OneShotAreas& a, const void* in, void* out, size_t count) {
+  const size_t bytes = count * c.esize();
+  post_area(c, a, in, bytes);
+  const void* srcs[kMaxOneShotRanks];
+  for (int p = 0; p < c.nranks; ++p)
+    srcs[p] = p == c.rank ? a.payload[c.tag.seq & 1][p] : wait_area(c, a, p, bytes);
+  reduce_all(c, out, srcs, count);
+}
+
+void oneshot_reduce_scatter(OpCtx& c, const OneShotAreas& a, const void* in, void* out,
+                            size_t count) {
+  const size_t es = c.esize(), block = count * es;
+  post_area(c, a, in, block * c.nranks);
+  const void* srcs[kMaxOneShotRanks];
+  for (int p = 0; p < c.nranks; ++p) {
+    const void* area =
+        p == c.rank ? a.payload[c.tag.seq & 1][p] : wait_area(c, a, p, block * c.nranks);
+    srcs[p] = static_cast<const char*>(area) + c.rank * block;
+  }
+  reduce_all(c, out, srcs, count);
+}
+
+void oneshot_all_gather(OpCtx& c, const OneShotAreas& a, const void* in, void* out, size_t count) {
+  const size_t block = count * c.esize();
+  post_area(c, a, in, block);
+  char* dst = static_cast<char*>(out);
+  if (dst + c.rank * block != in) copy(dst + c.rank * block, nullptr, in, block);
+  for (int p = 0; p < c.nranks; ++p)
+    if (p != c.rank) copy(dst + p * block, nullptr, wait_area(c, a, p, block), block);
+}
+
+void oneshot_broadcast(OpCtx& c, const OneShotAreas& a, void* buf, size_t count, int root) {
+  const size_t bytes = count * c.esize();
+  if (c.rank == root)
+    post_area(c, a, buf, bytes);
+  else
+    copy(buf, nullptr, wait_area(c, a, root, bytes), bytes);
 }
 
 }  // namespace pyc

@@ -297,16 +297,24 @@ std::shared_ptr<Work> Communicator::point_to_point(const OpSig& sig, int peer, d
 
 // ---- operations ----
 
+bool Communicator::oneshot(OpCtx& c, size_t bytes) {
+  if (algo_ == Algo::kRing || !oneshot_fits(oneshot_, n_, bytes)) return false;
+  wait_started(c.tag.seq - 1, *c.mon);  // peers are done reading our area of op seq-2
+  return true;
+}
+
+void Communicator::saw_flags(uint32_t seq, int only) {
+  for (int p = 0; p < n_; ++p)
+    if (only < 0 || p == only) known_started_[p] = seq;  // a peer's flag means it started seq
+}
+
 std::shared_ptr<Work> Communicator::all_reduce(void* buf, size_t count, DataType dt, ReduceOp op,
                                                bool async, double timeout_s) {
   OpSig sig{OpKind::kAllReduce, dt, op, -1, count};
   return collective(sig, timeout_s, async, [this, buf, count](OpCtx& c) {
-    const size_t bytes = count * c.esize();
-    const bool fits = n_ <= kMaxOneShotRanks && bytes <= oneshot_.bytes;
-    if (fits && algo_ != Algo::kRing && n_ > 1) {
-      wait_started(c.tag.seq - 1, *c.mon);  // peers are done reading our area of op seq-2
+    if (oneshot(c, count * c.esize())) {
       oneshot_all_reduce(c, oneshot_, buf, buf, count);
-      for (int p = 0; p < n_; ++p) known_started_[p] = c.tag.seq;  // we saw every peer's flag
+      saw_flags(c.tag.seq);
     } else {
       ring_all_reduce(c, buf, buf, count);
     }
@@ -317,23 +325,41 @@ std::shared_ptr<Work> Communicator::reduce_scatter(void* out, const void* in, si
                                                    DataType dt, ReduceOp op, bool async,
                                                    double timeout_s) {
   OpSig sig{OpKind::kReduceScatter, dt, op, -1, count};
-  return collective(sig, timeout_s, async,
-                    [out, in, count](OpCtx& c) { ring_reduce_scatter(c, in, out, count); });
+  return collective(sig, timeout_s, async, [this, out, in, count](OpCtx& c) {
+    if (oneshot(c, count * c.esize() * n_)) {
+      oneshot_reduce_scatter(c, oneshot_, in, out, count);
+      saw_flags(c.tag.seq);
+    } else {
+      ring_reduce_scatter(c, in, out, count);
+    }
+  });
 }
 
 std::shared_ptr<Work> Communicator::all_gather(void* out, const void* in, size_t count, DataType dt,
                                                bool async, double timeout_s) {
   OpSig sig{OpKind::kAllGather, dt, ReduceOp::kSum, -1, count};
-  return collective(sig, timeout_s, async,
-                    [out, in, count](OpCtx& c) { ring_all_gather(c, in, out, count); });
+  return collective(sig, timeout_s, async, [this, out, in, count](OpCtx& c) {
+    if (oneshot(c, count * c.esize())) {
+      oneshot_all_gather(c, oneshot_, in, out, count);
+      saw_flags(c.tag.seq);
+    } else {
+      ring_all_gather(c, in, out, count);
+    }
+  });
 }
 
 std::shared_ptr<Work> Communicator::broadcast(void* buf, size_t count, DataType dt, int root,
                                               bool async, double timeout_s) {
   check_rank(root, "src", OpKind::kBroadcast);
   OpSig sig{OpKind::kBroadcast, dt, ReduceOp::kSum, root, count};
-  return collective(sig, timeout_s, async,
-                    [buf, count, root](OpCtx& c) { chain_broadcast(c, buf, count, root); });
+  return collective(sig, timeout_s, async, [this, buf, count, root](OpCtx& c) {
+    if (oneshot(c, count * c.esize())) {
+      oneshot_broadcast(c, oneshot_, buf, count, root);
+      if (c.rank != root) saw_flags(c.tag.seq, root);
+    } else {
+      chain_broadcast(c, buf, count, root);
+    }
+  });
 }
 
 std::shared_ptr<Work> Communicator::reduce(void* buf, size_t count, DataType dt, ReduceOp op,

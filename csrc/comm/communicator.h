@@ -97,6 +97,11 @@ class Communicator final : public Links {
   // Waits until every peer has started collective `seq` (or a later one).
   void wait_started(uint32_t seq, WaitMonitor& mon);
   void account(OpKind kind, const OpCtx& c, uint64_t ns);
+  // Whether this operation of `bytes` per rank takes the one-shot path; if so,
+  // first waits until every peer has started operation seq-1.
+  bool oneshot(OpCtx& c, size_t bytes);
+  // Records that peers (or just `only`) were seen in operation `seq`.
+  void saw_flags(uint32_t seq, int only = -1);
 
   // Abort state shared by all ranks: the first error wins.
   void set_abort(AbortKind kind, const std::string& msg);
