@@ -46,11 +46,12 @@ def to_seconds(timeout: Timeout, what: str = "timeout") -> float:
 class Work:
     """Handle of an asynchronous operation; keeps its buffers alive until done."""
 
-    __slots__ = ("_work", "_buffers")
+    __slots__ = ("_work", "_buffers", "_owner")
 
-    def __init__(self, work: Any, buffers: tuple) -> None:
+    def __init__(self, work: Any, buffers: tuple, owner: Communicator) -> None:
         self._work = work
         self._buffers = buffers
+        self._owner = owner
 
     def wait(self, timeout: Timeout = None) -> bool:
         """Blocks until the operation is done and returns True; re-raises its
@@ -59,6 +60,7 @@ class Work:
         done = self._work.wait(to_seconds(timeout))
         if done:
             self._buffers = ()
+            self._owner._prune()
         return done
 
     def is_completed(self) -> bool:
@@ -116,11 +118,15 @@ class Communicator:
     def _ret(self, work: Any, *buffers: Buffer) -> Work | None:
         if work is None:
             return None
+        self._prune()
+        self._inflight.append((work, buffers))
+        return Work(work, buffers, self)
+
+    def _prune(self) -> None:
+        """Drops the buffers of operations that completed (they complete in order)."""
         inflight = self._inflight
-        while inflight and inflight[0][0].is_completed():  # operations complete in order
+        while inflight and inflight[0][0].is_completed():
             inflight.popleft()
-        inflight.append((work, buffers))
-        return Work(work, buffers)
 
     def _same_dtype(self, out_dt: int, in_dt: int, name: str) -> None:
         if out_dt != in_dt:
