@@ -44,13 +44,13 @@ def to_seconds(timeout: Timeout, what: str = "timeout") -> float:
 
 
 class Work:
-    """Handle of an asynchronous operation; keeps its buffers alive until done."""
+    """Handle of an asynchronous operation (its communicator keeps the buffers
+    alive until the operation completes)."""
 
-    __slots__ = ("_work", "_buffers", "_owner")
+    __slots__ = ("_work", "_owner")
 
-    def __init__(self, work: Any, buffers: tuple, owner: Communicator) -> None:
+    def __init__(self, work: Any, owner: Communicator) -> None:
         self._work = work
-        self._buffers = buffers
         self._owner = owner
 
     def wait(self, timeout: Timeout = None) -> bool:
@@ -59,7 +59,6 @@ class Work:
         not done by then."""
         done = self._work.wait(to_seconds(timeout))
         if done:
-            self._buffers = ()
             self._owner._prune()
         return done
 
@@ -120,7 +119,7 @@ class Communicator:
             return None
         self._prune()
         self._inflight.append((work, buffers))
-        return Work(work, buffers, self)
+        return Work(work, self)
 
     def _prune(self) -> None:
         """Drops the buffers of operations that completed (they complete in order)."""
