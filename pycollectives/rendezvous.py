@@ -55,11 +55,13 @@ def init(
         world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = _env_int("MASTER_PORT")
+        # Under torchrun the agent already serves a store on MASTER_PORT: connect to it.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         store = dist.TCPStore(
             addr,
             port,
             world_size,
-            rank == 0,
+            rank == 0 and not agent_store,
             datetime.timedelta(seconds=seconds),
             wait_for_workers=False,
         )

@@ -1,0 +1,18 @@
+"""The README's example runs under torchrun (it checks its own results)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_allreduce_example_under_torchrun():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           str(ROOT / "examples" / "allreduce.py")]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "world 2: all_reduce 1.0" in p.stdout, p.stdout
+    assert "failed to bind" not in p.stderr, p.stderr
