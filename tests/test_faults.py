@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -222,3 +223,26 @@ def test_dev_shm_too_small_says_how_to_fix(monkeypatch):
         "--shm-size",
         "PYCOLL_SLOT_BYTES",
     )
+
+
+def _interrupted(rank: int, world_size: int) -> tuple:
+    comm = pc.init(timeout=60)
+    comm.barrier()
+    t = torch.ones(1000)
+    if rank == 0:  # waits for the late rank 1; Ctrl-C arrives meanwhile
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            comm.all_reduce(t)
+        except KeyboardInterrupt as e:
+            return "KeyboardInterrupt", time.monotonic() - start, str(e)
+        return "returned", time.monotonic() - start, ""
+    time.sleep(2.5)
+    return "peer", 0.0, expect(pc.PyCollectivesError, lambda: comm.all_reduce(t), "interrupted")
+
+
+def test_ctrl_c_interrupts_a_blocking_call_and_aborts_the_peers():
+    (what, waited, msg), (_, _, peer_msg) = run(_interrupted, 2, timeout=60)
+    assert what == "KeyboardInterrupt" and waited < 2.0, (what, waited)
+    assert "rank 0 was interrupted" in msg and "all_reduce" in msg
+    assert "rank 0 was interrupted" in peer_msg

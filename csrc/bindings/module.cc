@@ -28,6 +28,14 @@ ReduceOp to_op(int v) {
   return static_cast<ReduceOp>(v);
 }
 
+bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 // Python exception classes from pycollectives.errors, looked up once.
 py::object error_class(const char* name) {
   return py::module_::import("pycollectives.errors").attr(name);
@@ -55,6 +63,8 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(peer_cls.ptr(), e.what());
     } catch (const Mismatch& e) {
       PyErr_SetString(mismatch_cls.ptr(), e.what());
+    } catch (const Interrupted& e) {
+      PyErr_SetString(PyExc_KeyboardInterrupt, e.what());
     } catch (const Aborted& e) {
       PyErr_SetString(aborted_cls.ptr(), e.what());
     } catch (const Error& e) {
@@ -62,6 +72,17 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
+  // A blocking call releases the GIL; while it sleeps, this hook lets Ctrl-C
+  // through: on a thread that Python knows (the caller's, never the progress
+  // thread), take the GIL and run the signal handlers.
+  set_interrupt_check([]() -> bool {
+    if (PyGILState_GetThisThreadState() == nullptr || python_finalizing()) return false;
+    PyGILState_STATE st = PyGILState_Ensure();
+    const bool raised = PyErr_CheckSignals() != 0;
+    if (raised) PyErr_Clear();  // re-raised as KeyboardInterrupt by the translator
+    PyGILState_Release(st);
+    return raised;
+  });
   m.def("unique_segment_name", &ShmSegment::unique_name);
   m.def("set_torch_dtypes", &set_torch_dtypes);
 

@@ -46,6 +46,13 @@ void OpMonitor::check_slow() {
     next_liveness_ = now + kLivenessPeriod;
   }
   if (now >= deadline_) timed_out();
+  if (InterruptCheck interrupted = interrupt_check(); interrupted != nullptr && interrupted()) {
+    std::ostringstream os;
+    os << "pycollectives: rank " << c_.rank_ << " was interrupted (signal) during "
+       << op_name(sig_, seq_, collective_);
+    c_.set_abort(AbortKind::kError, os.str());  // the peers must not wait for this rank
+    throw Interrupted(os.str());
+  }
 }
 
 void OpMonitor::timed_out() {

@@ -42,6 +42,11 @@ class Aborted : public Error {
  public:
   using Error::Error;
 };
+// The waiting thread received a signal (Ctrl-C); maps to KeyboardInterrupt.
+class Interrupted : public Error {
+ public:
+  using Error::Error;
+};
 
 namespace detail {
 [[noreturn]] inline void throw_sys(const char* file, int line, const char* call, int err) {

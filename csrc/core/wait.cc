@@ -33,7 +33,12 @@ long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts
   return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
 }
 
+std::atomic<InterruptCheck> g_interrupt_check{nullptr};
+
 }  // namespace
+
+void set_interrupt_check(InterruptCheck fn) { g_interrupt_check.store(fn); }
+InterruptCheck interrupt_check() { return g_interrupt_check.load(std::memory_order_relaxed); }
 
 uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon) {
   uint32_t v = c.value.load(std::memory_order_acquire);

@@ -40,6 +40,13 @@ struct alignas(64) Counter {
   std::atomic<uint32_t> sleepers{0};
 };
 
+// A hook the bindings install: returns true when the calling thread has a
+// pending interrupt (Ctrl-C) that should stop its wait. Called about every
+// millisecond by a sleeping wait; null when no hook is installed.
+using InterruptCheck = bool (*)();
+void set_interrupt_check(InterruptCheck fn);
+InterruptCheck interrupt_check();
+
 // Blocks until reached(c.value, target); returns the value seen.
 uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon);
 
