@@ -193,23 +193,27 @@ def test_collective_exact(pool, job, world_size):
     assert not bad, "\n".join(bad[:40])
 
 
+@pytest.fixture(scope="module")
+def ring_pool():
+    """3 ranks with the ring forced (PYCOLL_ALGO=ring), shared by the tests below."""
+    ring = RankPool(3, env={"PYCOLL_ALGO": "ring"})
+    yield ring
+    ring.close()
+
+
+def job_algorithm(comm: pc.Communicator) -> str:
+    return comm.algorithm
+
+
 @pytest.mark.parametrize(
     "job",
     [job_all_reduce, job_reduce_scatter, job_all_gather, job_broadcast],
     ids=lambda j: j.__name__[4:],
 )
-def test_ring_forced_at_every_size(job):
+def test_ring_forced_at_every_size(ring_pool, job):
     """Small sizes take the one-shot path by default: force the ring so its
     uneven and empty chunks are checked too (3 ranks: sizes not divisible)."""
-    ring = RankPool(3, env={"PYCOLL_ALGO": "ring"})
-    try:
-        assert ring.run(job_algorithm) == ["ring"] * 3
-        results = ring.run(job, timeout=240)
-    finally:
-        ring.close()
+    assert ring_pool.run(job_algorithm) == ["ring"] * 3
+    results = ring_pool.run(job, timeout=240)
     bad = [f"rank {r}: {line}" for r, lines in enumerate(results) for line in lines]
     assert not bad, "\n".join(bad[:40])
-
-
-def job_algorithm(comm: pc.Communicator) -> str:
-    return comm.algorithm

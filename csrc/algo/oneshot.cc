@@ -4,8 +4,6 @@
 // 2(n-1) steps. An area is reused every other operation (by parity); the
 // caller makes sure every peer has started operation seq-1, i.e. finished
 // reading the areas of operation seq-2.
-#include <algorithm>
-
 #include "algo/algorithms.h"
 #include "core/error.h"
 #include "reduce/reduce.h"

@@ -115,15 +115,13 @@ PYBIND11_MODULE(_C, m) {
            // the Python path.
            [](C& c, py::handle tensor, py::handle op) {
              TensorView v;
-             if (!PyLong_CheckExact(op.ptr()) && !PyLong_Check(op.ptr())) return false;
+             if (!PyLong_Check(op.ptr()) || PyBool_Check(op.ptr())) return false;
              const long code = PyLong_AsLong(op.ptr());
              if (PyErr_Occurred()) {
                PyErr_Clear();
                return false;
              }
-             if (!valid_reduce_op(static_cast<int>(code)) || PyBool_Check(op.ptr()) ||
-                 !view_tensor(tensor, &v))
-               return false;
+             if (!valid_reduce_op(static_cast<int>(code)) || !view_tensor(tensor, &v)) return false;
              py::gil_scoped_release nogil;
              c.all_reduce(ptr(v.ptr), v.numel, static_cast<DataType>(v.dtype),
                           static_cast<ReduceOp>(code), false, -1.0);

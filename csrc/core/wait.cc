@@ -23,7 +23,6 @@
 namespace pyc {
 namespace {
 
-constexpr int kSpinRounds = 64;    // x 16 pauses: a few microseconds
 constexpr int kYieldRounds = 256;  // polls between sched_yield calls before sleeping
 constexpr int kMinSpinPolls = 4;
 constexpr long kSleepNs = 1000000;  // futex sleep slice: 1 ms
@@ -83,7 +82,5 @@ void publish(Counter& c, uint32_t value) {
   if (c.sleepers.load(std::memory_order_relaxed) != 0)
     futex(&c.value, FUTEX_WAKE, INT_MAX, nullptr);
 }
-
-void wake_all(Counter& c) { futex(&c.value, FUTEX_WAKE, INT_MAX, nullptr); }
 
 }  // namespace pyc

@@ -53,7 +53,4 @@ uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon);
 // Stores `value` (release) and wakes sleepers, if any.
 void publish(Counter& c, uint32_t value);
 
-// Wakes every sleeper on `c` (used on abort).
-void wake_all(Counter& c);
-
 }  // namespace pyc
