@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import datetime
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 from ._buffers import ITEMSIZE, describe
@@ -273,6 +274,43 @@ class Communicator:
         ptr, n, dt = describe(tensor, self.rank, "recv", "tensor")
         src = self._root(src, "src", "recv")
         return self._ret(self._c.recv(ptr, n, dt, src, async_op, to_seconds(timeout)), tensor)
+
+    def batch_p2p(
+        self,
+        ops: Sequence[tuple[str, Buffer, int]],
+        *,
+        async_op: bool = False,
+        timeout: Timeout = None,
+    ) -> Work | None:
+        """Runs sends and receives together, as ncclGroupStart/End or torch's
+        batch_isend_irecv: `ops` holds ``("send", buffer, dst)`` and
+        ``("recv", buffer, src)``. All of them progress at once, chunk by chunk,
+        so any matched pattern completes (every rank sending a large tensor to
+        the next and receiving from the previous, say), where sends issued one
+        by one before their receives would wait for each other. Messages
+        between two ranks match in the order listed; a send to this rank pairs
+        with the next receive from this rank.
+
+        Raises ValueError naming the op's index for a bad kind, peer or buffer,
+        and for sends to self that do not pair with receives from self.
+        """
+        name = "batch_p2p"
+        items = []
+        keep = []
+        for i, op in enumerate(ops):
+            if not (isinstance(op, tuple) and len(op) == 3 and op[0] in ("send", "recv")):
+                raise ValueError(
+                    f"pycollectives: rank {self.rank}: {name}: ops[{i}]={op!r} is not "
+                    "('send', buffer, dst) or ('recv', buffer, src)"
+                )
+            kind, buf, peer = op
+            is_send = kind == "send"
+            arg = f"ops[{i}]"
+            ptr, n, dt = describe(buf, self.rank, name, arg, writable=not is_send)
+            self._root(peer, f"{arg} peer", name)
+            items.append((is_send, ptr, n, dt, peer))
+            keep.append(buf)
+        return self._ret(self._c.batch_p2p(items, async_op, to_seconds(timeout)), *keep)
 
     def barrier(self, *, async_op: bool = False, timeout: Timeout = None) -> Work | None:
         """Returns once every rank has entered the barrier."""

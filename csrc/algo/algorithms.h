@@ -3,6 +3,8 @@
 // bytes move. Counts are in elements of ctx.dtype.
 #pragma once
 
+#include <vector>
+
 #include "algo/context.h"
 
 namespace pyc {
@@ -22,6 +24,19 @@ void chain_reduce(OpCtx& c, void* buf, size_t count, int root);
 void pairwise_all_to_all(OpCtx& c, const void* in, void* out, size_t count);
 void p2p_send(OpCtx& c, const void* buf, size_t count, int peer);
 void p2p_recv(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect);
+
+// One send or receive of a batch. `tag`: what a send's slots carry, or what a
+// receive expects from its sender.
+struct P2POp {
+  bool send = true;
+  void* buf = nullptr;  // read-only for a send
+  size_t count = 0;
+  DataType dtype = DataType::kFloat32;
+  int peer = 0;  // may be this rank: sends to self pair with receives from self in order
+  SlotTag tag;
+};
+// Runs every op of the batch concurrently, chunk by chunk (see batch_p2p.cc).
+void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops);
 
 // One-shot collectives over per-rank shared areas (small messages): each
 // writer copies its data once and raises a flag; readers read the areas

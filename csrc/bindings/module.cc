@@ -169,6 +169,17 @@ PYBIND11_MODULE(_C, m) {
             return c.recv(ptr(buf), n, to_dtype(dt), peer, async, to);
           },
           G())
+      .def("batch_p2p",
+           // items: (is_send, ptr, count, dtype, peer) tuples
+           [](C& c, const std::vector<std::tuple<bool, uintptr_t, size_t, int, int>>& items,
+              bool async, double to) {
+             std::vector<Communicator::P2PItem> v;
+             v.reserve(items.size());
+             for (const auto& [is_send, p, n, dt, peer] : items)
+               v.push_back({is_send, ptr(p), n, to_dtype(dt), peer});
+             py::gil_scoped_release nogil;
+             return c.batch_p2p(std::move(v), async, to);
+           })
       .def("barrier", &C::barrier, G())
       .def("split", &C::split, G())
       .def("stats", [](const C& c) {

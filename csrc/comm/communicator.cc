@@ -409,4 +409,80 @@ std::shared_ptr<Work> Communicator::recv(void* buf, size_t count, DataType dt, i
   });
 }
 
+std::shared_ptr<Work> Communicator::batch_p2p(std::vector<P2PItem> items, bool async,
+                                              double timeout_s) {
+  const OpKind kind = OpKind::kBatchP2P;
+  check_open(kind);
+  int self_balance = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const P2PItem& it = items[i];
+    if (it.peer < 0 || it.peer >= n_)
+      PYC_THROW(InvalidArgument, "pycollectives: rank " << rank_ << ": batch_p2p: op " << i
+                                                        << ": peer=" << it.peer
+                                                        << " is out of range [0, " << n_ << ")");
+    if (it.peer == rank_) self_balance += it.send ? 1 : -1;
+  }
+  if (self_balance != 0)
+    PYC_THROW(InvalidArgument, "pycollectives: rank "
+                                   << rank_
+                                   << ": batch_p2p: the sends to this rank and the receives from "
+                                      "this rank do not pair up");
+  {  // a send to self and the receive it pairs with must agree on size and dtype
+    std::vector<const P2PItem*> s, r;
+    for (const P2PItem& it : items)
+      if (it.peer == rank_) (it.send ? s : r).push_back(&it);
+    for (size_t i = 0; i < s.size(); ++i)
+      if (s[i]->count != r[i]->count || s[i]->dtype != r[i]->dtype)
+        PYC_THROW(InvalidArgument, "pycollectives: rank "
+                                       << rank_ << ": batch_p2p: send to self #" << i << " ("
+                                       << s[i]->count << " x " << dtype_name(s[i]->dtype)
+                                       << ") does not match receive from self #" << i << " ("
+                                       << r[i]->count << " x " << dtype_name(r[i]->dtype) << ")");
+  }
+  if (timeout_s < 0) timeout_s = timeout_s_;
+  auto ops = std::make_shared<std::vector<P2POp>>(items.size());
+  OpSig sig{kind, DataType::kUInt8, ReduceOp::kSum, -1, items.size()};
+  return engine_->submit(
+      // Numbered at issue, like single sends and receives: the k-th message
+      // from a to b carries sequence number k on both sides.
+      [this, ops, items = std::move(items)] {
+        uint32_t first = 0;
+        for (size_t i = 0; i < items.size(); ++i) {
+          const P2PItem& it = items[i];
+          P2POp& op = (*ops)[i];
+          op.send = it.send;
+          op.buf = it.buf;
+          op.count = it.count;
+          op.dtype = it.dtype;
+          op.peer = it.peer;
+          if (it.peer == rank_) continue;
+          const uint32_t seq = it.send ? ++p2p_sent_[it.peer] : ++p2p_recvd_[it.peer];
+          // A send's slots carry its own signature; a receive expects the
+          // sender's, whose root is this rank.
+          OpSig s{OpKind::kSend, it.dtype, ReduceOp::kSum, it.send ? it.peer : rank_, it.count};
+          op.tag = SlotTag{seq, s.word0(), s.word1()};
+          if (first == 0) first = seq;
+        }
+        return first;
+      },
+      [this, sig, ops, timeout_s](uint32_t seq) {
+        if (aborted()) throw_abort();
+        auto t0 = Clock::now();
+        OpMonitor mon(*this, sig, seq, false, timeout_s);
+        OpCtx c;
+        c.rank = rank_;
+        c.nranks = n_;
+        c.links = this;
+        c.mon = &mon;
+        try {
+          p2p_batch(c, *ops);
+        } catch (const std::exception& e) {
+          set_abort(AbortKind::kError, e.what());  // see run_collective
+          throw;
+        }
+        account(OpKind::kBatchP2P, c, elapsed_ns(t0));
+      },
+      async);
+}
+
 }  // namespace pyc

@@ -72,6 +72,16 @@ class Communicator final : public Links {
   std::shared_ptr<Work> recv(void* buf, size_t count, DataType dt, int peer, bool async,
                              double timeout_s);
   std::shared_ptr<Work> barrier(bool async, double timeout_s);
+  // Sends and receives that progress together; a send to this rank pairs
+  // with the next receive from this rank. Matched in order per pair of ranks.
+  struct P2PItem {
+    bool send;
+    void* buf;
+    size_t count;
+    DataType dtype;
+    int peer;
+  };
+  std::shared_ptr<Work> batch_p2p(std::vector<P2PItem> items, bool async, double timeout_s);
   // Collective; returns nullptr for color < 0.
   std::shared_ptr<Communicator> split(int color, int key, double timeout_s);
 

@@ -94,6 +94,8 @@ const char* op_kind_name(OpKind k) {
       return "recv";
     case OpKind::kSplit:
       return "split";
+    case OpKind::kBatchP2P:
+      return "batch_p2p";
   }
   return "invalid_kind";
 }
@@ -122,6 +124,10 @@ std::string OpSig::describe() const {
   std::ostringstream os;
   os << op_kind_name(kind) << "(";
   if (kind == OpKind::kBarrier || kind == OpKind::kSplit) return os.str() + ")";
+  if (kind == OpKind::kBatchP2P) {
+    os << count << " sends and receives)";
+    return os.str();
+  }
   os << "count=" << count << ", " << dtype_name(dtype);
   switch (kind) {
     case OpKind::kAllReduce:

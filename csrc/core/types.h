@@ -47,8 +47,9 @@ enum class OpKind : uint8_t {
   kSend,
   kRecv,
   kSplit,
+  kBatchP2P,  // count: the number of sends and receives in the batch
 };
-constexpr int kNumOpKinds = 10;
+constexpr int kNumOpKinds = 11;
 const char* op_kind_name(OpKind k);
 
 // The fingerprint of one operation, published by every rank so that peers

@@ -1,0 +1,1 @@
+"""Parallelism strategies built on pycollectives' collectives (never on torch.distributed's)."""
