@@ -72,7 +72,7 @@ DTYPES: dict[str, tuple[str, torch.dtype, str]] = {
     "int64": ("int64", torch.int64, "int64"),
 }
 OPS: tuple[str, ...] = ("sum", "prod", "min", "max", "avg")
-BACKENDS: tuple[str, ...] = ("pycoll", "gloo", "mpi")
+BACKENDS: tuple[str, ...] = ("pycoll", "gloo", "mpi", "nccl")  # nccl: --device cuda only
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 
@@ -209,7 +209,7 @@ def count_wrong(result: torch.Tensor, expected: torch.Tensor | None) -> int:
     """Number of elements of ``result`` that differ from ``expected`` (tolerance 0)."""
     if expected is None:
         return 0
-    return int((result.reshape(-1) != expected.reshape(-1)).sum())
+    return int((result.reshape(-1).cpu() != expected.reshape(-1)).sum())  # CUDA results too
 
 
 # --------------------------------------------------------------------------------------------
@@ -614,6 +614,60 @@ class GlooRunner(Runner):
 
     def close(self):  # noqa: D102
         self.dist.destroy_process_group()
+
+
+class NcclRunner(GlooRunner):
+    """torch.distributed ProcessGroupNCCL on CUDA tensors (--device cuda). Several
+    ranks on one GPU need NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1; an
+    NCCL that refuses them fails at the first call, reported as n/a."""
+
+    name = "nccl"
+
+    def __init__(self, rank: int, world_size: int, store: object, timeout: float) -> None:
+        Runner.__init__(self, rank, world_size)
+        import torch.distributed as dist
+
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+        self.dist = dist
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(
+            "nccl",
+            store=dist.PrefixStore("bench/nccl", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        ops = dist.ReduceOp
+        self.ops = {
+            "sum": ops.SUM,
+            "prod": ops.PRODUCT,
+            "min": ops.MIN,
+            "max": ops.MAX,
+            "avg": ops.AVG,
+        }
+
+    def barrier(self):  # noqa: D102
+        t = torch.zeros(1, device=self.device)
+        self.dist.all_reduce(t)
+        torch.cuda.synchronize(self.device)
+
+    def max_over_ranks(self, values):  # noqa: D102
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        self.dist.all_reduce(t, self.ops["max"])
+        return t.tolist()
+
+    def sum_over_ranks(self, value):  # noqa: D102
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self.dist.all_reduce(t, self.ops["sum"])
+        return int(t.item())
+
+    def describe(self):  # noqa: D102
+        v = ".".join(str(x) for x in torch.cuda.nccl.version())
+        return [
+            f"# backend nccl: torch.distributed ProcessGroupNCCL, NCCL {v} (torch "
+            f"{torch.__version__}), NCCL_MULTI_RANK_GPU_ENABLE="
+            f"{os.environ.get('NCCL_MULTI_RANK_GPU_ENABLE', '(unset)')}"
+        ]
 
 
 class MpiRunner(Runner):

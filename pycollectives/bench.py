@@ -42,6 +42,7 @@ from pycollectives._bench_util import (
     CollSpec,
     GlooRunner,
     MpiRunner,
+    NcclRunner,
     PycollRunner,
     Row,
     Runner,
@@ -109,7 +110,9 @@ def _compare_arg(text: str) -> list[str]:
     names = [c.strip() for c in text.split(",") if c.strip()]
     bad = [c for c in names if c not in BACKENDS]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown backend {', '.join(bad)}; choose from gloo, mpi")
+        raise argparse.ArgumentTypeError(
+            f"unknown backend {', '.join(bad)}; choose from gloo, mpi, nccl (--device cuda)"
+        )
     return list(dict.fromkeys(names))
 
 
@@ -191,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="gloo[,mpi]",
         help="also run the same sizes on torch.distributed gloo and/or MPI (mpi4py + mpirun)",
     )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the buffers live (default cpu); cuda: rank r uses cuda:(LOCAL_RANK %% "
+        "device count), times are taken after torch.cuda.synchronize(), and --compare gloo "
+        "runs on the same CUDA tensors",
+    )
     p.add_argument("--json", metavar="FILE", help="write every row and the run's metadata as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size (needs matplotlib)")
     p.add_argument(
@@ -207,16 +218,28 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------
 
 
-def time_op(runner: Runner, fn: Callable[[], None], iters: int, warmup: int, trials: int) -> float:
-    """Seconds per call: median over trials of (max over ranks of the per-iteration time)."""
+def time_op(
+    runner: Runner,
+    fn: Callable[[], None],
+    iters: int,
+    warmup: int,
+    trials: int,
+    sync: Callable[[], None] | None = None,
+) -> float:
+    """Seconds per call: median over trials of (max over ranks of the per-iteration time).
+    `sync` (CUDA: torch.cuda.synchronize) runs before each trial's start and stop."""
     for _ in range(warmup):
         fn()
     per_iter = []
     for _ in range(trials):
+        if sync:
+            sync()
         runner.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
+        if sync:
+            sync()
         per_iter.append((time.perf_counter() - t0) / iters)
     return statistics.median(runner.max_over_ranks(per_iter))
 
@@ -228,6 +251,8 @@ def bench_collective(
     dname, tdtype, tname = DTYPES[args.datatype]
     elsize = torch.empty(0, dtype=tdtype).element_size()
     n, rank, op, root = runner.world_size, runner.rank, args.op, args.root
+    device = getattr(args, "cuda_device", None)  # "cuda:i", set by _rank_main for --device cuda
+    sync = torch.cuda.synchronize if device is not None else None
     rows: list[Row] = []
     reason = runner.unsupported(spec, dname, op)
     say(f"# Collective: {spec.name}  backend: {runner.name}\n{column_header(spec)}")
@@ -243,7 +268,7 @@ def bench_collective(
             time_us=None, algbw=None, busbw=None, wrong=None, note=reason or "",
         )  # fmt: skip
         if reason is None:
-            inp, out = _buffers(spec, count, n, tdtype)
+            inp, out = _buffers(spec, count, n, tdtype, device)
             fill_check_inputs(spec, rank, n, count, op, root, inp, out)
             fn = runner.bind(spec.name, inp, out, op, root)
             if runner.probe_first_call and not rows:
@@ -253,7 +278,7 @@ def bench_collective(
                     reason = f"{runner.name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
                     row.note = reason
             if reason is None:
-                t = time_op(runner, fn, args.iters, args.warmup_iters, args.trials)
+                t = time_op(runner, fn, args.iters, args.warmup_iters, args.trials, sync)
                 row.time_us = t * 1e6
                 row.algbw = size / t / 1e9 if t > 0 else 0.0
                 row.busbw = row.algbw * spec.busbw_factor(n)
@@ -275,16 +300,18 @@ def bench_collective(
 
 
 def _buffers(
-    spec: CollSpec, count: int, n: int, dtype: torch.dtype
+    spec: CollSpec, count: int, n: int, dtype: torch.dtype, device: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(input, output) of one call; output is None for the in-place collectives."""
+    """(input, output) of one call on `device` (None: CPU); output is None for the
+    in-place collectives."""
+    kw = {"dtype": dtype, "device": device}
     if spec.inplace:
-        return torch.empty(count, dtype=dtype), None
+        return torch.empty(count, **kw), None
     if spec.name == "all_gather":
-        return torch.empty(count, dtype=dtype), torch.empty(n * count, dtype=dtype)
+        return torch.empty(count, **kw), torch.empty(n * count, **kw)
     if spec.name == "reduce_scatter":
-        return torch.empty(n * count, dtype=dtype), torch.empty(count, dtype=dtype)
-    return torch.empty(n * count, dtype=dtype), torch.empty(n * count, dtype=dtype)  # all_to_all
+        return torch.empty(n * count, **kw), torch.empty(count, **kw)
+    return torch.empty(n * count, **kw), torch.empty(n * count, **kw)  # all_to_all
 
 
 def _make_store(rank: int, world_size: int, timeout: float) -> object:
@@ -352,6 +379,12 @@ def _rank_main(args: argparse.Namespace) -> int:
         )
 
     info = f"#  Rank {rank:2d} Pid {os.getpid():6d} on {socket.gethostname()}"
+    args.cuda_device = None
+    if getattr(args, "device", "cpu") == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        args.cuda_device = f"cuda:{local % torch.cuda.device_count()}"  # a str: JSON metadata
+        torch.cuda.set_device(args.cuda_device)
+        info += f" device {args.cuda_device} {torch.cuda.get_device_name(args.cuda_device)}"
     if store is not None:
         store.set(f"info/{rank}", info)
         ranks_info = [store.get(f"info/{r}").decode() for r in range(world)] if rank == 0 else []
@@ -369,6 +402,8 @@ def _rank_main(args: argparse.Namespace) -> int:
             )
         elif backend == "gloo":
             runner = GlooRunner(rank, world, store, args.timeout)
+        elif backend == "nccl":
+            runner = NcclRunner(rank, world, store, args.timeout)
         else:
             runner = mpi
             extra_meta["mpi"] = mpi_version()
@@ -638,6 +673,17 @@ def _launch_mpi(args: argparse.Namespace) -> int:
     return finalize(args, meta, rows, ["mpi"])
 
 
+def _cuda_unavailable() -> str | None:
+    """Why --device cuda cannot run here, or None."""
+    from pycollectives import _C
+
+    if not getattr(_C, "cuda_built", lambda: False)():
+        return "pycollectives was built without CUDA"
+    if not torch.cuda.is_available():
+        return f"no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False)"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``pycollectives-bench`` / ``python -m pycollectives.bench``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -647,6 +693,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--minbytes {args.minbytes} is larger than --maxbytes {args.maxbytes}")
     if args.plot and (msg := check_matplotlib()):
         parser.error(msg)
+    if args.device == "cuda" and (msg := _cuda_unavailable()):
+        print(f"pycollectives-bench: --device cuda: {msg}", file=sys.stderr)
+        return 2
+    if "nccl" in args.compare + [args.backend] and args.device != "cuda":
+        parser.error("nccl runs on CUDA tensors only: add --device cuda")
+    if "mpi" in args.compare + [args.backend] and args.device == "cuda":
+        parser.error("--device cuda: the mpi comparison runs on CPU buffers only")
     try:
         if args.backend == "mpi" and not _under_mpirun():
             return _launch_mpi(args)

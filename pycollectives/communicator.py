@@ -9,7 +9,8 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
-from ._buffers import ITEMSIZE, describe
+from . import _C
+from ._buffers import ITEMSIZE, describe, describe_cuda, is_cuda_buffer, require_cuda
 from .errors import PyCollectivesError
 
 Buffer = Any  # torch.Tensor | numpy.ndarray
@@ -78,6 +79,33 @@ class Work:
         return None
 
 
+class CudaWork(Work):
+    """Handle of an operation on CUDA buffers, with torch.distributed/NCCL
+    stream semantics: wait() makes the caller's current CUDA stream wait for
+    the operation, blocking the host only until the operation's last kernel
+    has been enqueued (the host drives the handshakes with the peers)."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, work: Any, owner: Communicator, stream: Any) -> None:
+        super().__init__(work, owner)
+        self._stream = stream  # () -> the caller's current cudaStream_t, as an int
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        """Makes the current CUDA stream wait for the operation and returns True;
+        re-raises its error. With `timeout`, returns False if its last kernel
+        was not enqueued by then."""
+        done = self._work.wait_stream(self._stream(), to_seconds(timeout))
+        if done:
+            self._owner._prune()
+        return done
+
+    def synchronize(self, timeout: Timeout = None) -> bool:
+        """Blocks the host until every kernel of the operation has completed;
+        re-raises its error. With `timeout`, returns False if not done by then."""
+        return self._work.wait(to_seconds(timeout))
+
+
 _OP_CODES = {op: int(op) for op in ReduceOp}  # IntEnum members and plain ints alike
 
 
@@ -113,6 +141,7 @@ class Communicator:
         # the buffers stay alive until the operation completes, even if the
         # caller drops its Work (the progress thread still reads and writes them).
         self._inflight: collections.deque = collections.deque()
+        self._cuda_device: int | None = None  # set by the first CUDA operation
 
     # -- helpers --------------------------------------------------------------
     def _ret(self, work: Any, *buffers: Buffer) -> Work | None:
@@ -121,6 +150,40 @@ class Communicator:
         self._prune()
         self._inflight.append((work, buffers))
         return Work(work, self)
+
+    def _cuda_args(self, name: str, *specs: tuple[Buffer, str, bool]) -> tuple[list, int, Any]:
+        """Describes the CUDA buffers of one call: specs are (buffer, argument
+        name, writable). Returns ([(address, numel, dtype code)], device,
+        current-stream getter). Raises ValueError naming the argument, the rank
+        and the operation for a build without CUDA, a machine without a device,
+        a CPU buffer among CUDA ones, or buffers on different devices."""
+        require_cuda(self.rank, name, specs[0][1])
+        descs, device, first, stream = [], None, specs[0][1], None
+        for buf, arg, writable in specs:
+            ptr, n, dt, dev, get_stream = describe_cuda(buf, self.rank, name, arg, writable)
+            if dev is not None and device is not None and dev != device:
+                raise ValueError(
+                    f"pycollectives: rank {self.rank}: {name}: {arg} is on cuda:{dev}, but "
+                    f"{first} is on cuda:{device}: all buffers of one call must be on one device"
+                )
+            if device is None:
+                device, first = dev, arg
+            stream = stream or get_stream
+            descs.append((ptr, n, dt))
+        if device is None:  # empty buffers without an address: the communicator's device
+            device = self._cuda_device if self._cuda_device is not None else 0
+        self._cuda_device = device
+        return descs, device, stream
+
+    def _cuda_ret(self, work: Any, async_op: bool, stream: Any, *buffers: Buffer) -> Work | None:
+        """Keeps the buffers alive until the CUDA operation completes; returns a
+        CudaWork, or (synchronous call) makes the current stream wait for it."""
+        self._prune()
+        self._inflight.append((work, buffers))
+        if async_op:
+            return CudaWork(work, self, stream)
+        work.wait_stream(stream(), -1.0)
+        return None
 
     def _prune(self) -> None:
         """Drops the buffers of operations that completed (they complete in order)."""
@@ -153,6 +216,11 @@ class Communicator:
         """Reduces `tensor` across ranks in place; every rank gets the same bits."""
         if not async_op and timeout is None and self._c.all_reduce_fast(tensor, op):
             return None
+        if is_cuda_buffer(tensor):
+            code = _op_code(op, self.rank, "all_reduce")
+            [(ptr, n, dt)], dev, stream = self._cuda_args("all_reduce", (tensor, "tensor", True))
+            w = _C.cuda_all_reduce(self._c, ptr, n, dt, code, dev, stream(), to_seconds(timeout))
+            return self._cuda_ret(w, async_op, stream, tensor)
         ptr, n, dt = describe(tensor, self.rank, "all_reduce", "tensor")
         code = _op_code(op, self.rank, "all_reduce")
         return self._ret(
@@ -170,8 +238,14 @@ class Communicator:
     ) -> Work | None:
         """Reduces `input` (world_size blocks) across ranks; rank r gets block r in `output`."""
         name = "reduce_scatter"
-        po, no, do = describe(output, self.rank, name, "output")
-        pi, ni, di = describe(input, self.rank, name, "input", writable=False)
+        cuda = is_cuda_buffer(output)
+        if cuda:
+            [(po, no, do), (pi, ni, di)], dev, stream = self._cuda_args(
+                name, (output, "output", True), (input, "input", False)
+            )
+        else:
+            po, no, do = describe(output, self.rank, name, "output")
+            pi, ni, di = describe(input, self.rank, name, "input", writable=False)
         self._same_dtype(do, di, name)
         if ni != no * self.world_size:
             raise ValueError(
@@ -181,6 +255,11 @@ class Communicator:
         es = ITEMSIZE[di]
         _check_no_overlap((pi, ni * es), (po, no * es), pi + self.rank * no * es, self.rank, name)
         code = _op_code(op, self.rank, name)
+        if cuda:
+            w = _C.cuda_reduce_scatter(
+                self._c, po, pi, no, di, code, dev, stream(), to_seconds(timeout)
+            )
+            return self._cuda_ret(w, async_op, stream, output, input)
         w = self._c.reduce_scatter(po, pi, no, di, code, async_op, to_seconds(timeout))
         return self._ret(w, output, input)
 
@@ -194,8 +273,14 @@ class Communicator:
     ) -> Work | None:
         """Gathers every rank's `input` into `output` (world_size blocks, block r from rank r)."""
         name = "all_gather"
-        po, no, do = describe(output, self.rank, name, "output")
-        pi, ni, di = describe(input, self.rank, name, "input", writable=False)
+        cuda = is_cuda_buffer(output)
+        if cuda:
+            [(po, no, do), (pi, ni, di)], dev, stream = self._cuda_args(
+                name, (output, "output", True), (input, "input", False)
+            )
+        else:
+            po, no, do = describe(output, self.rank, name, "output")
+            pi, ni, di = describe(input, self.rank, name, "input", writable=False)
         self._same_dtype(do, di, name)
         if no != ni * self.world_size:
             raise ValueError(
@@ -204,6 +289,9 @@ class Communicator:
             )
         es = ITEMSIZE[di]
         _check_no_overlap((po, no * es), (pi, ni * es), po + self.rank * ni * es, self.rank, name)
+        if cuda:
+            w = _C.cuda_all_gather(self._c, po, pi, ni, di, dev, stream(), to_seconds(timeout))
+            return self._cuda_ret(w, async_op, stream, output, input)
         w = self._c.all_gather(po, pi, ni, di, async_op, to_seconds(timeout))
         return self._ret(w, output, input)
 
@@ -211,6 +299,11 @@ class Communicator:
         self, tensor: Buffer, src: int, *, async_op: bool = False, timeout: Timeout = None
     ) -> Work | None:
         """Copies rank `src`'s `tensor` into every rank's `tensor`."""
+        if is_cuda_buffer(tensor):
+            [(ptr, n, dt)], dev, stream = self._cuda_args("broadcast", (tensor, "tensor", True))
+            src = self._root(src, "src", "broadcast")
+            w = _C.cuda_broadcast(self._c, ptr, n, dt, src, dev, stream(), to_seconds(timeout))
+            return self._cuda_ret(w, async_op, stream, tensor)
         ptr, n, dt = describe(tensor, self.rank, "broadcast", "tensor")
         src = self._root(src, "src", "broadcast")
         return self._ret(self._c.broadcast(ptr, n, dt, src, async_op, to_seconds(timeout)), tensor)
@@ -225,6 +318,13 @@ class Communicator:
         timeout: Timeout = None,
     ) -> Work | None:
         """Reduces `tensor` across ranks into rank `dst`'s `tensor` (others unchanged)."""
+        if is_cuda_buffer(tensor):
+            [(ptr, n, dt)], dev, stream = self._cuda_args("reduce", (tensor, "tensor", True))
+            dst = self._root(dst, "dst", "reduce")
+            code = _op_code(op, self.rank, "reduce")
+            to = to_seconds(timeout)
+            w = _C.cuda_reduce(self._c, ptr, n, dt, code, dst, dev, stream(), to)
+            return self._cuda_ret(w, async_op, stream, tensor)
         ptr, n, dt = describe(tensor, self.rank, "reduce", "tensor")
         dst = self._root(dst, "dst", "reduce")
         code = _op_code(op, self.rank, "reduce")
@@ -242,8 +342,14 @@ class Communicator:
     ) -> Work | None:
         """Block j of this rank's `input` goes to block `rank` of rank j's `output`."""
         name = "all_to_all"
-        po, no, do = describe(output, self.rank, name, "output")
-        pi, ni, di = describe(input, self.rank, name, "input", writable=False)
+        cuda = is_cuda_buffer(output)
+        if cuda:
+            [(po, no, do), (pi, ni, di)], dev, stream = self._cuda_args(
+                name, (output, "output", True), (input, "input", False)
+            )
+        else:
+            po, no, do = describe(output, self.rank, name, "output")
+            pi, ni, di = describe(input, self.rank, name, "input", writable=False)
         self._same_dtype(do, di, name)
         if no != ni:
             raise ValueError(
@@ -256,6 +362,10 @@ class Communicator:
             )
         es = ITEMSIZE[di]
         _check_no_overlap((po, no * es), (pi, ni * es), None, self.rank, name)
+        if cuda:
+            count, to = ni // self.world_size, to_seconds(timeout)
+            w = _C.cuda_all_to_all(self._c, po, pi, count, di, dev, stream(), to)
+            return self._cuda_ret(w, async_op, stream, output, input)
         w = self._c.all_to_all(po, pi, ni // self.world_size, di, async_op, to_seconds(timeout))
         return self._ret(w, output, input)
 
@@ -263,6 +373,11 @@ class Communicator:
         self, tensor: Buffer, dst: int, *, async_op: bool = False, timeout: Timeout = None
     ) -> Work | None:
         """Sends `tensor` to rank `dst`; returns once it is buffered or delivered."""
+        if is_cuda_buffer(tensor):
+            [(ptr, n, dt)], dev, stream = self._cuda_args("send", (tensor, "tensor", False))
+            dst = self._root(dst, "dst", "send")
+            w = _C.cuda_send(self._c, ptr, n, dt, dst, dev, stream(), to_seconds(timeout))
+            return self._cuda_ret(w, async_op, stream, tensor)
         ptr, n, dt = describe(tensor, self.rank, "send", "tensor", writable=False)
         dst = self._root(dst, "dst", "send")
         return self._ret(self._c.send(ptr, n, dt, dst, async_op, to_seconds(timeout)), tensor)
@@ -271,6 +386,11 @@ class Communicator:
         self, tensor: Buffer, src: int, *, async_op: bool = False, timeout: Timeout = None
     ) -> Work | None:
         """Receives into `tensor` from rank `src` (count and dtype must match the send)."""
+        if is_cuda_buffer(tensor):
+            [(ptr, n, dt)], dev, stream = self._cuda_args("recv", (tensor, "tensor", True))
+            src = self._root(src, "src", "recv")
+            w = _C.cuda_recv(self._c, ptr, n, dt, src, dev, stream(), to_seconds(timeout))
+            return self._cuda_ret(w, async_op, stream, tensor)
         ptr, n, dt = describe(tensor, self.rank, "recv", "tensor")
         src = self._root(src, "src", "recv")
         return self._ret(self._c.recv(ptr, n, dt, src, async_op, to_seconds(timeout)), tensor)
@@ -311,6 +431,64 @@ class Communicator:
             items.append((is_send, ptr, n, dt, peer))
             keep.append(buf)
         return self._ret(self._c.batch_p2p(items, async_op, to_seconds(timeout)), *keep)
+
+    def alloc_shared(
+        self, shape: int | Sequence[int], dtype: Any = None, *, timeout: Timeout = None
+    ) -> Any:
+        """Collective: returns a zero-filled CPU torch tensor of `shape` and
+        `dtype` (default float32) in a symmetric shared-memory window: every
+        rank allocates the same size and maps every peer's buffer. An
+        all_reduce of the tensor, or of the same view of it on every rank,
+        then runs in place across the ranks' buffers with no copy through the
+        transport's slots (as NCCL's registered buffers). The memory lives as
+        long as any tensor viewing it. Every rank must call it with the same
+        size, in the same order as its other collectives.
+
+        Raises ValueError for a negative size or an unsupported dtype, and the
+        communicator's errors (e.g. /dev/shm too small) on every rank.
+        """
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if any(not isinstance(d, int) or d < 0 for d in shape):
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: alloc_shared: shape={shape!r} must be "
+                "non-negative ints"
+            )
+        if not isinstance(dtype, torch.dtype) or dtype.is_complex or dtype == torch.bool:
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: alloc_shared: dtype={dtype!r} is not supported"
+            )
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        win = self._c.alloc_window(nbytes, to_seconds(timeout))
+        flat = torch.frombuffer(win, dtype=torch.uint8, count=nbytes) if nbytes else None
+        if flat is None:
+            return torch.zeros(shape, dtype=dtype)
+        return flat.view(dtype).view(shape)
+
+    def all_reduce_coalesced(
+        self,
+        tensors: Sequence[Any],
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+        bucket_cap_mb: float = 25.0,
+    ) -> Any:
+        """All-reduces a list of CPU tensors in place, fused into shared-memory
+        buckets of at most `bucket_cap_mb` per dtype (see
+        pycollectives.bucketing.all_reduce_coalesced). With async_op, returns a
+        CoalescedWork whose wait() puts the results into the tensors.
+
+        Raises ValueError for a tensor that is not a contiguous CPU tensor."""
+        from .bucketing import all_reduce_coalesced
+
+        return all_reduce_coalesced(
+            self, tensors, op, async_op=async_op, bucket_cap_mb=bucket_cap_mb
+        )
 
     def barrier(self, *, async_op: bool = False, timeout: Timeout = None) -> Work | None:
         """Returns once every rank has entered the barrier."""

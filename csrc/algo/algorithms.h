@@ -25,6 +25,17 @@ void pairwise_all_to_all(OpCtx& c, const void* in, void* out, size_t count);
 void p2p_send(OpCtx& c, const void* buf, size_t count, int peer);
 void p2p_recv(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect);
 
+// All-reduce in place on symmetric windows (see direct.cc): data[p] is the
+// operation's buffer in rank p's window, mapped here; reduced/gathered are
+// rank p's progress counters. Every rank passes the same offset and count.
+constexpr int kMaxDirectRanks = 64;
+struct DirectView {
+  char* data[kMaxDirectRanks];
+  Counter* reduced[kMaxDirectRanks];
+  Counter* gathered[kMaxDirectRanks];
+};
+void direct_all_reduce(OpCtx& c, const DirectView& v, size_t count);
+
 // One send or receive of a batch. `tag`: what a send's slots carry, or what a
 // receive expects from its sender.
 struct P2POp {

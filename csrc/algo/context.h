@@ -21,6 +21,19 @@ class Links {
   [[noreturn]] virtual void tag_mismatch(int peer, const SlotTag& got, const SlotTag& want) = 0;
 };
 
+struct ReduceArgs;
+
+// Runs an operation's copy and reduce kernels somewhere other than on the
+// calling CPU thread (the CUDA path: on the communicator's stream, over
+// device memory). Same semantics as reduce/reduce.h.
+class KernelExec {
+ public:
+  virtual ~KernelExec() = default;
+  virtual void reduce(const ReduceArgs& args) = 0;
+  virtual void scale_avg(void* x, DataType dtype, size_t count, int divisor) = 0;
+  virtual void copy(void* dst0, void* dst1, const void* src, size_t bytes) = 0;
+};
+
 struct OpCtx {
   int rank = 0;
   int nranks = 1;
@@ -29,6 +42,7 @@ struct OpCtx {
   SlotTag tag;                   // what this rank's slots carry and expects
   Links* links = nullptr;
   WaitMonitor* mon = nullptr;
+  KernelExec* exec = nullptr;  // null: host memory, the CPU kernels run inline
   uint64_t bytes_sent = 0;
   uint64_t bytes_recv = 0;
 

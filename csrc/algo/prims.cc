@@ -7,6 +7,30 @@
 #include "reduce/reduce.h"
 
 namespace pyc {
+namespace {
+
+// The kernels run inline on host memory unless the operation has an executor
+// (CUDA); one predictable branch per chunk.
+inline void do_reduce(OpCtx& c, const ReduceArgs& a) {
+  if (c.exec)
+    c.exec->reduce(a);
+  else
+    reduce(a);
+}
+inline void do_scale_avg(OpCtx& c, void* x, size_t n) {
+  if (c.exec)
+    c.exec->scale_avg(x, c.dtype, n, c.nranks);
+  else
+    scale_avg(x, c.dtype, n, c.nranks);
+}
+inline void do_copy(OpCtx& c, void* dst0, void* dst1, const void* src, size_t bytes) {
+  if (c.exec)
+    c.exec->copy(dst0, dst1, src, bytes);
+  else
+    copy(dst0, dst1, src, bytes);
+}
+
+}  // namespace
 
 Prims::Prims(OpCtx& ctx, int send_peer, int recv_peer)
     : c_(ctx),
@@ -43,31 +67,31 @@ void Prims::reduce2(void* dst0, void* dst1, const void* a, const void* b, size_t
                   dst0,     avg ? nullptr : dst1,
                   srcs,     2,
                   n};
-  reduce(args);
+  do_reduce(c_, args);
   if (avg) {
-    scale_avg(dst0, c_.dtype, n, c_.nranks);
-    if (dst1) copy(dst1, nullptr, dst0, n * c_.esize());
+    do_scale_avg(c_, dst0, n);
+    if (dst1) do_copy(c_, dst1, nullptr, dst0, n * c_.esize());
   }
 }
 
 void Prims::send(const void* src, size_t n) {
   const size_t b = n * c_.esize();
   void* out = acquire_out();
-  copy(out, nullptr, src, b);
+  do_copy(c_, out, nullptr, src, b);
   post_out(b);
 }
 
 void Prims::copy_send(const void* src, void* dst, size_t n) {
   const size_t b = n * c_.esize();
   void* out = acquire_out();
-  copy(out, src == dst ? nullptr : dst, src, b);
+  do_copy(c_, out, src == dst ? nullptr : dst, src, b);
   post_out(b);
 }
 
 void Prims::recv(void* dst, size_t n) {
   const size_t b = n * c_.esize();
   const void* in = wait_in(b);
-  copy(dst, nullptr, in, b);
+  do_copy(c_, dst, nullptr, in, b);
   release_in();
 }
 
@@ -99,7 +123,7 @@ void Prims::recv_copy_send(void* dst, size_t n) {
   const size_t b = n * c_.esize();
   const void* in = wait_in(b);
   void* out = acquire_out();
-  copy(dst, out, in, b);
+  do_copy(c_, dst, out, in, b);
   release_in();
   post_out(b);
 }

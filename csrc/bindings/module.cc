@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "bindings/cuda_bindings.h"
+#include "bindings/cuda_comm_bindings.h"
 #include "bindings/fast_path.h"
 #include "bindings/reduce_bindings.h"
 #include "comm/communicator.h"
@@ -46,6 +48,8 @@ py::object error_class(const char* name) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pycollectives core: shared-memory collectives on raw buffers";
   bind_reduce(m);
+  bind_cuda(m);
+  bind_cuda_comm(m);
 
   static py::object timeout_cls = error_class("CollectiveTimeout");
   static py::object peer_cls = error_class("PeerFailure");
@@ -89,6 +93,17 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("wait", &Work::wait, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &Work::is_completed);
+
+  // A symmetric window's local buffer, exported as bytes (torch.frombuffer
+  // keeps this object, hence the mapping, alive as long as the tensor).
+  py::class_<ShmWindow, std::shared_ptr<ShmWindow>>(m, "Window", py::buffer_protocol())
+      .def_property_readonly("nbytes", &ShmWindow::bytes)
+      .def_property_readonly(
+          "ptr", [](const ShmWindow& w) { return reinterpret_cast<uintptr_t>(w.local()); })
+      .def_buffer([](ShmWindow& w) {
+        return py::buffer_info(w.local(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(w.bytes())}, {1});
+      });
 
   using C = Communicator;
   using G = py::call_guard<py::gil_scoped_release>;
@@ -180,6 +195,7 @@ PYBIND11_MODULE(_C, m) {
              py::gil_scoped_release nogil;
              return c.batch_p2p(std::move(v), async, to);
            })
+      .def("alloc_window", &C::alloc_window, py::arg("nbytes"), py::arg("timeout"), G())
       .def("barrier", &C::barrier, G())
       .def("split", &C::split, G())
       .def("stats", [](const C& c) {

@@ -6,9 +6,11 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
 #include <thread>
 
 #include "comm/monitor.h"
@@ -186,6 +188,8 @@ void Communicator::connect() {
 void Communicator::close() {
   if (closed_.exchange(true)) return;
   engine_->shutdown();
+  std::lock_guard<std::mutex> lk(cuda_mu_);
+  cuda_.reset();  // the engine has stopped: no kernel of ours is in flight
 }
 
 void Communicator::check_open(OpKind kind) const {
@@ -201,13 +205,14 @@ void Communicator::check_rank(int r, const char* what, OpKind kind) const {
                                                       << n_ << ")");
 }
 
-void Communicator::announce(uint32_t seq, const OpSig& sig) {
+void Communicator::announce(uint32_t seq, const OpSig& sig, uint64_t where) {
   RankCtl* me = layout_.rank_ctl(seg_.data(), rank_);
   SigEntry& e = me->sig[seq % kSigHistory];
   e.seq.store(0, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
   e.w0 = sig.word0();
   e.w1 = sig.word1();
+  e.where = where;
   e.seq.store(seq, std::memory_order_release);
   publish(me->started, seq);
 }
@@ -229,18 +234,18 @@ void Communicator::account(OpKind kind, const OpCtx& c, uint64_t ns) {
 }
 
 std::shared_ptr<Work> Communicator::collective(const OpSig& sig, double timeout_s, bool async,
-                                               Body body) {
+                                               Body body, uint64_t where) {
   check_open(sig.kind);
   if (timeout_s < 0) timeout_s = timeout_s_;
   return engine_->submit([this] { return ++seq_; },
-                         [this, sig, timeout_s, body = std::move(body)](uint32_t seq) {
-                           run_collective(sig, seq, timeout_s, body);
+                         [this, sig, timeout_s, where, body = std::move(body)](uint32_t seq) {
+                           run_collective(sig, seq, timeout_s, body, where);
                          },
                          async);
 }
 
 void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout_s,
-                                  const Body& body) {
+                                  const Body& body, uint64_t where) {
   if (aborted()) throw_abort();
   auto t0 = Clock::now();
   OpMonitor mon(*this, sig, seq, true, timeout_s);
@@ -253,7 +258,7 @@ void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout
   c.links = this;
   c.mon = &mon;
   try {
-    announce(seq, sig);
+    announce(seq, sig, where);
     if (seq > static_cast<uint32_t>(kMaxLead)) wait_started(seq - kMaxLead, mon);
     body(c);
   } catch (const std::exception& e) {
@@ -311,14 +316,93 @@ void Communicator::saw_flags(uint32_t seq, int only) {
 std::shared_ptr<Work> Communicator::all_reduce(void* buf, size_t count, DataType dt, ReduceOp op,
                                                bool async, double timeout_s) {
   OpSig sig{OpKind::kAllReduce, dt, op, -1, count};
-  return collective(sig, timeout_s, async, [this, buf, count](OpCtx& c) {
-    if (oneshot(c, count * c.esize())) {
-      oneshot_all_reduce(c, oneshot_, buf, buf, count);
-      saw_flags(c.tag.seq);
-    } else {
-      ring_all_reduce(c, buf, buf, count);
+  uint64_t where = 0;
+  std::shared_ptr<ShmWindow> win = find_window(buf, count * dtype_size(dt), &where);
+  return collective(
+      sig, timeout_s, async,
+      [this, buf, count, win, where](OpCtx& c) {
+        if (oneshot(c, count * c.esize())) {
+          oneshot_all_reduce(c, oneshot_, buf, buf, count);
+          saw_flags(c.tag.seq);
+        } else if (win && symmetric(c, where)) {
+          DirectView v;
+          const size_t off = where & ((uint64_t{1} << 40) - 1);
+          for (int p = 0; p < n_; ++p) {
+            RankCtl* ctl = layout_.rank_ctl(seg_.data(), p);
+            v.data[p] = win->base(p) + off;
+            v.reduced[p] = &ctl->reduced;
+            v.gathered[p] = &ctl->gathered;
+          }
+          direct_all_reduce(c, v, count);
+        } else {
+          ring_all_reduce(c, buf, buf, count);
+        }
+      },
+      where);
+}
+
+std::shared_ptr<ShmWindow> Communicator::find_window(const void* p, size_t n, uint64_t* where) {
+  *where = 0;
+  if (n == 0 || algo_ == Algo::kRing) return nullptr;
+  std::lock_guard<std::mutex> lk(windows_mu_);
+  for (const auto& w : windows_) {
+    std::shared_ptr<ShmWindow> win = w.lock();
+    size_t off = 0;
+    if (win && win->contains(p, n, &off) && off < (uint64_t{1} << 40)) {
+      *where = static_cast<uint64_t>(win->id() + 1) << 40 | off;
+      return win;
     }
-  });
+  }
+  return nullptr;
+}
+
+bool Communicator::symmetric(OpCtx& c, uint64_t where) {
+  if (n_ > kMaxDirectRanks) return false;
+  const uint32_t seq = c.tag.seq;
+  wait_started(seq, *c.mon);  // every peer's data is in place and its op announced
+  for (int p = 0; p < n_; ++p) {
+    const SigEntry& e = layout_.rank_ctl(seg_.data(), p)->sig[seq % kSigHistory];
+    if (e.seq.load(std::memory_order_acquire) != seq || e.w0 != c.tag.w0 || e.w1 != c.tag.w1 ||
+        e.where != where)
+      return false;  // the ring runs (and reports a mismatched operation)
+  }
+  return true;
+}
+
+std::shared_ptr<ShmWindow> Communicator::alloc_window(size_t bytes, double timeout_s) {
+  check_open(OpKind::kBarrier);
+  if (timeout_s < 0) timeout_s = timeout_s_;
+  const size_t page = 4096, size = std::max<size_t>(page, (bytes + page - 1) / page * page);
+  const int id = next_window_++;
+  auto name = [&](int r) {
+    std::ostringstream os;
+    os << seg_.name() << ".w" << id << "." << r;
+    return os.str();
+  };
+  std::vector<ShmSegment> segs(n_);
+  try {
+    segs[rank_] = ShmSegment::create(name(rank_), size);
+  } catch (const std::exception& e) {
+    set_abort(AbortKind::kError, e.what());  // the peers must not wait for this window
+    throw;
+  }
+  barrier(false, timeout_s);  // every rank created its buffer
+  try {
+    for (int p = 0; p < n_; ++p)
+      if (p != rank_) segs[p] = ShmSegment::open(name(p), size, timeout_s);
+  } catch (const std::exception& e) {
+    set_abort(AbortKind::kError, e.what());
+    throw;
+  }
+  barrier(false, timeout_s);  // every rank mapped every buffer: no name is needed any more
+  segs[rank_].unlink();
+  auto win = std::make_shared<ShmWindow>(id, rank_, bytes, std::move(segs));
+  std::lock_guard<std::mutex> lk(windows_mu_);
+  windows_.erase(std::remove_if(windows_.begin(), windows_.end(),
+                                [](const std::weak_ptr<ShmWindow>& w) { return w.expired(); }),
+                 windows_.end());
+  windows_.push_back(win);
+  return win;
 }
 
 std::shared_ptr<Work> Communicator::reduce_scatter(void* out, const void* in, size_t count,

@@ -6,6 +6,7 @@
 #include <array>
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -14,8 +15,11 @@
 #include "core/types.h"
 #include "transport/shm_fifo.h"
 #include "transport/shm_segment.h"
+#include "transport/shm_window.h"
 
 namespace pyc {
+
+class CudaPath;  // cuda/cuda_path.h: the CUDA transport of a communicator
 
 enum class Algo : uint32_t { kAuto = 0, kRing = 1, kOneShot = 2 };
 
@@ -82,6 +86,10 @@ class Communicator final : public Links {
     int peer;
   };
   std::shared_ptr<Work> batch_p2p(std::vector<P2PItem> items, bool async, double timeout_s);
+  // Collective: every rank allocates a `bytes`-byte buffer that every peer maps
+  // (a symmetric window). An all-reduce whose buffer lies in a window at the
+  // same offset on every rank runs in place across the buffers (direct.cc).
+  std::shared_ptr<ShmWindow> alloc_window(size_t bytes, double timeout_s);
   // Collective; returns nullptr for color < 0.
   std::shared_ptr<Communicator> split(int color, int key, double timeout_s);
 
@@ -94,16 +102,25 @@ class Communicator final : public Links {
 
  private:
   friend class OpMonitor;
+  friend class CudaPath;
   using Body = std::function<void(OpCtx&)>;
 
   void check_rank(int r, const char* what, OpKind kind) const;
   void check_open(OpKind kind) const;
   // Queues a collective: numbered at issue, announced and run in order.
-  std::shared_ptr<Work> collective(const OpSig& sig, double timeout_s, bool async, Body body);
-  void run_collective(const OpSig& sig, uint32_t seq, double timeout_s, const Body& body);
+  // `where`: the buffer's window placement (see SigEntry::where), announced with the op.
+  std::shared_ptr<Work> collective(const OpSig& sig, double timeout_s, bool async, Body body,
+                                   uint64_t where = 0);
+  void run_collective(const OpSig& sig, uint32_t seq, double timeout_s, const Body& body,
+                      uint64_t where = 0);
   std::shared_ptr<Work> point_to_point(const OpSig& sig, int peer, double timeout_s, bool async,
                                        Body body);
-  void announce(uint32_t seq, const OpSig& sig);
+  void announce(uint32_t seq, const OpSig& sig, uint64_t where = 0);
+  // The window holding [p, p + n) on this rank and its placement word, if any.
+  std::shared_ptr<ShmWindow> find_window(const void* p, size_t n, uint64_t* where);
+  // After every peer started operation c.tag.seq: whether all announced the
+  // same operation at the same placement `where` (then direct.cc applies).
+  bool symmetric(OpCtx& c, uint64_t where);
   // Waits until every peer has started collective `seq` (or a later one).
   void wait_started(uint32_t seq, WaitMonitor& mon);
   void account(OpKind kind, const OpCtx& c, uint64_t ns);
@@ -138,6 +155,13 @@ class Communicator final : public Links {
   std::array<OpStats, kNumOpKinds> stats_;
   std::unique_ptr<ProgressEngine> engine_;
   std::atomic<bool> closed_{false};
+  std::mutex windows_mu_;
+  std::vector<std::weak_ptr<ShmWindow>> windows_;
+  int next_window_ = 0;  // windows allocated (collectively, so equal on all ranks)
+  // Created by the first CUDA operation (cuda/); released by close() once the
+  // engine has stopped. Stays null in a CPU-only build.
+  std::shared_ptr<CudaPath> cuda_;
+  std::mutex cuda_mu_;  // guards the creation of cuda_
 };
 
 }  // namespace pyc

@@ -37,10 +37,13 @@ struct SigEntry {
   std::atomic<uint32_t> seq;
   uint32_t pad;
   uint64_t w0, w1;
+  uint64_t where;  // symmetric-window placement of the buffer (window id << 40 | offset), or 0
 };
 
 struct alignas(64) RankCtl {
-  Counter started;  // latest collective sequence number started
+  Counter started;   // latest collective sequence number started
+  Counter reduced;   // direct all-reduce: this rank's part of operation `value` is reduced
+  Counter gathered;  // direct all-reduce: this rank has read every peer's part
   alignas(64) int32_t pid;
   std::atomic<uint32_t> closed;       // set by close() before `alive` is released
   alignas(64) pthread_mutex_t alive;  // robust; held while the rank's communicator lives

@@ -1,0 +1,127 @@
+// The CUDA path's bindings (see cuda_comm_bindings.h). Buffers arrive as
+// integer device addresses, streams as integer cudaStream_t values (torch's
+// `torch.cuda.current_stream().cuda_stream`); the core stays torch-free.
+// Every call releases the GIL.
+#include "bindings/cuda_comm_bindings.h"
+
+#include <cstdint>
+
+#include "comm/communicator.h"
+#include "core/error.h"
+
+#ifdef PYCOLL_WITH_CUDA
+#include "cuda/cuda_path.h"
+#endif
+
+namespace py = pybind11;
+
+namespace pyc {
+namespace {
+
+#ifdef PYCOLL_WITH_CUDA
+void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
+
+DataType to_dtype(int v) {
+  if (!valid_dtype(v)) PYC_THROW(InvalidArgument, "pycollectives: invalid dtype code " << v);
+  return static_cast<DataType>(v);
+}
+
+ReduceOp to_op(int v) {
+  if (!valid_reduce_op(v))
+    PYC_THROW(InvalidArgument, "pycollectives: invalid reduce op code " << v);
+  return static_cast<ReduceOp>(v);
+}
+
+CudaCall call(int device, uintptr_t stream, double timeout) {
+  CudaCall c;
+  c.device = device;
+  c.stream = stream;
+  c.timeout_s = timeout;
+  return c;
+}
+#else
+[[noreturn]] void no_cuda(const char* what) {
+  PYC_THROW(Error, "pycollectives: " << what
+                                     << ": pycollectives was built without CUDA (rebuild with "
+                                        "nvcc on PATH, or PYCOLL_CUDA=1)");
+}
+#endif
+
+}  // namespace
+
+void bind_cuda_comm(py::module_& m) {
+#ifdef PYCOLL_WITH_CUDA
+  using C = Communicator;
+  using G = py::call_guard<py::gil_scoped_release>;
+  py::class_<CudaWork, std::shared_ptr<CudaWork>>(m, "CudaWork")
+      .def("wait_stream", &CudaWork::wait_stream, py::arg("stream"), py::arg("timeout") = -1.0, G(),
+           "Blocks until the operation's last kernel is enqueued, then makes `stream` wait for "
+           "it on the GPU; False on timeout.")
+      .def("wait", &CudaWork::wait_host, py::arg("timeout") = -1.0, G(),
+           "Blocks until every kernel of the operation has completed; False on timeout.")
+      .def("is_completed", &CudaWork::is_completed);
+  m.def(
+      "cuda_all_reduce",
+      [](C& c, uintptr_t buf, size_t n, int dt, int op, int dev, uintptr_t stream, double to) {
+        return cuda_all_reduce(c, ptr(buf), n, to_dtype(dt), to_op(op), call(dev, stream, to));
+      },
+      G());
+  m.def(
+      "cuda_reduce_scatter",
+      [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, int op, int dev, uintptr_t stream,
+         double to) {
+        return cuda_reduce_scatter(c, ptr(out), ptr(in), n, to_dtype(dt), to_op(op),
+                                   call(dev, stream, to));
+      },
+      G());
+  m.def(
+      "cuda_all_gather",
+      [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, int dev, uintptr_t stream,
+         double to) {
+        return cuda_all_gather(c, ptr(out), ptr(in), n, to_dtype(dt), call(dev, stream, to));
+      },
+      G());
+  m.def(
+      "cuda_broadcast",
+      [](C& c, uintptr_t buf, size_t n, int dt, int root, int dev, uintptr_t stream, double to) {
+        return cuda_broadcast(c, ptr(buf), n, to_dtype(dt), root, call(dev, stream, to));
+      },
+      G());
+  m.def(
+      "cuda_reduce",
+      [](C& c, uintptr_t buf, size_t n, int dt, int op, int root, int dev, uintptr_t stream,
+         double to) {
+        return cuda_reduce(c, ptr(buf), n, to_dtype(dt), to_op(op), root, call(dev, stream, to));
+      },
+      G());
+  m.def(
+      "cuda_all_to_all",
+      [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, int dev, uintptr_t stream,
+         double to) {
+        return cuda_all_to_all(c, ptr(out), ptr(in), n, to_dtype(dt), call(dev, stream, to));
+      },
+      G());
+  m.def(
+      "cuda_send",
+      [](C& c, uintptr_t buf, size_t n, int dt, int peer, int dev, uintptr_t stream, double to) {
+        return cuda_send(c, ptr(buf), n, to_dtype(dt), peer, call(dev, stream, to));
+      },
+      G());
+  m.def(
+      "cuda_recv",
+      [](C& c, uintptr_t buf, size_t n, int dt, int peer, int dev, uintptr_t stream, double to) {
+        return cuda_recv(c, ptr(buf), n, to_dtype(dt), peer, call(dev, stream, to));
+      },
+      G());
+  m.def("cuda_pointer_device", &cuda_pointer_device, G(),
+        "The CUDA device of a device or managed address, or -1 for host memory.");
+#else
+  for (const char* name :
+       {"cuda_all_reduce", "cuda_reduce_scatter", "cuda_all_gather", "cuda_broadcast",
+        "cuda_reduce", "cuda_all_to_all", "cuda_send", "cuda_recv", "cuda_pointer_device"}) {
+    m.def(name, [name](const py::args&) { no_cuda(name); });
+  }
+#endif
+}
+
+}  // namespace pyc

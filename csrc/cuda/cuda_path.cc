@@ -1,0 +1,569 @@
+// The CUDA path of a Communicator (see cuda_path.h): the per-communicator
+// stream, staging memory and IPC links, set up at the first CUDA collective,
+// and the operations, run by the progress engine over the algorithm layer.
+#include "cuda/cuda_path.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+
+#include "algo/algorithms.h"
+#include "algo/prims.h"
+#include "cuda/check.h"
+#include "cuda/cuda_transport.h"
+#include "transport/shm_segment.h"
+
+namespace pyc {
+namespace {
+
+// PYCOLL_CUDA_SLOT_BYTES default: large slots amortize the host round trip
+// of each ring step (event query, publish, the peer's poll and launch);
+// smaller ones as the staging memory, (n-1) x nslots x slot, grows with n.
+size_t default_slot_bytes(int n) { return n <= 4 ? 16 << 20 : n <= 8 ? 8 << 20 : 4 << 20; }
+constexpr uint32_t kDefaultNSlots = 4;  // PYCOLL_CUDA_NSLOTS
+
+size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// Reads a size such as "4M", "512K" or "65536" from the environment.
+size_t env_size(const char* name, size_t dflt) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return dflt;
+  char* end = nullptr;
+  const double x = std::strtod(v, &end);
+  size_t mult = 1;
+  if (*end == 'K' || *end == 'k')
+    mult = 1 << 10;
+  else if (*end == 'M' || *end == 'm')
+    mult = 1 << 20;
+  else if (*end != '\0')
+    PYC_THROW(InvalidArgument, "pycollectives: cannot parse " << name << "=" << v);
+  if (!(x >= 1))
+    PYC_THROW(InvalidArgument, "pycollectives: " << name << " must be >= 1, not " << v);
+  return static_cast<size_t>(x * mult);
+}
+
+// What each rank tells the others at the first CUDA collective.
+struct PeerInfo {
+  cudaIpcMemHandle_t mem;  // this rank's staging buffer (its incoming FIFOs)
+  char uuid[16];           // its device (ordinals differ between processes)
+  char ctl_name[64];       // rank 0: the name of the control segment
+  uint64_t slot_bytes;
+  uint32_t nslots;
+  int32_t pid;
+};
+
+// The host segment of the CUDA FIFOs' control words, created by rank 0.
+struct CtlHeader {
+  alignas(64) std::atomic<uint32_t> attached;  // ranks that mapped it
+};
+
+size_t ctl_bytes(int n, uint32_t nslots) {
+  const size_t pairs = static_cast<size_t>(n) * static_cast<size_t>(n - 1);
+  return round_up(sizeof(CtlHeader), kAlign) + pairs * sizeof(FifoCtl) +
+         pairs * nslots * sizeof(SlotHeader);
+}
+
+// Index of the FIFO src -> dst among all n(n-1), as ShmLayout::pair.
+size_t pair_index(int n, int src, int dst) {
+  return static_cast<size_t>(src) * (n - 1) + (dst < src ? dst : dst - 1);
+}
+
+// Position of src's FIFO among dst's n-1 incoming FIFOs (in dst's staging buffer).
+size_t in_index(int src, int dst) { return static_cast<size_t>(src < dst ? src : src - 1); }
+
+std::string device_name(int d) { return "cuda:" + std::to_string(d); }
+
+}  // namespace
+
+// ---- CudaWork ----
+
+void CudaWork::set_recorded() {
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    recorded_ = true;
+  }
+  cv_.notify_all();
+}
+
+void CudaWork::set_failed() {
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    failed_ = true;
+  }
+  cv_.notify_all();
+}
+
+bool CudaWork::wait_stream(uintptr_t stream, double timeout_s) {
+  bool recorded;
+  {
+    using Clock = std::chrono::steady_clock;
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(timeout_s));
+    std::unique_lock<std::mutex> lk(m_);
+    // The operation may also fail before its body runs (an abort, a peer's
+    // error, the lead check): then only the core Work completes, so look at
+    // it too, every millisecond.
+    while (!recorded_ && !failed_ && !work->is_completed()) {
+      if (timeout_s >= 0 && Clock::now() >= deadline) return false;
+      cv_.wait_for(lk, std::chrono::milliseconds(1));
+    }
+    recorded = recorded_;
+  }
+  // Failed before its last kernel was enqueued: Work::wait rethrows (the
+  // engine finishes the Work right after the body throws). An error found
+  // later (while draining) is rethrown once the Work has completed.
+  if (!recorded || work->is_completed()) work->wait(-1);
+  if (!recorded) return true;
+  DeviceGuard g(device);
+  PYC_CUDA_CHECK(
+      cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), final_event->get(), 0));
+  return true;
+}
+
+bool CudaWork::wait_host(double timeout_s) { return work->wait(timeout_s); }
+
+bool CudaWork::is_completed() { return work->is_completed(); }
+
+// ---- CudaPath ----
+
+class CudaPath : public std::enable_shared_from_this<CudaPath> {
+ public:
+  using Algo = std::function<void(OpCtx&)>;
+
+  CudaPath(Communicator& comm, int device);
+  ~CudaPath();
+  CudaPath(const CudaPath&) = delete;
+  CudaPath& operator=(const CudaPath&) = delete;
+
+  // The communicator's CUDA path, created by its first CUDA operation;
+  // checks that `call` is on its device.
+  static std::shared_ptr<CudaPath> get(Communicator& comm, const CudaCall& call, OpKind kind);
+  // Validates one buffer of `bytes` bytes of a call.
+  void check_buffer(const void* p, size_t bytes, OpKind kind, const char* arg) const;
+  void check_rank(int r, const char* what, OpKind kind) const { comm_.check_rank(r, what, kind); }
+  void check_peer(int peer, const char* what, OpKind kind) const;
+  // Records the issue event on the caller's stream and queues the operation
+  // (a collective, or point-to-point with p2p_peer >= 0).
+  std::shared_ptr<CudaWork> issue(const OpSig& sig, const CudaCall& call, int p2p_peer, Algo algo);
+  int rank() const { return comm_.rank_; }
+  int nranks() const { return comm_.n_; }
+
+ private:
+  void run(OpCtx& c, CudaWork& w, bool collective, const Algo& algo);
+  // Allocates the staging memory, exchanges the IPC handles with a CPU
+  // all-gather inside the first CUDA collective (every rank reaches it at the
+  // same sequence number) and maps the peers' buffers.
+  void setup(OpCtx& c);
+
+  Communicator& comm_;
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  std::shared_ptr<EventPool> pool_;
+  std::unique_ptr<CudaExec> exec_;
+  std::unique_ptr<CudaLinks> links_;  // set by setup(), on the engine's thread
+  std::atomic<bool> collective_issued_{false};
+  void* staging_ = nullptr;
+  std::vector<void*> peer_base_;
+  ShmSegment ctl_;
+  bool ctl_linked_ = false;  // rank 0: the control segment still has its name
+};
+
+CudaPath::CudaPath(Communicator& comm, int device) : comm_(comm), device_(device) {
+  DeviceGuard g(device_);
+  PYC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  pool_ = std::make_shared<EventPool>(device_);
+  exec_ = std::make_unique<CudaExec>(stream_, pool_);
+}
+
+CudaPath::~CudaPath() {
+  // Never throws; the runtime may already be shutting down at exit.
+  int prev = -1;
+  const bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
+  if (cudaSetDevice(device_) == cudaSuccess) {
+    if (stream_) (void)cudaStreamSynchronize(stream_);  // no kernel of ours still runs
+    links_.reset();
+    for (void* p : peer_base_)
+      if (p) (void)cudaIpcCloseMemHandle(p);
+    if (staging_) (void)cudaFree(staging_);
+    exec_.reset();
+    if (stream_) (void)cudaStreamDestroy(stream_);
+    if (have_prev && prev != device_) (void)cudaSetDevice(prev);
+  }
+  (void)cudaGetLastError();
+}
+
+std::shared_ptr<CudaPath> CudaPath::get(Communicator& comm, const CudaCall& call, OpKind kind) {
+  std::lock_guard<std::mutex> lk(comm.cuda_mu_);
+  comm.check_open(kind);
+  if (!comm.cuda_) {
+    cuda::require_device(op_kind_name(kind));
+    const int ndev = cuda::device_count();
+    if (call.device < 0 || call.device >= ndev)
+      PYC_THROW(InvalidArgument, "pycollectives: rank " << comm.rank_ << ": " << op_kind_name(kind)
+                                                        << ": device " << call.device
+                                                        << " is out of range (this process sees "
+                                                        << ndev << " CUDA devices)");
+    comm.cuda_ = std::make_shared<CudaPath>(comm, call.device);
+  } else if (comm.cuda_->device_ != call.device) {
+    PYC_THROW(InvalidArgument,
+              "pycollectives: rank "
+                  << comm.rank_ << ": " << op_kind_name(kind) << ": the buffers are on "
+                  << device_name(call.device) << ", but this communicator's CUDA operations run on "
+                  << device_name(comm.cuda_->device_) << " (fixed by its first CUDA operation)");
+  }
+  return comm.cuda_;
+}
+
+void CudaPath::check_buffer(const void* p, size_t bytes, OpKind kind, const char* arg) const {
+  if (bytes == 0) return;
+  cudaPointerAttributes a{};
+  const cudaError_t err = cudaPointerGetAttributes(&a, p);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    PYC_THROW(InvalidArgument, "pycollectives: rank "
+                                   << comm_.rank_ << ": " << op_kind_name(kind) << ": " << arg
+                                   << " is not CUDA memory (cudaPointerGetAttributes: "
+                                   << cudaGetErrorString(err) << ")");
+  }
+  if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
+    PYC_THROW(InvalidArgument, "pycollectives: rank " << comm_.rank_ << ": " << op_kind_name(kind)
+                                                      << ": " << arg
+                                                      << " is host memory, not device memory of "
+                                                      << device_name(device_));
+  if (a.device != device_)
+    PYC_THROW(InvalidArgument, "pycollectives: rank " << comm_.rank_ << ": " << op_kind_name(kind)
+                                                      << ": " << arg << " is on "
+                                                      << device_name(a.device) << ", not "
+                                                      << device_name(device_));
+}
+
+void CudaPath::check_peer(int peer, const char* what, OpKind kind) const {
+  comm_.check_rank(peer, what, kind);
+  if (peer == comm_.rank_)
+    PYC_THROW(InvalidArgument, "pycollectives: rank " << comm_.rank_ << ": " << op_kind_name(kind)
+                                                      << ": " << what << "=" << peer
+                                                      << " is this rank");
+  if (!collective_issued_.load())
+    PYC_THROW(InvalidArgument,
+              "pycollectives: rank "
+                  << comm_.rank_ << ": " << op_kind_name(kind)
+                  << ": CUDA point-to-point needs the CUDA transport, which the first CUDA "
+                     "collective of the communicator sets up; run one first on every rank (e.g. "
+                     "all_reduce of a one-element CUDA tensor)");
+}
+
+std::shared_ptr<CudaWork> CudaPath::issue(const OpSig& sig, const CudaCall& call, int p2p_peer,
+                                          Algo algo) {
+  auto w = std::make_shared<CudaWork>();
+  w->device = device_;
+  {
+    DeviceGuard g(device_);
+    w->issue_event = pool_->get();
+    w->final_event = pool_->get();
+    PYC_CUDA_CHECK(
+        cudaEventRecord(w->issue_event->get(), reinterpret_cast<cudaStream_t>(call.stream)));
+  }
+  auto self = shared_from_this();  // queued operations keep the path alive
+  Communicator::Body body = [self, w, collective = p2p_peer < 0, algo = std::move(algo)](OpCtx& c) {
+    self->run(c, *w, collective, algo);
+  };
+  if (p2p_peer >= 0) {
+    w->work = comm_.point_to_point(sig, p2p_peer, call.timeout_s, true, std::move(body));
+  } else {
+    collective_issued_.store(true);
+    w->work = comm_.collective(sig, call.timeout_s, true, std::move(body));
+  }
+  return w;
+}
+
+void CudaPath::run(OpCtx& c, CudaWork& w, bool collective, const Algo& algo) {
+  try {
+    // The engine's own thread: set, never restored (restoring device 0 would
+    // create a context there in a process that does not use it).
+    PYC_CUDA_CHECK(cudaSetDevice(device_));
+    if (!links_) {
+      // Only a collective may set up (every rank runs it); a send/recv was
+      // admitted after a CUDA collective was issued, so that one failed.
+      if (!collective)
+        PYC_THROW(Aborted, "pycollectives: rank "
+                               << rank()
+                               << ": CUDA point-to-point: the CUDA transport was not set up (the "
+                                  "first CUDA collective failed)");
+      setup(c);
+    }
+    PYC_CUDA_CHECK(cudaStreamWaitEvent(stream_, w.issue_event->get(), 0));
+    exec_->begin();
+    c.exec = exec_.get();
+    c.links = links_.get();
+    algo(c);
+    PYC_CUDA_CHECK(cudaEventRecord(w.final_event->get(), stream_));
+    w.set_recorded();
+    links_->drain(*c.mon);
+    if (ctl_linked_ && ctl_.data() &&
+        static_cast<CtlHeader*>(ctl_.data())->attached.load() == static_cast<uint32_t>(nranks())) {
+      ctl_.unlink();  // every rank has mapped it: nothing stays in /dev/shm
+      ctl_linked_ = false;
+    }
+  } catch (...) {
+    w.set_failed();
+    throw;
+  }
+}
+
+void CudaPath::setup(OpCtx& c) {
+  const int n = comm_.n_, r = comm_.rank_;
+  std::vector<CudaFifo> out(n), in(n);
+  if (n == 1) {
+    links_ = std::make_unique<CudaLinks>(comm_, r, n, 1, kAlign, *exec_, out, in);
+    return;
+  }
+  PeerInfo mine;
+  std::memset(&mine, 0, sizeof(mine));
+  mine.slot_bytes = round_up(env_size("PYCOLL_CUDA_SLOT_BYTES", default_slot_bytes(n)), 4096);
+  mine.nslots = static_cast<uint32_t>(env_size("PYCOLL_CUDA_NSLOTS", kDefaultNSlots));
+  mine.pid = static_cast<int32_t>(getpid());
+  cudaDeviceProp prop{};
+  PYC_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
+  static_assert(sizeof(prop.uuid) == sizeof(mine.uuid), "cudaUUID_t is 16 bytes");
+  std::memcpy(mine.uuid, &prop.uuid, sizeof(mine.uuid));
+  const size_t fifo_bytes = static_cast<size_t>(mine.nslots) * mine.slot_bytes;
+  const size_t staging_bytes = static_cast<size_t>(n - 1) * fifo_bytes;
+  if (const cudaError_t e = cudaMalloc(&staging_, staging_bytes); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    staging_ = nullptr;
+    PYC_THROW(Error, "pycollectives: rank "
+                         << r << ": cannot allocate " << staging_bytes
+                         << " bytes of staging memory on " << device_name(device_) << " (" << n - 1
+                         << " peers x " << mine.nslots << " slots x " << mine.slot_bytes
+                         << " bytes): " << cudaGetErrorString(e) << " at " << __FILE__ << ":"
+                         << __LINE__ << "; lower PYCOLL_CUDA_SLOT_BYTES / PYCOLL_CUDA_NSLOTS");
+  }
+  PYC_CUDA_CHECK(cudaIpcGetMemHandle(&mine.mem, staging_));
+  const size_t cbytes = ctl_bytes(n, mine.nslots);
+  if (r == 0) {
+    const std::string name = ShmSegment::unique_name();
+    PYC_ASSERT(name.size() < sizeof(mine.ctl_name));
+    ctl_ = ShmSegment::create(name, cbytes);
+    ctl_linked_ = true;
+    std::memcpy(mine.ctl_name, name.c_str(), name.size());
+  }
+
+  // The exchange: a CPU all-gather over the shared-memory links, tagged as
+  // this operation (every rank runs it at the same sequence number).
+  std::vector<PeerInfo> all(n);
+  {
+    OpCtx g = c;
+    g.dtype = DataType::kUInt8;
+    g.op = ReduceOp::kSum;
+    g.links = &comm_;
+    g.exec = nullptr;
+    ring_all_gather(g, &mine, all.data(), sizeof(PeerInfo));
+  }
+  for (int p = 1; p < n; ++p)
+    if (all[p].slot_bytes != all[0].slot_bytes || all[p].nslots != all[0].nslots)
+      PYC_THROW(InvalidArgument,
+                "pycollectives: rank "
+                    << r << ": PYCOLL_CUDA_SLOT_BYTES / PYCOLL_CUDA_NSLOTS differ: "
+                    << "rank " << p << " uses " << all[p].nslots << " x " << all[p].slot_bytes
+                    << " bytes, rank 0 " << all[0].nslots << " x " << all[0].slot_bytes
+                    << "; set them alike on every rank");
+  if (r != 0) {
+    all[0].ctl_name[sizeof(all[0].ctl_name) - 1] = '\0';
+    ctl_ = ShmSegment::open(all[0].ctl_name, cbytes, comm_.timeout_s_);
+  }
+  auto* hdr = static_cast<CtlHeader*>(ctl_.data());
+  hdr->attached.fetch_add(1);
+
+  // Map the peers' staging buffers; enable peer access where the device differs.
+  int ndev = 0;
+  PYC_CUDA_CHECK(cudaGetDeviceCount(&ndev));
+  peer_base_.assign(n, nullptr);
+  for (int p = 0; p < n; ++p) {
+    if (p == r) continue;
+    if (std::memcmp(all[p].uuid, mine.uuid, sizeof(mine.uuid)) != 0) {
+      for (int d = 0; d < ndev; ++d) {
+        cudaDeviceProp pp{};
+        PYC_CUDA_CHECK(cudaGetDeviceProperties(&pp, d));
+        if (std::memcmp(&pp.uuid, all[p].uuid, sizeof(mine.uuid)) != 0) continue;
+        int can = 0;
+        PYC_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, d));
+        if (!can)
+          PYC_THROW(Error, "pycollectives: rank " << r << ": " << device_name(device_)
+                                                  << " cannot access the device of rank " << p
+                                                  << " (" << device_name(d)
+                                                  << " here) peer to peer");
+        const cudaError_t e = cudaDeviceEnablePeerAccess(d, 0);
+        if (e == cudaErrorPeerAccessAlreadyEnabled)
+          (void)cudaGetLastError();
+        else
+          PYC_CUDA_CHECK(e);
+      }
+      // A device this process cannot see (CUDA_VISIBLE_DEVICES): the IPC open
+      // below enables access lazily.
+    }
+    PYC_CUDA_CHECK(
+        cudaIpcOpenMemHandle(&peer_base_[p], all[p].mem, cudaIpcMemLazyEnablePeerAccess));
+  }
+
+  auto* fifo_ctl = reinterpret_cast<FifoCtl*>(static_cast<char*>(ctl_.data()) +
+                                              round_up(sizeof(CtlHeader), kAlign));
+  auto* hdrs = reinterpret_cast<SlotHeader*>(fifo_ctl + static_cast<size_t>(n) * (n - 1));
+  const uint32_t ns = mine.nslots;
+  for (int p = 0; p < n; ++p) {
+    if (p == r) continue;
+    const size_t o = pair_index(n, r, p), i = pair_index(n, p, r);
+    out[p] = CudaFifo{fifo_ctl + o, hdrs + o * ns,
+                      static_cast<char*>(peer_base_[p]) + in_index(r, p) * fifo_bytes};
+    in[p] = CudaFifo{fifo_ctl + i, hdrs + i * ns,
+                     static_cast<char*>(staging_) + in_index(p, r) * fifo_bytes};
+  }
+  links_ = std::make_unique<CudaLinks>(comm_, r, n, ns, mine.slot_bytes, *exec_, out, in);
+}
+
+// ---- operations ----
+
+namespace {
+
+char* at(void* p, size_t elems, size_t es) { return static_cast<char*>(p) + elems * es; }
+const char* at(const void* p, size_t elems, size_t es) {
+  return static_cast<const char*>(p) + elems * es;
+}
+
+// The algorithm layer's n == 1 cases copy with the CPU kernel: the CUDA path
+// handles one rank itself.
+void copy_if_distinct(OpCtx& c, void* out, const void* in, size_t bytes) {
+  if (out != in) c.exec->copy(out, nullptr, in, bytes);
+}
+
+// pairwise_all_to_all (algo/pairwise.cc) with the local block copied by the
+// executor: the same n-1 exchange steps over Prims.
+void all_to_all_steps(OpCtx& c, const void* in, void* out, size_t count) {
+  const int n = c.nranks, r = c.rank;
+  const size_t es = c.esize();
+  copy_if_distinct(c, at(out, r * count, es), at(in, r * count, es), count * es);
+  for (int s = 1; s < n; ++s) {
+    const int to = c.mod(r + s), from = c.mod(r - s);
+    Prims p(c, to, from);
+    const size_t slot = p.chunk_elems();
+    for (size_t off = 0; off < count; off += slot) {
+      const size_t len = std::min(slot, count - off);
+      p.send(at(in, to * count + off, es), len);
+      p.recv(at(out, from * count + off, es), len);
+    }
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<CudaWork> cuda_all_reduce(Communicator& comm, void* buf, size_t count, DataType dt,
+                                          ReduceOp op, const CudaCall& call) {
+  auto path = CudaPath::get(comm, call, OpKind::kAllReduce);
+  path->check_buffer(buf, count * dtype_size(dt), OpKind::kAllReduce, "tensor");
+  OpSig sig{OpKind::kAllReduce, dt, op, -1, count};
+  return path->issue(sig, call, -1, [buf, count](OpCtx& c) {
+    if (c.nranks > 1) ring_all_reduce(c, buf, buf, count);
+  });
+}
+
+std::shared_ptr<CudaWork> cuda_reduce_scatter(Communicator& comm, void* out, const void* in,
+                                              size_t count, DataType dt, ReduceOp op,
+                                              const CudaCall& call) {
+  auto path = CudaPath::get(comm, call, OpKind::kReduceScatter);
+  const size_t bytes = count * dtype_size(dt);
+  path->check_buffer(out, bytes, OpKind::kReduceScatter, "output");
+  path->check_buffer(in, bytes * path->nranks(), OpKind::kReduceScatter, "input");
+  OpSig sig{OpKind::kReduceScatter, dt, op, -1, count};
+  return path->issue(sig, call, -1, [out, in, count](OpCtx& c) {
+    if (c.nranks == 1)
+      copy_if_distinct(c, out, in, count * c.esize());
+    else
+      ring_reduce_scatter(c, in, out, count);
+  });
+}
+
+std::shared_ptr<CudaWork> cuda_all_gather(Communicator& comm, void* out, const void* in,
+                                          size_t count, DataType dt, const CudaCall& call) {
+  auto path = CudaPath::get(comm, call, OpKind::kAllGather);
+  const size_t bytes = count * dtype_size(dt);
+  path->check_buffer(out, bytes * path->nranks(), OpKind::kAllGather, "output");
+  path->check_buffer(in, bytes, OpKind::kAllGather, "input");
+  OpSig sig{OpKind::kAllGather, dt, ReduceOp::kSum, -1, count};
+  return path->issue(sig, call, -1, [out, in, count](OpCtx& c) {
+    if (c.nranks == 1)
+      copy_if_distinct(c, out, in, count * c.esize());
+    else
+      ring_all_gather(c, in, out, count);
+  });
+}
+
+std::shared_ptr<CudaWork> cuda_broadcast(Communicator& comm, void* buf, size_t count, DataType dt,
+                                         int root, const CudaCall& call) {
+  auto path = CudaPath::get(comm, call, OpKind::kBroadcast);
+  path->check_rank(root, "src", OpKind::kBroadcast);
+  path->check_buffer(buf, count * dtype_size(dt), OpKind::kBroadcast, "tensor");
+  OpSig sig{OpKind::kBroadcast, dt, ReduceOp::kSum, root, count};
+  return path->issue(sig, call, -1,
+                     [buf, count, root](OpCtx& c) { chain_broadcast(c, buf, count, root); });
+}
+
+std::shared_ptr<CudaWork> cuda_reduce(Communicator& comm, void* buf, size_t count, DataType dt,
+                                      ReduceOp op, int root, const CudaCall& call) {
+  auto path = CudaPath::get(comm, call, OpKind::kReduce);
+  path->check_rank(root, "dst", OpKind::kReduce);
+  path->check_buffer(buf, count * dtype_size(dt), OpKind::kReduce, "tensor");
+  OpSig sig{OpKind::kReduce, dt, op, root, count};
+  return path->issue(sig, call, -1,
+                     [buf, count, root](OpCtx& c) { chain_reduce(c, buf, count, root); });
+}
+
+std::shared_ptr<CudaWork> cuda_all_to_all(Communicator& comm, void* out, const void* in,
+                                          size_t count, DataType dt, const CudaCall& call) {
+  auto path = CudaPath::get(comm, call, OpKind::kAllToAll);
+  const size_t bytes = count * dtype_size(dt) * path->nranks();
+  path->check_buffer(out, bytes, OpKind::kAllToAll, "output");
+  path->check_buffer(in, bytes, OpKind::kAllToAll, "input");
+  OpSig sig{OpKind::kAllToAll, dt, ReduceOp::kSum, -1, count};
+  return path->issue(sig, call, -1,
+                     [out, in, count](OpCtx& c) { all_to_all_steps(c, in, out, count); });
+}
+
+std::shared_ptr<CudaWork> cuda_send(Communicator& comm, const void* buf, size_t count, DataType dt,
+                                    int peer, const CudaCall& call) {
+  auto path = CudaPath::get(comm, call, OpKind::kSend);
+  path->check_peer(peer, "dst", OpKind::kSend);
+  path->check_buffer(buf, count * dtype_size(dt), OpKind::kSend, "tensor");
+  OpSig sig{OpKind::kSend, dt, ReduceOp::kSum, peer, count};
+  return path->issue(sig, call, peer,
+                     [buf, count, peer](OpCtx& c) { p2p_send(c, buf, count, peer); });
+}
+
+std::shared_ptr<CudaWork> cuda_recv(Communicator& comm, void* buf, size_t count, DataType dt,
+                                    int peer, const CudaCall& call) {
+  auto path = CudaPath::get(comm, call, OpKind::kRecv);
+  path->check_peer(peer, "src", OpKind::kRecv);
+  path->check_buffer(buf, count * dtype_size(dt), OpKind::kRecv, "tensor");
+  OpSig sig{OpKind::kRecv, dt, ReduceOp::kSum, peer, count};
+  const int me = path->rank();
+  return path->issue(sig, call, peer, [buf, count, peer, dt, me](OpCtx& c) {
+    OpSig expect{OpKind::kSend, dt, ReduceOp::kSum, me, count};  // as Communicator::recv
+    p2p_recv(c, buf, count, peer, SlotTag{c.tag.seq, expect.word0(), expect.word1()});
+  });
+}
+
+int cuda_pointer_device(uintptr_t ptr) {
+  cuda::require_device("locating a CUDA buffer");
+  cudaPointerAttributes a{};
+  const cudaError_t err = cudaPointerGetAttributes(&a, reinterpret_cast<const void*>(ptr));
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? a.device : -1;
+}
+
+}  // namespace pyc
