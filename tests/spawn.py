@@ -42,6 +42,10 @@ def _set_env(rank: int, world_size: int, port: int, env: dict[str, str] | None) 
         LOCAL_RANK=str(rank),
     )
     os.environ.update(env or {})
+    # One compute thread per rank: several ranks share the 2 cores of CI.
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _child(

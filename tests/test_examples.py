@@ -16,3 +16,11 @@ def test_allreduce_example_under_torchrun():
     assert p.returncode == 0, p.stdout + p.stderr
     assert "world 2: all_reduce 1.0" in p.stdout, p.stdout
     assert "failed to bind" not in p.stderr, p.stderr
+
+
+def test_ddp_example_under_torchrun():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           str(ROOT / "examples" / "ddp_train.py")]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("parameters identical on all ranks: True") == 2, p.stdout
