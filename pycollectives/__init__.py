@@ -18,6 +18,11 @@ from .rendezvous import init
 
 __version__ = "0.1.0"
 
+# The torch.distributed backend "pycoll" (pycollectives/backend.py, docs/backend.md).
+from ._backend_register import register_torch_backend as _register_torch_backend  # noqa: E402
+
+_register_torch_backend()
+
 
 def simd_level() -> str:
     """Which CPU reduction kernels are in use: "avx512", "avx2" or "generic"."""
