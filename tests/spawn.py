@@ -56,6 +56,8 @@ def _child(
         results.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))
+        results.close()
+        results.join_thread()  # os._exit skips the queue's flush: the traceback would be lost
         sys.stdout.flush()
         os._exit(1)
 
