@@ -13,7 +13,7 @@ void pairwise_all_to_all(OpCtx& c, const void* in, void* out, size_t count) {
   const size_t es = c.esize();
   const auto* src = static_cast<const char*>(in);
   auto* dst = static_cast<char*>(out);
-  copy(dst + r * count * es, nullptr, src + r * count * es, count * es);
+  exec_copy(c, dst + r * count * es, nullptr, src + r * count * es, count * es);
   for (int s = 1; s < n; ++s) {
     const int to = c.mod(r + s), from = c.mod(r - s);
     Prims p(c, to, from);

@@ -32,6 +32,10 @@ inline void do_copy(OpCtx& c, void* dst0, void* dst1, const void* src, size_t by
 
 }  // namespace
 
+void exec_copy(OpCtx& c, void* dst0, void* dst1, const void* src, size_t bytes) {
+  do_copy(c, dst0, dst1, src, bytes);
+}
+
 Prims::Prims(OpCtx& ctx, int send_peer, int recv_peer)
     : c_(ctx),
       send_(send_peer >= 0 ? &ctx.links->send_to(send_peer) : nullptr),

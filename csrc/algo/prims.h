@@ -7,6 +7,11 @@
 
 namespace pyc {
 
+// dst0 (and dst1) = src on the operation's memory: the CPU kernel inline, or
+// the operation's executor (CUDA) when it has one. For the algorithms' local
+// copies, so that they serve every transport.
+void exec_copy(OpCtx& c, void* dst0, void* dst1, const void* src, size_t bytes);
+
 class Prims {
  public:
   Prims(OpCtx& ctx, int send_peer, int recv_peer);

@@ -26,7 +26,7 @@ void ring_all_reduce(OpCtx& c, const void* in, void* out, size_t count) {
   const int n = c.nranks, r = c.rank;
   const size_t es = c.esize();
   if (n == 1) {
-    if (in != out) copy(out, nullptr, in, count * es);
+    if (in != out) exec_copy(c, out, nullptr, in, count * es);
     return;
   }
   Prims p(c, c.mod(r + 1), c.mod(r - 1));
@@ -67,7 +67,7 @@ void ring_reduce_scatter(OpCtx& c, const void* in, void* out, size_t count) {
   const int n = c.nranks, r = c.rank;
   const size_t es = c.esize();
   if (n == 1) {
-    if (in != out) copy(out, nullptr, in, count * es);
+    if (in != out) exec_copy(c, out, nullptr, in, count * es);
     return;
   }
   Prims p(c, c.mod(r + 1), c.mod(r - 1));
@@ -87,7 +87,7 @@ void ring_all_gather(OpCtx& c, const void* in, void* out, size_t count) {
   const int n = c.nranks, r = c.rank;
   const size_t es = c.esize();
   if (n == 1) {
-    if (in != out) copy(out, nullptr, in, count * es);
+    if (in != out) exec_copy(c, out, nullptr, in, count * es);
     return;
   }
   Prims p(c, c.mod(r + 1), c.mod(r - 1));

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "bindings/convert.h"
 #include "core/error.h"
 #include "core/types.h"
 #include "reduce/reduce.h"
@@ -37,22 +38,6 @@ void require_cuda_build(const char* fn) {
                             "PYCOLL_CUDA=1)");
   }
 }
-
-DataType checked_dtype(int v, const char* fn) {
-  if (!valid_dtype(v))
-    PYC_THROW(InvalidArgument, "pycollectives: " << fn << ": invalid dtype code " << v);
-  return static_cast<DataType>(v);
-}
-
-ReduceOp checked_kernel_op(int v, const char* fn) {
-  if (!valid_reduce_op(v) || static_cast<ReduceOp>(v) == ReduceOp::kAvg) {
-    PYC_THROW(InvalidArgument, "pycollectives: " << fn << ": invalid reduce kernel op code " << v
-                                                 << " (sum, prod, min or max)");
-  }
-  return static_cast<ReduceOp>(v);
-}
-
-void* address(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
 }  // namespace
 

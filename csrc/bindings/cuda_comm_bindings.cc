@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "bindings/convert.h"
 #include "comm/communicator.h"
 #include "core/error.h"
 
@@ -19,18 +20,6 @@ namespace pyc {
 namespace {
 
 #ifdef PYCOLL_WITH_CUDA
-void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
-
-DataType to_dtype(int v) {
-  if (!valid_dtype(v)) PYC_THROW(InvalidArgument, "pycollectives: invalid dtype code " << v);
-  return static_cast<DataType>(v);
-}
-
-ReduceOp to_op(int v) {
-  if (!valid_reduce_op(v))
-    PYC_THROW(InvalidArgument, "pycollectives: invalid reduce op code " << v);
-  return static_cast<ReduceOp>(v);
-}
 
 CudaCall call(int device, uintptr_t stream, double timeout) {
   CudaCall c;
@@ -63,54 +52,62 @@ void bind_cuda_comm(py::module_& m) {
   m.def(
       "cuda_all_reduce",
       [](C& c, uintptr_t buf, size_t n, int dt, int op, int dev, uintptr_t stream, double to) {
-        return cuda_all_reduce(c, ptr(buf), n, to_dtype(dt), to_op(op), call(dev, stream, to));
+        return cuda_all_reduce(c, address(buf), n, checked_dtype(dt, "cuda collective"),
+                               checked_op(op, "cuda collective"), call(dev, stream, to));
       },
       G());
   m.def(
       "cuda_reduce_scatter",
       [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, int op, int dev, uintptr_t stream,
          double to) {
-        return cuda_reduce_scatter(c, ptr(out), ptr(in), n, to_dtype(dt), to_op(op),
-                                   call(dev, stream, to));
+        return cuda_reduce_scatter(c, address(out), address(in), n,
+                                   checked_dtype(dt, "cuda collective"),
+                                   checked_op(op, "cuda collective"), call(dev, stream, to));
       },
       G());
   m.def(
       "cuda_all_gather",
       [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, int dev, uintptr_t stream,
          double to) {
-        return cuda_all_gather(c, ptr(out), ptr(in), n, to_dtype(dt), call(dev, stream, to));
+        return cuda_all_gather(c, address(out), address(in), n,
+                               checked_dtype(dt, "cuda collective"), call(dev, stream, to));
       },
       G());
   m.def(
       "cuda_broadcast",
       [](C& c, uintptr_t buf, size_t n, int dt, int root, int dev, uintptr_t stream, double to) {
-        return cuda_broadcast(c, ptr(buf), n, to_dtype(dt), root, call(dev, stream, to));
+        return cuda_broadcast(c, address(buf), n, checked_dtype(dt, "cuda collective"), root,
+                              call(dev, stream, to));
       },
       G());
   m.def(
       "cuda_reduce",
       [](C& c, uintptr_t buf, size_t n, int dt, int op, int root, int dev, uintptr_t stream,
          double to) {
-        return cuda_reduce(c, ptr(buf), n, to_dtype(dt), to_op(op), root, call(dev, stream, to));
+        return cuda_reduce(c, address(buf), n, checked_dtype(dt, "cuda collective"),
+                           checked_op(op, "cuda collective"), root, call(dev, stream, to));
       },
       G());
   m.def(
       "cuda_all_to_all",
       [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, int dev, uintptr_t stream,
          double to) {
-        return cuda_all_to_all(c, ptr(out), ptr(in), n, to_dtype(dt), call(dev, stream, to));
+        return cuda_all_to_all(c, address(out), address(in), n,
+                               checked_dtype(dt, "cuda collective"), call(dev, stream, to));
       },
       G());
   m.def(
       "cuda_send",
       [](C& c, uintptr_t buf, size_t n, int dt, int peer, int dev, uintptr_t stream, double to) {
-        return cuda_send(c, ptr(buf), n, to_dtype(dt), peer, call(dev, stream, to));
+        return cuda_send(c, address(buf), n, checked_dtype(dt, "cuda collective"), peer,
+                         call(dev, stream, to));
       },
       G());
   m.def(
       "cuda_recv",
       [](C& c, uintptr_t buf, size_t n, int dt, int peer, int dev, uintptr_t stream, double to) {
-        return cuda_recv(c, ptr(buf), n, to_dtype(dt), peer, call(dev, stream, to));
+        return cuda_recv(c, address(buf), n, checked_dtype(dt, "cuda collective"), peer,
+                         call(dev, stream, to));
       },
       G());
   m.def("cuda_pointer_device", &cuda_pointer_device, G(),

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "bindings/convert.h"
 #include "bindings/cuda_bindings.h"
 #include "bindings/cuda_comm_bindings.h"
 #include "bindings/fast_path.h"
@@ -16,19 +17,6 @@ namespace py = pybind11;
 using namespace pyc;
 
 namespace {
-
-void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
-
-DataType to_dtype(int v) {
-  if (!valid_dtype(v)) PYC_THROW(InvalidArgument, "pycollectives: invalid dtype code " << v);
-  return static_cast<DataType>(v);
-}
-
-ReduceOp to_op(int v) {
-  if (!valid_reduce_op(v))
-    PYC_THROW(InvalidArgument, "pycollectives: invalid reduce op code " << v);
-  return static_cast<ReduceOp>(v);
-}
 
 bool python_finalizing() {
 #if PY_VERSION_HEX >= 0x030D0000
@@ -121,7 +109,8 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "all_reduce",
           [](C& c, uintptr_t buf, size_t n, int dt, int op, bool async, double to) {
-            return c.all_reduce(ptr(buf), n, to_dtype(dt), to_op(op), async, to);
+            return c.all_reduce(address(buf), n, checked_dtype(dt, "Communicator"),
+                                checked_op(op, "Communicator"), async, to);
           },
           G())
       .def("all_reduce_fast",
@@ -138,50 +127,54 @@ PYBIND11_MODULE(_C, m) {
              }
              if (!valid_reduce_op(static_cast<int>(code)) || !view_tensor(tensor, &v)) return false;
              py::gil_scoped_release nogil;
-             c.all_reduce(ptr(v.ptr), v.numel, static_cast<DataType>(v.dtype),
+             c.all_reduce(address(v.ptr), v.numel, static_cast<DataType>(v.dtype),
                           static_cast<ReduceOp>(code), false, -1.0);
              return true;
            })
       .def(
           "reduce_scatter",
           [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, int op, bool async, double to) {
-            return c.reduce_scatter(ptr(out), ptr(in), n, to_dtype(dt), to_op(op), async, to);
+            return c.reduce_scatter(address(out), address(in), n, checked_dtype(dt, "Communicator"),
+                                    checked_op(op, "Communicator"), async, to);
           },
           G())
       .def(
           "all_gather",
           [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, bool async, double to) {
-            return c.all_gather(ptr(out), ptr(in), n, to_dtype(dt), async, to);
+            return c.all_gather(address(out), address(in), n, checked_dtype(dt, "Communicator"),
+                                async, to);
           },
           G())
       .def(
           "broadcast",
           [](C& c, uintptr_t buf, size_t n, int dt, int root, bool async, double to) {
-            return c.broadcast(ptr(buf), n, to_dtype(dt), root, async, to);
+            return c.broadcast(address(buf), n, checked_dtype(dt, "Communicator"), root, async, to);
           },
           G())
       .def(
           "reduce",
           [](C& c, uintptr_t buf, size_t n, int dt, int op, int root, bool async, double to) {
-            return c.reduce(ptr(buf), n, to_dtype(dt), to_op(op), root, async, to);
+            return c.reduce(address(buf), n, checked_dtype(dt, "Communicator"),
+                            checked_op(op, "Communicator"), root, async, to);
           },
           G())
       .def(
           "all_to_all",
           [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, bool async, double to) {
-            return c.all_to_all(ptr(out), ptr(in), n, to_dtype(dt), async, to);
+            return c.all_to_all(address(out), address(in), n, checked_dtype(dt, "Communicator"),
+                                async, to);
           },
           G())
       .def(
           "send",
           [](C& c, uintptr_t buf, size_t n, int dt, int peer, bool async, double to) {
-            return c.send(ptr(buf), n, to_dtype(dt), peer, async, to);
+            return c.send(address(buf), n, checked_dtype(dt, "Communicator"), peer, async, to);
           },
           G())
       .def(
           "recv",
           [](C& c, uintptr_t buf, size_t n, int dt, int peer, bool async, double to) {
-            return c.recv(ptr(buf), n, to_dtype(dt), peer, async, to);
+            return c.recv(address(buf), n, checked_dtype(dt, "Communicator"), peer, async, to);
           },
           G())
       .def("batch_p2p",
@@ -191,7 +184,7 @@ PYBIND11_MODULE(_C, m) {
              std::vector<Communicator::P2PItem> v;
              v.reserve(items.size());
              for (const auto& [is_send, p, n, dt, peer] : items)
-               v.push_back({is_send, ptr(p), n, to_dtype(dt), peer});
+               v.push_back({is_send, address(p), n, checked_dtype(dt, "Communicator"), peer});
              py::gil_scoped_release nogil;
              return c.batch_p2p(std::move(v), async, to);
            })

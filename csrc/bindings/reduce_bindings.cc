@@ -5,43 +5,23 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
-#include <string>
 #include <vector>
 
+#include "bindings/convert.h"
 #include "core/types.h"
 #include "reduce/reduce.h"
 
 namespace py = pybind11;
 
 namespace pyc {
-namespace {
-
-DataType checked_dtype(int v) {
-  if (!valid_dtype(v))
-    throw py::value_error("pycollectives: invalid dtype code " + std::to_string(v));
-  return static_cast<DataType>(v);
-}
-
-// Sum, prod, min or max: avg is a sum followed by scale_avg.
-ReduceOp checked_kernel_op(int v) {
-  if (!valid_reduce_op(v) || static_cast<ReduceOp>(v) == ReduceOp::kAvg) {
-    throw py::value_error("pycollectives: invalid reduce kernel op code " + std::to_string(v) +
-                          " (sum, prod, min or max)");
-  }
-  return static_cast<ReduceOp>(v);
-}
-
-void* address(uintptr_t p) { return reinterpret_cast<void*>(p); }
-
-}  // namespace
 
 void bind_reduce(py::module_& m) {
   m.def(
       "_reduce",
       [](int dtype, int op, uintptr_t dst0, uintptr_t dst1, const std::vector<uintptr_t>& srcs,
          size_t count) {
-        const DataType dt = checked_dtype(dtype);
-        const ReduceOp kernel_op = checked_kernel_op(op);
+        const DataType dt = checked_dtype(dtype, "_reduce");
+        const ReduceOp kernel_op = checked_kernel_op(op, "_reduce");
         if (srcs.empty()) throw py::value_error("pycollectives: _reduce needs at least one source");
         if (count > 0 && dst0 == 0) throw py::value_error("pycollectives: _reduce: dst0 is null");
         std::vector<const void*> src_ptrs;
@@ -66,7 +46,7 @@ void bind_reduce(py::module_& m) {
   m.def(
       "_scale_avg",
       [](uintptr_t x, int dtype, size_t count, int divisor) {
-        const DataType dt = checked_dtype(dtype);
+        const DataType dt = checked_dtype(dtype, "_scale_avg");
         if (divisor < 1) throw py::value_error("pycollectives: _scale_avg: divisor must be >= 1");
         if (count > 0 && x == 0) throw py::value_error("pycollectives: _scale_avg: null address");
         py::gil_scoped_release release;

@@ -14,28 +14,13 @@
 #include <thread>
 
 #include "comm/monitor.h"
+#include "core/env.h"
 #include "core/error.h"
 
 namespace pyc {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-size_t env_bytes(const char* name, size_t dflt) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return dflt;
-  char* end = nullptr;
-  double x = std::strtod(v, &end);
-  size_t mult = 1;
-  if (*end == 'K' || *end == 'k')
-    mult = 1 << 10;
-  else if (*end == 'M' || *end == 'm')
-    mult = 1 << 20;
-  else if (*end != '\0')
-    PYC_THROW(InvalidArgument, "pycollectives: cannot parse " << name << "=" << v);
-  if (x < 0) PYC_THROW(InvalidArgument, "pycollectives: " << name << " must be >= 0, not " << v);
-  return static_cast<size_t>(x * mult);
-}
 
 uint64_t elapsed_ns(Clock::time_point t0) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
@@ -45,9 +30,9 @@ uint64_t elapsed_ns(Clock::time_point t0) {
 
 CommConfig CommConfig::from_env() {
   CommConfig c;
-  c.slot_bytes = env_bytes("PYCOLL_SLOT_BYTES", 0);
-  c.nslots = static_cast<uint32_t>(env_bytes("PYCOLL_NSLOTS", 0));
-  c.oneshot_bytes = env_bytes("PYCOLL_ONESHOT_BYTES", 0);
+  c.slot_bytes = env_size("PYCOLL_SLOT_BYTES", 0);
+  c.nslots = static_cast<uint32_t>(env_size("PYCOLL_NSLOTS", 0));
+  c.oneshot_bytes = env_size("PYCOLL_ONESHOT_BYTES", 0);
   const char* a = std::getenv("PYCOLL_ALGO");
   std::string algo = a ? a : "auto";
   if (algo == "auto" || algo.empty())
@@ -279,25 +264,30 @@ std::shared_ptr<Work> Communicator::point_to_point(const OpSig& sig, int peer, d
   return engine_->submit(
       [this, peer, is_send] { return is_send ? ++p2p_sent_[peer] : ++p2p_recvd_[peer]; },
       [this, sig, timeout_s, body = std::move(body)](uint32_t seq) {
-        if (aborted()) throw_abort();
-        auto t0 = Clock::now();
-        OpMonitor mon(*this, sig, seq, false, timeout_s);
-        OpCtx c;
-        c.rank = rank_;
-        c.nranks = n_;
-        c.dtype = sig.dtype;
-        c.tag = SlotTag{seq, sig.word0(), sig.word1()};
-        c.links = this;
-        c.mon = &mon;
-        try {
-          body(c);
-        } catch (const std::exception& e) {
-          set_abort(AbortKind::kError, e.what());  // see run_collective
-          throw;
-        }
-        account(sig.kind, c, elapsed_ns(t0));
+        run_point_to_point(sig, seq, timeout_s, body);
       },
       async);
+}
+
+void Communicator::run_point_to_point(const OpSig& sig, uint32_t seq, double timeout_s,
+                                      const Body& body) {
+  if (aborted()) throw_abort();
+  auto t0 = Clock::now();
+  OpMonitor mon(*this, sig, seq, false, timeout_s);
+  OpCtx c;
+  c.rank = rank_;
+  c.nranks = n_;
+  c.dtype = sig.dtype;
+  c.tag = SlotTag{seq, sig.word0(), sig.word1()};
+  c.links = this;
+  c.mon = &mon;
+  try {
+    body(c);
+  } catch (const std::exception& e) {
+    set_abort(AbortKind::kError, e.what());  // see run_collective
+    throw;
+  }
+  account(sig.kind, c, elapsed_ns(t0));
 }
 
 // ---- operations ----
@@ -550,21 +540,7 @@ std::shared_ptr<Work> Communicator::batch_p2p(std::vector<P2PItem> items, bool a
         return first;
       },
       [this, sig, ops, timeout_s](uint32_t seq) {
-        if (aborted()) throw_abort();
-        auto t0 = Clock::now();
-        OpMonitor mon(*this, sig, seq, false, timeout_s);
-        OpCtx c;
-        c.rank = rank_;
-        c.nranks = n_;
-        c.links = this;
-        c.mon = &mon;
-        try {
-          p2p_batch(c, *ops);
-        } catch (const std::exception& e) {
-          set_abort(AbortKind::kError, e.what());  // see run_collective
-          throw;
-        }
-        account(OpKind::kBatchP2P, c, elapsed_ns(t0));
+        run_point_to_point(sig, seq, timeout_s, [ops](OpCtx& c) { p2p_batch(c, *ops); });
       },
       async);
 }

@@ -115,6 +115,9 @@ class Communicator final : public Links {
                       uint64_t where = 0);
   std::shared_ptr<Work> point_to_point(const OpSig& sig, int peer, double timeout_s, bool async,
                                        Body body);
+  // Runs a send, a receive or a batch of them (numbered per pair of ranks, not
+  // announced: peers need not take part).
+  void run_point_to_point(const OpSig& sig, uint32_t seq, double timeout_s, const Body& body);
   void announce(uint32_t seq, const OpSig& sig, uint64_t where = 0);
   // The window holding [p, p + n) on this rank and its placement word, if any.
   std::shared_ptr<ShmWindow> find_window(const void* p, size_t n, uint64_t* where);

@@ -14,6 +14,7 @@
 
 #include "algo/algorithms.h"
 #include "algo/prims.h"
+#include "core/env.h"
 #include "cuda/check.h"
 #include "cuda/cuda_transport.h"
 #include "transport/shm_segment.h"
@@ -28,24 +29,6 @@ size_t default_slot_bytes(int n) { return n <= 4 ? 16 << 20 : n <= 8 ? 8 << 20 :
 constexpr uint32_t kDefaultNSlots = 4;  // PYCOLL_CUDA_NSLOTS
 
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-
-// Reads a size such as "4M", "512K" or "65536" from the environment.
-size_t env_size(const char* name, size_t dflt) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return dflt;
-  char* end = nullptr;
-  const double x = std::strtod(v, &end);
-  size_t mult = 1;
-  if (*end == 'K' || *end == 'k')
-    mult = 1 << 10;
-  else if (*end == 'M' || *end == 'm')
-    mult = 1 << 20;
-  else if (*end != '\0')
-    PYC_THROW(InvalidArgument, "pycollectives: cannot parse " << name << "=" << v);
-  if (!(x >= 1))
-    PYC_THROW(InvalidArgument, "pycollectives: " << name << " must be >= 1, not " << v);
-  return static_cast<size_t>(x * mult);
-}
 
 // What each rank tells the others at the first CUDA collective.
 struct PeerInfo {
@@ -324,8 +307,8 @@ void CudaPath::setup(OpCtx& c) {
   }
   PeerInfo mine;
   std::memset(&mine, 0, sizeof(mine));
-  mine.slot_bytes = round_up(env_size("PYCOLL_CUDA_SLOT_BYTES", default_slot_bytes(n)), 4096);
-  mine.nslots = static_cast<uint32_t>(env_size("PYCOLL_CUDA_NSLOTS", kDefaultNSlots));
+  mine.slot_bytes = round_up(env_size("PYCOLL_CUDA_SLOT_BYTES", default_slot_bytes(n), 1), 4096);
+  mine.nslots = static_cast<uint32_t>(env_size("PYCOLL_CUDA_NSLOTS", kDefaultNSlots, 1));
   mine.pid = static_cast<int32_t>(getpid());
   cudaDeviceProp prop{};
   PYC_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
@@ -427,47 +410,13 @@ void CudaPath::setup(OpCtx& c) {
 
 // ---- operations ----
 
-namespace {
-
-char* at(void* p, size_t elems, size_t es) { return static_cast<char*>(p) + elems * es; }
-const char* at(const void* p, size_t elems, size_t es) {
-  return static_cast<const char*>(p) + elems * es;
-}
-
-// The algorithm layer's n == 1 cases copy with the CPU kernel: the CUDA path
-// handles one rank itself.
-void copy_if_distinct(OpCtx& c, void* out, const void* in, size_t bytes) {
-  if (out != in) c.exec->copy(out, nullptr, in, bytes);
-}
-
-// pairwise_all_to_all (algo/pairwise.cc) with the local block copied by the
-// executor: the same n-1 exchange steps over Prims.
-void all_to_all_steps(OpCtx& c, const void* in, void* out, size_t count) {
-  const int n = c.nranks, r = c.rank;
-  const size_t es = c.esize();
-  copy_if_distinct(c, at(out, r * count, es), at(in, r * count, es), count * es);
-  for (int s = 1; s < n; ++s) {
-    const int to = c.mod(r + s), from = c.mod(r - s);
-    Prims p(c, to, from);
-    const size_t slot = p.chunk_elems();
-    for (size_t off = 0; off < count; off += slot) {
-      const size_t len = std::min(slot, count - off);
-      p.send(at(in, to * count + off, es), len);
-      p.recv(at(out, from * count + off, es), len);
-    }
-  }
-}
-
-}  // namespace
-
 std::shared_ptr<CudaWork> cuda_all_reduce(Communicator& comm, void* buf, size_t count, DataType dt,
                                           ReduceOp op, const CudaCall& call) {
   auto path = CudaPath::get(comm, call, OpKind::kAllReduce);
   path->check_buffer(buf, count * dtype_size(dt), OpKind::kAllReduce, "tensor");
   OpSig sig{OpKind::kAllReduce, dt, op, -1, count};
-  return path->issue(sig, call, -1, [buf, count](OpCtx& c) {
-    if (c.nranks > 1) ring_all_reduce(c, buf, buf, count);
-  });
+  return path->issue(sig, call, -1,
+                     [buf, count](OpCtx& c) { ring_all_reduce(c, buf, buf, count); });
 }
 
 std::shared_ptr<CudaWork> cuda_reduce_scatter(Communicator& comm, void* out, const void* in,
@@ -478,12 +427,8 @@ std::shared_ptr<CudaWork> cuda_reduce_scatter(Communicator& comm, void* out, con
   path->check_buffer(out, bytes, OpKind::kReduceScatter, "output");
   path->check_buffer(in, bytes * path->nranks(), OpKind::kReduceScatter, "input");
   OpSig sig{OpKind::kReduceScatter, dt, op, -1, count};
-  return path->issue(sig, call, -1, [out, in, count](OpCtx& c) {
-    if (c.nranks == 1)
-      copy_if_distinct(c, out, in, count * c.esize());
-    else
-      ring_reduce_scatter(c, in, out, count);
-  });
+  return path->issue(sig, call, -1,
+                     [out, in, count](OpCtx& c) { ring_reduce_scatter(c, in, out, count); });
 }
 
 std::shared_ptr<CudaWork> cuda_all_gather(Communicator& comm, void* out, const void* in,
@@ -493,12 +438,8 @@ std::shared_ptr<CudaWork> cuda_all_gather(Communicator& comm, void* out, const v
   path->check_buffer(out, bytes * path->nranks(), OpKind::kAllGather, "output");
   path->check_buffer(in, bytes, OpKind::kAllGather, "input");
   OpSig sig{OpKind::kAllGather, dt, ReduceOp::kSum, -1, count};
-  return path->issue(sig, call, -1, [out, in, count](OpCtx& c) {
-    if (c.nranks == 1)
-      copy_if_distinct(c, out, in, count * c.esize());
-    else
-      ring_all_gather(c, in, out, count);
-  });
+  return path->issue(sig, call, -1,
+                     [out, in, count](OpCtx& c) { ring_all_gather(c, in, out, count); });
 }
 
 std::shared_ptr<CudaWork> cuda_broadcast(Communicator& comm, void* buf, size_t count, DataType dt,
@@ -529,7 +470,7 @@ std::shared_ptr<CudaWork> cuda_all_to_all(Communicator& comm, void* out, const v
   path->check_buffer(in, bytes, OpKind::kAllToAll, "input");
   OpSig sig{OpKind::kAllToAll, dt, ReduceOp::kSum, -1, count};
   return path->issue(sig, call, -1,
-                     [out, in, count](OpCtx& c) { all_to_all_steps(c, in, out, count); });
+                     [out, in, count](OpCtx& c) { pairwise_all_to_all(c, in, out, count); });
 }
 
 std::shared_ptr<CudaWork> cuda_send(Communicator& comm, const void* buf, size_t count, DataType dt,
