@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _doc import write_section
+
 COLLS = ["all_reduce", "reduce_scatter", "all_gather"]
 BEGIN, END = "<!-- cpu_compare:begin -->", "<!-- cpu_compare:end -->"
 
@@ -247,12 +249,7 @@ def main() -> None:
     body.append(END)
 
     out = Path(args.out)
-    text = out.read_text() if out.exists() else "# Benchmarks\n\n"
-    if BEGIN in text:
-        text = text[: text.index(BEGIN)] + "\n".join(body) + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip() + "\n\n" + "\n".join(body) + "\n"
-    out.write_text(text)
+    write_section("\n".join(body), BEGIN, END, out)
     print(f"wrote {out}")
 
 

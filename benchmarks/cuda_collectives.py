@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _doc import write_section
+
 COLLS = ["all_reduce", "reduce_scatter", "all_gather"]
 BEGIN, END = "<!-- cuda_collectives:begin -->", "<!-- cuda_collectives:end -->"
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,16 +200,6 @@ def render(runs: dict[int, list[dict]], bw: float, device: str, command: str, nc
     return "\n".join(lines)
 
 
-def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="2,4", help="world sizes (default 2,4)")
@@ -246,7 +238,7 @@ def main() -> int:
         runs[n] = rows
     command = "python benchmarks/cuda_collectives.py " + " ".join(sys.argv[1:])
     section = render(runs, bw, device, command.strip(), nccl)
-    write_section(Path(args.out), section)
+    write_section(section, BEGIN, END, Path(args.out))
     print(section)
     return 0
 

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _doc import write_section
 
 from pycollectives import _C
 
@@ -198,12 +199,7 @@ def write_doc(path: Path, command: str, device: str, rows: list[dict]) -> None:
         *table(rows),
         END,
     ]
-    text = path.read_text() if path.exists() else ""
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + "\n".join(body) + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip("\n") + ("\n\n" if text else "") + "\n".join(body) + "\n"
-    path.write_text(text)
+    write_section("\n".join(body), BEGIN, END, path)
 
 
 def main(argv: list[str] | None = None) -> int:

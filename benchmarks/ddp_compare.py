@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -38,6 +37,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _doc import cpu_model, write_section  # noqa: E402
 
 BEGIN, END = "<!-- ddp:begin -->", "<!-- ddp:end -->"
 WIDTHS = [2048, 4096, 4096, 4096, 2048]
@@ -225,11 +225,7 @@ def main() -> None:
         "--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md")
     )
     args = ap.parse_args()
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")),
-        platform.processor(),
-    )
+    cpu = cpu_model()
     body = [
         BEGIN,
         "## DDP: strategies.DistributedDataParallel vs torch DDP over gloo",
@@ -249,12 +245,7 @@ def main() -> None:
         body += table(kind, nparams, ms, args.batch)
     body.append(END)
     out = Path(args.out)
-    text = out.read_text() if out.exists() else "# Benchmarks\n\n"
-    if BEGIN in text:
-        text = text[: text.index(BEGIN)] + "\n".join(body) + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip() + "\n\n" + "\n".join(body) + "\n"
-    out.write_text(text)
+    write_section("\n".join(body), BEGIN, END, out)
     print(f"wrote {out}")
 
 

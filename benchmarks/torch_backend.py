@@ -24,7 +24,6 @@ import datetime
 import os
 import platform
 import queue
-import re
 import socket
 import statistics
 import sys
@@ -34,9 +33,9 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from _doc import DOC, cpu_model, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- torch_backend:begin -->", "<!-- torch_backend:end -->"
 
 
@@ -164,13 +163,7 @@ def _free_port() -> int:
 
 
 def _machine() -> str:
-    cpu = platform.processor()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        m = re.search(r"model name\s*:\s*(.*)", text)
-        cpu = m.group(1).strip() if m else cpu
-    except OSError:
-        pass
+    cpu = cpu_model()
     return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, torch {torch.__version__}"
 
 
@@ -249,18 +242,6 @@ def render(results: dict[str, list[float]], args: argparse.Namespace, params: in
     return "\n".join(lines)
 
 
-def write_section(section: str, path: Path = DOC) -> None:
-    """Replaces the text between the markers in `path` (appends it if missing)."""
-    text = path.read_text() if path.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-        text = head + section + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark, prints the table, writes docs/benchmarks.md."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -307,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     section = render(results, args, params)
     print(section)
     if not args.no_write:
-        write_section(section)
+        write_section(section, BEGIN, END)
         print(f"wrote {DOC.relative_to(ROOT)}")
     return 0
 

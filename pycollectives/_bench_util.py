@@ -560,6 +560,7 @@ class GlooRunner(Runner):
     name = "gloo"
     check_nonroot_reduce = False  # torch does not promise anything about non-root reduce buffers
     probe_first_call = True
+    device = torch.device("cpu")  # of the ranks' helper tensors (max/sum over ranks)
 
     def __init__(self, rank: int, world_size: int, store: object, timeout: float) -> None:
         super().__init__(rank, world_size)
@@ -568,8 +569,8 @@ class GlooRunner(Runner):
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
         self.dist = dist
         dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore("bench/gloo", store),
+            self.name,
+            store=dist.PrefixStore(f"bench/{self.name}", store),
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
@@ -600,12 +601,12 @@ class GlooRunner(Runner):
         self.dist.barrier()
 
     def max_over_ranks(self, values):  # noqa: D102
-        t = torch.tensor(list(values), dtype=torch.float64)
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         self.dist.all_reduce(t, self.ops["max"])
         return t.tolist()
 
     def sum_over_ranks(self, value):  # noqa: D102
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         self.dist.all_reduce(t, self.ops["sum"])
         return int(t.item())
 
@@ -624,42 +625,13 @@ class NcclRunner(GlooRunner):
     name = "nccl"
 
     def __init__(self, rank: int, world_size: int, store: object, timeout: float) -> None:
-        Runner.__init__(self, rank, world_size)
-        import torch.distributed as dist
-
-        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-        self.dist = dist
         self.device = torch.device("cuda", torch.cuda.current_device())
-        dist.init_process_group(
-            "nccl",
-            store=dist.PrefixStore("bench/nccl", store),
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
-        ops = dist.ReduceOp
-        self.ops = {
-            "sum": ops.SUM,
-            "prod": ops.PRODUCT,
-            "min": ops.MIN,
-            "max": ops.MAX,
-            "avg": ops.AVG,
-        }
+        super().__init__(rank, world_size, store, timeout)
 
     def barrier(self):  # noqa: D102
         t = torch.zeros(1, device=self.device)
         self.dist.all_reduce(t)
         torch.cuda.synchronize(self.device)
-
-    def max_over_ranks(self, values):  # noqa: D102
-        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        self.dist.all_reduce(t, self.ops["max"])
-        return t.tolist()
-
-    def sum_over_ranks(self, value):  # noqa: D102
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        self.dist.all_reduce(t, self.ops["sum"])
-        return int(t.item())
 
     def describe(self):  # noqa: D102
         v = ".".join(str(x) for x in torch.cuda.nccl.version())

@@ -703,66 +703,48 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     def gather(self, output_tensors: list, input_tensors: list, opts: Any = None) -> dist.Work:
         """Gather to rank opts.rootRank: output_tensors[0][r] gets rank r's input."""
-        name = "gather"
-        root = self._peer(getattr(opts, "rootRank", 0), name, "dst")
-        inp = self._one(input_tensors, name, "input_tensors")
-        ib = self._buf(inp, None)
-        copies: list = []
-        ops: list = []
-        if self._rank == root:
-            outs = output_tensors[0] if len(output_tensors) == 1 else None
-            if outs is None or len(outs) != self._size:
-                raise ValueError(
-                    self._err(
-                        name, f"on the root, output_tensors must be [list of {self._size} tensors]"
-                    )
-                )
-            obs = [self._buf(self._tensor(o, name, "output_tensors"), copies) for o in outs]
-            for r in range(self._size):
-                if r != root:
-                    ops.append(("recv", obs[r], r))
-            local = (obs[root], ib)
-        else:
-            if output_tensors and any(len(o) for o in output_tensors):
-                raise ValueError(self._err(name, "output_tensors must be empty on non-root ranks"))
-            ops.append(("send", ib, root))
-            local = None
-
-        def issue(c: Communicator, a: bool) -> list:
-            if local is not None:
-                if local[0].numel() != local[1].numel():
-                    raise ValueError(self._err(name, "output and input tensors differ in size"))
-                local[0].copy_(local[1])
-            return self._p2p_issue(c, name, ops, a)
-
-        return self._launch(name, issue, output_tensors, copies, (ib, ops), opts=opts)
+        return self._rooted("gather", output_tensors, input_tensors, opts, to_root=True)
 
     def scatter(self, output_tensors: list, input_tensors: list, opts: Any = None) -> dist.Work:
         """Scatter from rank opts.rootRank: rank r's output gets input_tensors[0][r]."""
-        name = "scatter"
-        root = self._peer(getattr(opts, "rootRank", 0), name, "src")
-        out = self._one(output_tensors, name, "output_tensors")
+        return self._rooted("scatter", output_tensors, input_tensors, opts, to_root=False)
+
+    def _rooted(
+        self, name: str, output_tensors: list, input_tensors: list, opts: Any, to_root: bool
+    ) -> dist.Work:
+        """Gather (to_root) or scatter as one batch of sends and receives: the
+        root exchanges with every other rank; its own block is a local copy."""
+        root = self._peer(getattr(opts, "rootRank", 0), name, "dst" if to_root else "src")
+        # The root's side is a list of world_size tensors, the others' one tensor.
+        many, many_arg = (
+            (output_tensors, "output_tensors") if to_root else (input_tensors, "input_tensors")
+        )
+        one_list, one_arg = (
+            (input_tensors, "input_tensors") if to_root else (output_tensors, "output_tensors")
+        )
         copies: list = []
-        ob = self._buf(out, copies)
+        one = self._buf(self._one(one_list, name, one_arg), None if to_root else copies)
         ops: list = []
         local = None
         if self._rank == root:
-            ins = input_tensors[0] if len(input_tensors) == 1 else None
-            if ins is None or len(ins) != self._size:
+            blocks = many[0] if len(many) == 1 else None
+            if blocks is None or len(blocks) != self._size:
                 raise ValueError(
                     self._err(
-                        name, f"on the root, input_tensors must be [list of {self._size} tensors]"
+                        name, f"on the root, {many_arg} must be [list of {self._size} tensors]"
                     )
                 )
-            ibs = [self._buf(self._tensor(t, name, "input_tensors"), None) for t in ins]
-            for r in range(self._size):
-                if r != root:
-                    ops.append(("send", ibs[r], r))
-            local = (ob, ibs[root])
+            bufs = [
+                self._buf(self._tensor(t, name, many_arg), copies if to_root else None)
+                for t in blocks
+            ]
+            kind = "recv" if to_root else "send"
+            ops = [(kind, bufs[r], r) for r in range(self._size) if r != root]
+            local = (bufs[root], one) if to_root else (one, bufs[root])  # (destination, source)
         else:
-            if input_tensors and any(len(i) for i in input_tensors):
-                raise ValueError(self._err(name, "input_tensors must be empty on non-root ranks"))
-            ops.append(("recv", ob, root))
+            if many and any(len(x) for x in many):
+                raise ValueError(self._err(name, f"{many_arg} must be empty on non-root ranks"))
+            ops = [("send" if to_root else "recv", one, root)]
 
         def issue(c: Communicator, a: bool) -> list:
             if local is not None:
@@ -771,7 +753,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
                 local[0].copy_(local[1])
             return self._p2p_issue(c, name, ops, a)
 
-        return self._launch(name, issue, output_tensors, copies, (ob, ops), opts=opts)
+        return self._launch(name, issue, output_tensors, copies, (one, ops), opts=opts)
 
     def send(self, tensors: list, dstRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
         """Sends the tensor to group rank dstRank (deferred; see _Work)."""

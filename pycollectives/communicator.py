@@ -185,6 +185,23 @@ class Communicator:
         work.wait_stream(stream(), -1.0)
         return None
 
+    def _describe_pair(self, name: str, output: Buffer, input: Buffer) -> tuple:  # noqa: A002
+        """Describes the output (written) and input (read) of one call, which
+        must share a dtype: returns ((ptr, numel, dtype) of output, the same of
+        input, None or (device, current-stream getter) for CUDA buffers).
+        Raises ValueError naming the argument, the rank and the operation."""
+        if is_cuda_buffer(output):
+            [o, i], dev, stream = self._cuda_args(
+                name, (output, "output", True), (input, "input", False)
+            )
+            cuda = (dev, stream)
+        else:
+            o = describe(output, self.rank, name, "output")
+            i = describe(input, self.rank, name, "input", writable=False)
+            cuda = None
+        self._same_dtype(o[2], i[2], name)
+        return o, i, cuda
+
     def _prune(self) -> None:
         """Drops the buffers of operations that completed (they complete in order)."""
         inflight = self._inflight
@@ -238,15 +255,7 @@ class Communicator:
     ) -> Work | None:
         """Reduces `input` (world_size blocks) across ranks; rank r gets block r in `output`."""
         name = "reduce_scatter"
-        cuda = is_cuda_buffer(output)
-        if cuda:
-            [(po, no, do), (pi, ni, di)], dev, stream = self._cuda_args(
-                name, (output, "output", True), (input, "input", False)
-            )
-        else:
-            po, no, do = describe(output, self.rank, name, "output")
-            pi, ni, di = describe(input, self.rank, name, "input", writable=False)
-        self._same_dtype(do, di, name)
+        (po, no, do), (pi, ni, di), cuda = self._describe_pair(name, output, input)
         if ni != no * self.world_size:
             raise ValueError(
                 f"pycollectives: rank {self.rank}: {name}: input has {ni} elements, expected "
@@ -256,6 +265,7 @@ class Communicator:
         _check_no_overlap((pi, ni * es), (po, no * es), pi + self.rank * no * es, self.rank, name)
         code = _op_code(op, self.rank, name)
         if cuda:
+            dev, stream = cuda
             w = _C.cuda_reduce_scatter(
                 self._c, po, pi, no, di, code, dev, stream(), to_seconds(timeout)
             )
@@ -273,15 +283,7 @@ class Communicator:
     ) -> Work | None:
         """Gathers every rank's `input` into `output` (world_size blocks, block r from rank r)."""
         name = "all_gather"
-        cuda = is_cuda_buffer(output)
-        if cuda:
-            [(po, no, do), (pi, ni, di)], dev, stream = self._cuda_args(
-                name, (output, "output", True), (input, "input", False)
-            )
-        else:
-            po, no, do = describe(output, self.rank, name, "output")
-            pi, ni, di = describe(input, self.rank, name, "input", writable=False)
-        self._same_dtype(do, di, name)
+        (po, no, do), (pi, ni, di), cuda = self._describe_pair(name, output, input)
         if no != ni * self.world_size:
             raise ValueError(
                 f"pycollectives: rank {self.rank}: {name}: output has {no} elements, expected "
@@ -290,6 +292,7 @@ class Communicator:
         es = ITEMSIZE[di]
         _check_no_overlap((po, no * es), (pi, ni * es), po + self.rank * ni * es, self.rank, name)
         if cuda:
+            dev, stream = cuda
             w = _C.cuda_all_gather(self._c, po, pi, ni, di, dev, stream(), to_seconds(timeout))
             return self._cuda_ret(w, async_op, stream, output, input)
         w = self._c.all_gather(po, pi, ni, di, async_op, to_seconds(timeout))
@@ -342,15 +345,7 @@ class Communicator:
     ) -> Work | None:
         """Block j of this rank's `input` goes to block `rank` of rank j's `output`."""
         name = "all_to_all"
-        cuda = is_cuda_buffer(output)
-        if cuda:
-            [(po, no, do), (pi, ni, di)], dev, stream = self._cuda_args(
-                name, (output, "output", True), (input, "input", False)
-            )
-        else:
-            po, no, do = describe(output, self.rank, name, "output")
-            pi, ni, di = describe(input, self.rank, name, "input", writable=False)
-        self._same_dtype(do, di, name)
+        (po, no, do), (pi, ni, di), cuda = self._describe_pair(name, output, input)
         if no != ni:
             raise ValueError(
                 f"pycollectives: rank {self.rank}: {name}: output has {no} elements, input {ni}"
@@ -363,7 +358,7 @@ class Communicator:
         es = ITEMSIZE[di]
         _check_no_overlap((po, no * es), (pi, ni * es), None, self.rank, name)
         if cuda:
-            count, to = ni // self.world_size, to_seconds(timeout)
+            (dev, stream), count, to = cuda, ni // self.world_size, to_seconds(timeout)
             w = _C.cuda_all_to_all(self._c, po, pi, count, di, dev, stream(), to)
             return self._cuda_ret(w, async_op, stream, output, input)
         w = self._c.all_to_all(po, pi, ni // self.world_size, di, async_op, to_seconds(timeout))

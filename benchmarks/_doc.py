@@ -1,0 +1,34 @@
+"""What the benchmark scripts share: rewriting their own section of
+docs/benchmarks.md (between their markers, leaving the rest alone) and naming
+the machine's CPU."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def write_section(section: str, begin: str, end: str, path: Path = DOC) -> None:
+    """Replaces the text from marker `begin` through marker `end` in `path` by
+    `section` (which carries both markers); appends it when the markers are
+    missing, creating the file if needed."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform.processor() elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
