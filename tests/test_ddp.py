@@ -299,19 +299,32 @@ def job_windows(comm: pc.Communicator) -> list[str]:
             }
             for op, ref in refs.items():
                 x.copy_(vals[r].to(dt))
+                sent = _bytes_sent(comm)
                 comm.all_reduce(x, op)
+                nbytes = count * dt.itemsize
+                # Above the one-shot size the direct path runs: each rank publishes
+                # only its 1/n part (the ring would send 2(n-1)/n of the buffer).
+                if nbytes > 64 << 10 and _bytes_sent(comm) - sent > nbytes // n + 64:
+                    bad.append(f"{count} {dt} {op.name}: took the ring, not the direct path")
                 if not dt.is_floating_point and op == pc.ReduceOp.AVG:
                     ref = torch.trunc(ref)
                 if not torch.equal(x, ref.to(dt)):
                     bad.append(f"{count} {dt} {op.name}: wrong")
     # Placements that differ across ranks: falls back to the ring, still right.
-    w = comm.alloc_shared(5000)
-    x = w[r * 10 : r * 10 + 4000]
+    w = comm.alloc_shared(101_000)
+    x = w[r * 16 : r * 16 + 100_000]
     x.fill_(r + 1.0)
+    sent = _bytes_sent(comm)
     comm.all_reduce(x)
     if not torch.all(x == n * (n + 1) / 2):
         bad.append("asymmetric placement: wrong")
+    if _bytes_sent(comm) - sent < 400_000 * (n - 1) // n:
+        bad.append("asymmetric placement: did not take the ring")
     return bad
+
+
+def _bytes_sent(comm: pc.Communicator) -> int:
+    return comm.stats().get("all_reduce", {}).get("bytes_sent", 0)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
