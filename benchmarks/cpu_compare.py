@@ -27,7 +27,7 @@ COLLS = ["all_reduce", "reduce_scatter", "all_gather"]
 BEGIN, END = "<!-- cpu_compare:begin -->", "<!-- cpu_compare:end -->"
 
 
-def bench(nranks: int, extra: list[str]) -> dict:
+def bench(nranks: int, extra: list[str], compare: str = "gloo,mpi") -> dict:
     """Runs one comparison; returns the bench's JSON (metadata and rows)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
@@ -38,7 +38,7 @@ def bench(nranks: int, extra: list[str]) -> dict:
             "--nproc",
             str(nranks),
             "--compare",
-            "gloo,mpi",
+            compare,
             "--json",
             out,
             *extra,
@@ -46,6 +46,13 @@ def bench(nranks: int, extra: list[str]) -> dict:
         print("+", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         return json.loads(Path(out).read_text())
+
+
+def registered_rows(data: dict) -> list[dict]:
+    """The rows of a `-R 1` run, renamed: pycoll -> pycoll-R, and its peers'
+    (same invocation, plain buffers) mpi -> mpi-R."""
+    rename = {"pycoll": "pycoll-R", "mpi": "mpi-R"}
+    return [{**r, "backend": rename[r["backend"]]} for r in data["rows"] if r["backend"] in rename]
 
 
 def fmt_size(b: int) -> str:
@@ -69,86 +76,82 @@ def table(rows: list[dict], coll: str, n: int) -> list[str]:
         (r["backend"], r["size"]): r for r in rows if r["collective"] == coll and r["nranks"] == n
     }
     sizes = sorted({s for (_, s) in by})
+    reg = any(b == "pycoll-R" for (b, _) in by)
     out = [
-        "| size | pycoll us | pycoll busbw | gloo busbw | mpi busbw | x gloo | x mpi |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| size | pycoll us | pycoll busbw | gloo busbw | mpi busbw | x gloo | x mpi |"
+        + (" registered us | registered busbw | x gloo | x mpi |" if reg else ""),
+        "|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if reg else ""),
     ]
     for s in sizes:
         p, g, m = by.get(("pycoll", s)), by.get(("gloo", s)), by.get(("mpi", s))
         if p is None:
             continue
-
-        out.append(
-            f"| {fmt_size(s)} | {p['time_us']:.2f} | {_bw(p)} | {_bw(g)} | {_bw(m)} | {_ratio(g, p)} | {_ratio(m, p)} |"
+        line = (
+            f"| {fmt_size(s)} | {p['time_us']:.2f} | {_bw(p)} | {_bw(g)} | {_bw(m)} "
+            f"| {_ratio(g, p)} | {_ratio(m, p)} |"
         )
+        if reg:
+            q, mq = by.get(("pycoll-R", s)), by.get(("mpi-R", s))
+            line += (
+                f" {q['time_us']:.2f} | {_bw(q)} | {_ratio(g, q)} | {_ratio(mq, q)} |"
+                if q
+                else " n/a | n/a | n/a | n/a |"
+            )
+        out.append(line)
     return out
 
 
-def speedup(rows: list[dict], coll: str, n: int, size: int, peer: str) -> float | None:
+def speedup(
+    rows: list[dict], coll: str, n: int, size: int, peer: str, own: str = "pycoll"
+) -> float | None:
     """Peer time / pycollectives time (= busbw ratio) at one size, or None."""
     t = {
         r["backend"]: r["time_us"]
         for r in rows
         if r["collective"] == coll and r["nranks"] == n and r["size"] == size and r.get("time_us")
     }
-    return t[peer] / t["pycoll"] if "pycoll" in t and peer in t else None
+    return t[peer] / t[own] if own in t and peer in t else None
 
 
 def targets(rows: list[dict], lat: dict[str, float]) -> list[str]:
     """The issue's targets, each checked on this run's ratios."""
     mib = 1 << 20
     lines = [
-        "| target | measured (ratio = peer time / pycollectives time) | verdict |",
-        "|---|---|---|",
+        "| target | plain buffers: ratio = peer time / pycollectives time | verdict "
+        "| registered buffers (`-R 1`, alloc_shared) | verdict |",
+        "|---|---|---|---|---|",
     ]
 
-    def check(name: str, pairs: list[tuple[str, float | None]], need: float) -> None:
+    def verdict(pairs: list[tuple[str, float | None]], need: float) -> str:
         vals = [(k, v) for k, v in pairs if v is not None]
         ok = bool(vals) and all(v >= need for _, v in vals)
         txt = ", ".join(f"{k}: {v:.2f}x" for k, v in vals) or "not measured"
-        lines.append(f"| {name} | {txt} | {'met' if ok else 'MISSED'} |")
+        return f"{txt} | {'met' if ok else 'MISSED'}" if vals else "not measured | -"
 
-    check(
-        "all-reduce, 2 ranks, >= 1.25x OpenMPI from 1 to 16 MiB",
-        [(fmt_size(s), speedup(rows, "all_reduce", 2, s, "mpi")) for s in (mib, 4 * mib, 16 * mib)],
-        1.25,
-    )
-    check(
-        "all-reduce, 2 ranks, >= 2x OpenMPI at 64 MiB",
-        [("64 MiB", speedup(rows, "all_reduce", 2, 64 * mib, "mpi"))],
-        2,
-    )
-    check(
-        "all-reduce, 4 ranks on 2 cores, >= OpenMPI (64 KiB to 64 MiB)",
-        [
-            (fmt_size(s), speedup(rows, "all_reduce", 4, s, "mpi"))
-            for s in (64 << 10, mib, 16 * mib, 64 * mib)
-        ],
-        1,
-    )
+    def check(name: str, coll: str, n: int, peer: str, sizes: list[int], need: float) -> None:
+        plain = [(fmt_size(s), speedup(rows, coll, n, s, peer)) for s in sizes]
+        # registered buffers: MPI from the same (-R 1) invocation, gloo from the plain one
+        rpeer = "mpi-R" if peer == "mpi" else peer
+        reg = [(fmt_size(s), speedup(rows, coll, n, s, rpeer, "pycoll-R")) for s in sizes]
+        lines.append(f"| {name} | {verdict(plain, need)} | {verdict(reg, need)} |")
+
+    big = [64 << 10, mib, 16 * mib, 64 * mib]
+    check("all-reduce, 2 ranks, >= 1.25x OpenMPI from 1 to 16 MiB", "all_reduce", 2, "mpi",
+          [mib, 4 * mib, 16 * mib], 1.25)  # fmt: skip
+    check("all-reduce, 2 ranks, >= 2x OpenMPI at 64 MiB", "all_reduce", 2, "mpi", [64 * mib], 2)
+    check("all-reduce, 4 ranks on 2 cores, >= OpenMPI (64 KiB to 64 MiB)", "all_reduce", 4, "mpi",
+          big, 1)  # fmt: skip
     for n in (2, 3, 4):
-        check(
-            f"all-reduce, {n} ranks, >= 5x gloo at every size from 64 KiB",
-            [
-                (fmt_size(s), speedup(rows, "all_reduce", n, s, "gloo"))
-                for s in (64 << 10, 256 << 10, mib, 4 * mib, 16 * mib, 64 * mib)
-            ],
-            5,
-        )
+        check(f"all-reduce, {n} ranks, >= 5x gloo at every size from 64 KiB", "all_reduce", n,
+              "gloo", [64 << 10, 256 << 10, mib, 4 * mib, 16 * mib, 64 * mib], 5)  # fmt: skip
     for coll in ("reduce_scatter", "all_gather"):
-        check(
-            f"{coll.replace('_', '-')}, 2 ranks, >= OpenMPI (64 KiB to 64 MiB)",
-            [
-                (fmt_size(s), speedup(rows, coll, 2, s, "mpi"))
-                for s in (64 << 10, mib, 16 * mib, 64 * mib)
-            ],
-            1,
-        )
+        check(f"{coll.replace('_', '-')}, 2 ranks, >= OpenMPI (64 KiB to 64 MiB)", coll, 2, "mpi",
+              big, 1)  # fmt: skip
     if "pycoll" in lat and "mpi" in lat:
         lines.append(
             f"| 8-byte all-reduce, 2 ranks, within 2x OpenMPI (Python call included) | pycollectives "
             f"{lat['pycoll']:.2f} us, OpenMPI {lat['mpi']:.2f} us, gloo {lat.get('gloo', float('nan')):.0f} us: "
-            f"{lat['pycoll'] / lat['mpi']:.2f}x OpenMPI's time | {'met' if lat['pycoll'] <= 2 * lat['mpi'] else 'MISSED'} |"
+            f"{lat['pycoll'] / lat['mpi']:.2f}x OpenMPI's time | {'met' if lat['pycoll'] <= 2 * lat['mpi'] else 'MISSED'} | - | - |"
         )
     return lines
 
@@ -160,34 +163,26 @@ def main() -> None:
         "--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md")
     )
     ap.add_argument("--trials", default="5")
+    ap.add_argument(
+        "--registered",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="also run pycollectives on alloc_shared buffers (-R 1) with 2+ ranks (default 1)",
+    )
     args = ap.parse_args()
     ranks = [int(x) for x in args.ranks.split(",")]
 
+    common = ["-b", "16", "-e", "64M", "-f", "4", "--coll", ",".join(COLLS), "-n", "10", "-w", "3",
+              "--trials", args.trials, "-c", "1"]  # fmt: skip
     rows, meta = [], None
     for n in ranks:
-        data = bench(
-            n,
-            [
-                "-b",
-                "16",
-                "-e",
-                "64M",
-                "-f",
-                "4",
-                "--coll",
-                ",".join(COLLS),
-                "-n",
-                "10",
-                "-w",
-                "3",
-                "--trials",
-                args.trials,
-                "-c",
-                "1",
-            ],
-        )
+        data = bench(n, common)
         rows += data["rows"]
         meta = meta or data["metadata"]
+        if n > 1 and args.registered:
+            # the same sizes on alloc_shared buffers; MPI again in that invocation
+            rows += registered_rows(bench(n, [*common, "-R", "1"], compare="mpi"))
     lat: dict[str, float] = {}
     if 2 in ranks:
         runs = [
@@ -226,10 +221,16 @@ def main() -> None:
         BEGIN,
         "## CPU: pycollectives vs gloo vs OpenMPI (shared memory, one host)",
         "",
-        f"- Command: `python benchmarks/cpu_compare.py --ranks {args.ranks} --trials {args.trials}` "
+        f"- Command: `python benchmarks/cpu_compare.py --ranks {args.ranks} --trials {args.trials} "
+        f"--registered {args.registered}` "
         "(each world size: `pycollectives-bench --nproc N -b 16 -e 64M -f 4 --coll "
-        f"{','.join(COLLS)} -n 10 -w 3 --trials {args.trials} -c 1 --compare gloo,mpi`; 8-byte latency: "
-        "three runs of `-b 8 -e 8 -n 2000 -w 200 --trials 9`, median)",
+        f"{','.join(COLLS)} -n 10 -w 3 --trials {args.trials} -c 1 --compare gloo,mpi`"
+        + (", then the same with `-R 1 --compare mpi`" if args.registered else "")
+        + "; 8-byte latency: three runs of `-b 8 -e 8 -n 2000 -w 200 --trials 9`, median)",
+        "- Registered buffers (`-R 1`): pycollectives' buffers come from `comm.alloc_shared` "
+        "(symmetric windows, as nccl-tests `-R`), so all-reduce, reduce-scatter and all-gather "
+        "run in place across the ranks' buffers; OpenMPI (same invocation) and gloo (the plain "
+        "invocation) keep plain buffers. Plain buffers are what a caller gets without asking.",
         f"- Machine: {meta['cpu_model']}, {meta['cpu_count']} cores (KVM), host `{meta['hostname']}`",
         f"- Date: {meta['date']}",
         f"- Software: pycollectives {v['pycollectives']} ({v['simd_level']}), torch {v['torch']} (gloo), "

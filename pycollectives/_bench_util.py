@@ -478,6 +478,24 @@ class Runner:
         """A no-argument callable running one collective call on these buffers."""
         raise NotImplementedError
 
+    def buffers(
+        self, spec: CollSpec, count: int, dtype: torch.dtype, device: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(input, output) of one call on `device` (None: CPU); output is None for the
+        in-place collectives."""
+        n, empty = self.world_size, self.empty
+        if spec.inplace:
+            return empty(count, dtype, device), None
+        if spec.name == "all_gather":
+            return empty(count, dtype, device), empty(n * count, dtype, device)
+        if spec.name == "reduce_scatter":
+            return empty(n * count, dtype, device), empty(count, dtype, device)
+        return empty(n * count, dtype, device), empty(n * count, dtype, device)  # all_to_all
+
+    def empty(self, numel: int, dtype: torch.dtype, device: str | None) -> torch.Tensor:
+        """An uninitialized buffer for `buffers`."""
+        return torch.empty(numel, dtype=dtype, device=device)
+
     def barrier(self) -> None:
         """Barrier over all ranks."""
         raise NotImplementedError
@@ -503,11 +521,15 @@ class PycollRunner(Runner):
 
     name = "pycoll"
 
-    def __init__(self, rank: int, world_size: int, store: object, timeout: float) -> None:
+    def __init__(
+        self, rank: int, world_size: int, store: object, timeout: float, registered: int = 0
+    ) -> None:
         super().__init__(rank, world_size)
         import torch.distributed as dist
 
         import pycollectives as pc
+
+        self.registered = bool(registered)
 
         self.pc = pc
         self.comm = pc.init(
@@ -529,6 +551,11 @@ class PycollRunner(Runner):
             "all_to_all": lambda: c.all_to_all(out, inp),
         }[coll]
 
+    def empty(self, numel, dtype, device):  # noqa: D102
+        if self.registered and device is None:
+            return self.comm.alloc_shared(numel, dtype)  # collective: same order on every rank
+        return super().empty(numel, dtype, device)
+
     def barrier(self):  # noqa: D102
         self.comm.barrier()
 
@@ -548,6 +575,7 @@ class PycollRunner(Runner):
         return [
             f"# backend pycoll: pycollectives {pycoll_version()}  simd_level: {simd}",
             f"# algorithm env: {env}",
+            f"# buffers: {'registered (comm.alloc_shared windows)' if self.registered else 'plain'}",
         ]
 
     def close(self):  # noqa: D102

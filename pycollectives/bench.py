@@ -202,6 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
         "device count), times are taken after torch.cuda.synchronize(), and --compare gloo "
         "runs on the same CUDA tensors",
     )
+    p.add_argument(
+        "-R",
+        "--registered",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        help="1: pycollectives' buffers come from comm.alloc_shared (symmetric shared-memory "
+        "windows, as nccl-tests -R with registered buffers), so all_reduce, reduce_scatter "
+        "and all_gather run in place across the ranks' buffers; peers keep plain buffers "
+        "(default 0)",
+    )
     p.add_argument("--json", metavar="FILE", help="write every row and the run's metadata as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size (needs matplotlib)")
     p.add_argument(
@@ -268,7 +279,7 @@ def bench_collective(
             time_us=None, algbw=None, busbw=None, wrong=None, note=reason or "",
         )  # fmt: skip
         if reason is None:
-            inp, out = _buffers(spec, count, n, tdtype, device)
+            inp, out = runner.buffers(spec, count, tdtype, device)
             fill_check_inputs(spec, rank, n, count, op, root, inp, out)
             fn = runner.bind(spec.name, inp, out, op, root)
             if runner.probe_first_call and not rows:
@@ -297,21 +308,6 @@ def bench_collective(
         rows.append(row)
     say(footer(rows))
     return rows
-
-
-def _buffers(
-    spec: CollSpec, count: int, n: int, dtype: torch.dtype, device: str | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(input, output) of one call on `device` (None: CPU); output is None for the
-    in-place collectives."""
-    kw = {"dtype": dtype, "device": device}
-    if spec.inplace:
-        return torch.empty(count, **kw), None
-    if spec.name == "all_gather":
-        return torch.empty(count, **kw), torch.empty(n * count, **kw)
-    if spec.name == "reduce_scatter":
-        return torch.empty(n * count, **kw), torch.empty(count, **kw)
-    return torch.empty(n * count, **kw), torch.empty(n * count, **kw)  # all_to_all
 
 
 def _make_store(rank: int, world_size: int, timeout: float) -> object:
@@ -395,11 +391,12 @@ def _rank_main(args: argparse.Namespace) -> int:
     extra_meta: dict[str, str] = {}
     for backend in runners_todo:
         if backend == "pycoll":
-            runner: Runner = PycollRunner(rank, world, store, args.timeout)
+            runner: Runner = PycollRunner(rank, world, store, args.timeout, args.registered)
             extra_meta["pycollectives"] = pycoll_version()
             extra_meta["simd_level"] = (
                 runner.pc.simd_level() if hasattr(runner.pc, "simd_level") else "?"
             )
+            extra_meta["buffers"] = "registered" if args.registered else "plain"
         elif backend == "gloo":
             runner = GlooRunner(rank, world, store, args.timeout)
         elif backend == "nccl":

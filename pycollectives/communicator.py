@@ -433,8 +433,9 @@ class Communicator:
         """Collective: returns a zero-filled CPU torch tensor of `shape` and
         `dtype` (default float32) in a symmetric shared-memory window: every
         rank allocates the same size and maps every peer's buffer. An
-        all_reduce of the tensor, or of the same view of it on every rank,
-        then runs in place across the ranks' buffers with no copy through the
+        all_reduce of the tensor, a reduce_scatter whose input or an
+        all_gather whose output it is (the same view on every rank) then runs
+        in place across the ranks' buffers with no copy through the
         transport's slots (as NCCL's registered buffers). The memory lives as
         long as any tensor viewing it. Every rank must call it with the same
         size, in the same order as its other collectives.

@@ -24,3 +24,14 @@ def test_ddp_example_under_torchrun():
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.count("parameters identical on all ranks: True") == 2, p.stdout
+
+
+def test_windows_example_under_torchrun():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+           str(ROOT / "examples" / "windows.py")]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("world 3:")), None)
+    assert line is not None, p.stdout
+    plain, shared = (int(w) for w in line.replace(",", "").split() if w.isdigit())
+    assert shared < plain, line  # the window path moved less than the slots

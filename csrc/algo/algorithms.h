@@ -25,9 +25,9 @@ void pairwise_all_to_all(OpCtx& c, const void* in, void* out, size_t count);
 void p2p_send(OpCtx& c, const void* buf, size_t count, int peer);
 void p2p_recv(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect);
 
-// All-reduce in place on symmetric windows (see direct.cc): data[p] is the
-// operation's buffer in rank p's window, mapped here; reduced/gathered are
-// rank p's progress counters. Every rank passes the same offset and count.
+// Collectives on symmetric windows (see direct.cc): data[p] is the
+// operation's window buffer of rank p, mapped here; reduced/gathered are rank
+// p's progress counters. Every rank passes the same offset and count.
 constexpr int kMaxDirectRanks = 64;
 struct DirectView {
   char* data[kMaxDirectRanks];
@@ -35,6 +35,10 @@ struct DirectView {
   Counter* gathered[kMaxDirectRanks];
 };
 void direct_all_reduce(OpCtx& c, const DirectView& v, size_t count);
+// data[p]: rank p's input (nranks blocks of `count`); `out` may be this rank's block.
+void direct_reduce_scatter(OpCtx& c, const DirectView& v, void* out, size_t count);
+// data[p]: rank p's output (nranks blocks of `count`); `in` may be this rank's block.
+void direct_all_gather(OpCtx& c, const DirectView& v, const void* in, size_t count);
 
 // One send or receive of a batch. `tag`: what a send's slots carry, or what a
 // receive expects from its sender.

@@ -1,5 +1,7 @@
-// All-reduce in place on symmetric shared-memory windows: no slots, no copies
-// in or out. Rank r owns part r of the buffer:
+// Collectives on symmetric shared-memory windows: every rank reads and writes
+// its peers' buffers in place, with no slots and no copies in or out.
+//
+// All-reduce. Rank r owns part r of the buffer:
 //   1. reduce part r of every rank's buffer (rank order) into its own buffer,
 //      then raise `reduced`;
 //   2. copy each peer's reduced part out of the peer's buffer (after its
@@ -12,6 +14,15 @@
 // reads it: in step 1 every rank reads only its own part of each buffer, and
 // a part of a peer's buffer is overwritten in step 2 only after its owner
 // raised `reduced`, i.e. stopped reading it.
+//
+// Reduce-scatter (inputs in the windows): rank r reduces block r of every
+// rank's input into its output, raises `gathered` and waits for every peer's:
+// per rank S read and S/n written, one synchronisation.
+//
+// All-gather (outputs in the windows): rank r writes its input into block r of
+// every rank's output (one read of the input, chunk by chunk so that it stays
+// in cache), raises `gathered` and waits for every peer's, which means every
+// block of its own output has arrived.
 #include <algorithm>
 
 #include "algo/algorithms.h"
@@ -53,6 +64,54 @@ void direct_all_reduce(OpCtx& c, const DirectView& v, size_t count) {
     wait_reached(*v.gathered[p], seq, *c.mon);
   }
   c.bytes_sent += len * es;
+}
+
+namespace {
+
+// Raises this rank's `gathered` for the operation and waits for every peer's.
+void finish(OpCtx& c, const DirectView& v) {
+  publish(*v.gathered[c.rank], c.tag.seq);
+  for (int s = 1; s < c.nranks; ++s) {
+    const int p = (c.rank + s) % c.nranks;
+    c.mon->peer = p;
+    wait_reached(*v.gathered[p], c.tag.seq, *c.mon);
+  }
+}
+
+}  // namespace
+
+void direct_reduce_scatter(OpCtx& c, const DirectView& v, void* out, size_t count) {
+  const int n = c.nranks;
+  PYC_ASSERT(n <= kMaxDirectRanks);
+  const size_t es = c.esize(), off = static_cast<size_t>(c.rank) * count * es;
+  if (count > 0) {
+    const void* srcs[kMaxDirectRanks];
+    for (int p = 0; p < n; ++p) srcs[p] = v.data[p] + off;
+    const bool avg = c.op == ReduceOp::kAvg;
+    reduce(ReduceArgs{c.dtype, avg ? ReduceOp::kSum : c.op, out, nullptr, srcs, n, count});
+    if (avg) scale_avg(out, c.dtype, count, n);
+  }
+  c.bytes_recv += (n - 1) * count * es;
+  finish(c, v);
+}
+
+void direct_all_gather(OpCtx& c, const DirectView& v, const void* in, size_t count) {
+  const int n = c.nranks, r = c.rank;
+  const size_t bytes = count * c.esize(), off = static_cast<size_t>(r) * bytes;
+  constexpr size_t kChunk = 256 << 10;  // the input's chunk stays in L2 across its n copies
+  const char* src = static_cast<const char*>(in);
+  for (size_t a = 0; a < bytes; a += kChunk) {
+    const size_t len = std::min(kChunk, bytes - a);
+    char* dst[kMaxDirectRanks];
+    int nd = 0;
+    for (int s = 0; s < n; ++s) {  // this rank's own output first, then the peers' in ring order
+      char* d = v.data[(r + s) % n] + off + a;
+      if (d != src + a) dst[nd++] = d;  // in place: the input already is this block
+    }
+    for (int i = 0; i < nd; i += 2) copy(dst[i], i + 1 < nd ? dst[i + 1] : nullptr, src + a, len);
+  }
+  c.bytes_sent += (n - 1) * bytes;
+  finish(c, v);
 }
 
 }  // namespace pyc

@@ -311,19 +311,13 @@ std::shared_ptr<Work> Communicator::all_reduce(void* buf, size_t count, DataType
   return collective(
       sig, timeout_s, async,
       [this, buf, count, win, where](OpCtx& c) {
+        // One-shot first: its one handshake beats the direct path's two as long as
+        // the whole buffer fits the one-shot areas.
         if (oneshot(c, count * c.esize())) {
           oneshot_all_reduce(c, oneshot_, buf, buf, count);
           saw_flags(c.tag.seq);
-        } else if (win && symmetric(c, where)) {
-          DirectView v;
-          const size_t off = where & ((uint64_t{1} << 40) - 1);
-          for (int p = 0; p < n_; ++p) {
-            RankCtl* ctl = layout_.rank_ctl(seg_.data(), p);
-            v.data[p] = win->base(p) + off;
-            v.reduced[p] = &ctl->reduced;
-            v.gathered[p] = &ctl->gathered;
-          }
-          direct_all_reduce(c, v, count);
+        } else if (direct(c, win.get(), count * c.esize(), where)) {
+          direct_all_reduce(c, direct_view(*win, where), count);
         } else {
           ring_all_reduce(c, buf, buf, count);
         }
@@ -344,6 +338,26 @@ std::shared_ptr<ShmWindow> Communicator::find_window(const void* p, size_t n, ui
     }
   }
   return nullptr;
+}
+
+bool Communicator::direct(OpCtx& c, const ShmWindow* win, size_t bytes, uint64_t where) {
+  // Below a few KiB per rank the one-shot path's single handshake beats the
+  // direct path's two; above, the direct reduce-scatter and all-gather move
+  // less (every rank decides alike: the size is part of the signature).
+  constexpr size_t kDirectMinBytes = 4096;
+  return win && bytes >= kDirectMinBytes && symmetric(c, where);
+}
+
+DirectView Communicator::direct_view(const ShmWindow& win, uint64_t where) {
+  DirectView v;
+  const size_t off = where & ((uint64_t{1} << 40) - 1);
+  for (int p = 0; p < n_; ++p) {
+    RankCtl* ctl = layout_.rank_ctl(seg_.data(), p);
+    v.data[p] = win.base(p) + off;
+    v.reduced[p] = &ctl->reduced;
+    v.gathered[p] = &ctl->gathered;
+  }
+  return v;
 }
 
 bool Communicator::symmetric(OpCtx& c, uint64_t where) {
@@ -399,27 +413,41 @@ std::shared_ptr<Work> Communicator::reduce_scatter(void* out, const void* in, si
                                                    DataType dt, ReduceOp op, bool async,
                                                    double timeout_s) {
   OpSig sig{OpKind::kReduceScatter, dt, op, -1, count};
-  return collective(sig, timeout_s, async, [this, out, in, count](OpCtx& c) {
-    if (oneshot(c, count * c.esize() * n_)) {
-      oneshot_reduce_scatter(c, oneshot_, in, out, count);
-      saw_flags(c.tag.seq);
-    } else {
-      ring_reduce_scatter(c, in, out, count);
-    }
-  });
+  uint64_t where = 0;  // the input's window placement: peers read it in place
+  std::shared_ptr<ShmWindow> win = find_window(in, count * dtype_size(dt) * n_, &where);
+  return collective(
+      sig, timeout_s, async,
+      [this, out, in, count, win, where](OpCtx& c) {
+        if (direct(c, win.get(), count * c.esize(), where)) {
+          direct_reduce_scatter(c, direct_view(*win, where), out, count);
+        } else if (oneshot(c, count * c.esize() * n_)) {
+          oneshot_reduce_scatter(c, oneshot_, in, out, count);
+          saw_flags(c.tag.seq);
+        } else {
+          ring_reduce_scatter(c, in, out, count);
+        }
+      },
+      where);
 }
 
 std::shared_ptr<Work> Communicator::all_gather(void* out, const void* in, size_t count, DataType dt,
                                                bool async, double timeout_s) {
   OpSig sig{OpKind::kAllGather, dt, ReduceOp::kSum, -1, count};
-  return collective(sig, timeout_s, async, [this, out, in, count](OpCtx& c) {
-    if (oneshot(c, count * c.esize())) {
-      oneshot_all_gather(c, oneshot_, in, out, count);
-      saw_flags(c.tag.seq);
-    } else {
-      ring_all_gather(c, in, out, count);
-    }
-  });
+  uint64_t where = 0;  // the output's window placement: peers write their blocks into it
+  std::shared_ptr<ShmWindow> win = find_window(out, count * dtype_size(dt) * n_, &where);
+  return collective(
+      sig, timeout_s, async,
+      [this, out, in, count, win, where](OpCtx& c) {
+        if (direct(c, win.get(), count * c.esize(), where)) {
+          direct_all_gather(c, direct_view(*win, where), in, count);
+        } else if (oneshot(c, count * c.esize())) {
+          oneshot_all_gather(c, oneshot_, in, out, count);
+          saw_flags(c.tag.seq);
+        } else {
+          ring_all_gather(c, in, out, count);
+        }
+      },
+      where);
 }
 
 std::shared_ptr<Work> Communicator::broadcast(void* buf, size_t count, DataType dt, int root,

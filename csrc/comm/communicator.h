@@ -87,8 +87,9 @@ class Communicator final : public Links {
   };
   std::shared_ptr<Work> batch_p2p(std::vector<P2PItem> items, bool async, double timeout_s);
   // Collective: every rank allocates a `bytes`-byte buffer that every peer maps
-  // (a symmetric window). An all-reduce whose buffer lies in a window at the
-  // same offset on every rank runs in place across the buffers (direct.cc).
+  // (a symmetric window). An all-reduce whose buffer, a reduce-scatter whose
+  // input or an all-gather whose output lies in a window at the same offset on
+  // every rank runs in place across the buffers (direct.cc).
   std::shared_ptr<ShmWindow> alloc_window(size_t bytes, double timeout_s);
   // Collective; returns nullptr for color < 0.
   std::shared_ptr<Communicator> split(int color, int key, double timeout_s);
@@ -124,6 +125,11 @@ class Communicator final : public Links {
   // After every peer started operation c.tag.seq: whether all announced the
   // same operation at the same placement `where` (then direct.cc applies).
   bool symmetric(OpCtx& c, uint64_t where);
+  // Whether the operation runs on the windows (direct.cc): `win` holds its
+  // buffer of `bytes` per rank, and every rank placed it alike (symmetric).
+  bool direct(OpCtx& c, const ShmWindow* win, size_t bytes, uint64_t where);
+  // The buffers at placement `where` in every rank's copy of `win`, and the counters.
+  DirectView direct_view(const ShmWindow& win, uint64_t where);
   // Waits until every peer has started collective `seq` (or a later one).
   void wait_started(uint32_t seq, WaitMonitor& mon);
   void account(OpKind kind, const OpCtx& c, uint64_t ns);
