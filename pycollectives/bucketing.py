@@ -183,7 +183,7 @@ def all_reduce_coalesced(
                 "contiguous CPU torch.Tensor"
             )
     key = (tuple((tuple(t.shape), t.dtype) for t in tensors), float(bucket_cap_mb))
-    cache = comm.__dict__.setdefault("_coalesced_buckets", {})
+    cache = comm._coalesced_buckets
     bs = cache.get(key)
     if bs is None:
         bs = cache[key] = BucketSet(

@@ -142,6 +142,8 @@ class Communicator:
         # caller drops its Work (the progress thread still reads and writes them).
         self._inflight: collections.deque = collections.deque()
         self._cuda_device: int | None = None  # set by the first CUDA operation
+        # all_reduce_coalesced's window buckets, by (shapes and dtypes, cap): see bucketing.py
+        self._coalesced_buckets: dict = {}
 
     # -- helpers --------------------------------------------------------------
     def _ret(self, work: Any, *buffers: Buffer) -> Work | None:
@@ -254,6 +256,8 @@ class Communicator:
         timeout: Timeout = None,
     ) -> Work | None:
         """Reduces `input` (world_size blocks) across ranks; rank r gets block r in `output`."""
+        if not async_op and timeout is None and self._c.reduce_scatter_fast(output, input, op):
+            return None
         name = "reduce_scatter"
         (po, no, do), (pi, ni, di), cuda = self._describe_pair(name, output, input)
         if ni != no * self.world_size:
@@ -282,6 +286,8 @@ class Communicator:
         timeout: Timeout = None,
     ) -> Work | None:
         """Gathers every rank's `input` into `output` (world_size blocks, block r from rank r)."""
+        if not async_op and timeout is None and self._c.all_gather_fast(output, input):
+            return None
         name = "all_gather"
         (po, no, do), (pi, ni, di), cuda = self._describe_pair(name, output, input)
         if no != ni * self.world_size:

@@ -26,6 +26,34 @@ bool python_finalizing() {
 #endif
 }
 
+// The fast paths' op argument: a valid ReduceOp code, or false (the Python
+// path then handles it, errors included).
+bool fast_op(py::handle op, ReduceOp* out) {
+  if (!PyLong_Check(op.ptr()) || PyBool_Check(op.ptr())) return false;
+  const long code = PyLong_AsLong(op.ptr());
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  if (!valid_reduce_op(static_cast<int>(code))) return false;
+  *out = static_cast<ReduceOp>(code);
+  return true;
+}
+
+// The fast paths' pair of tensors: `big` holds nranks blocks of `small`'s
+// size and dtype, and the two are disjoint or `small` is block `rank` of `big`
+// (the in-place layout). False for anything else.
+bool fast_pair(py::handle big, py::handle small, int nranks, int rank, TensorView* b,
+               TensorView* s) {
+  if (!view_tensor(big, b) || !view_tensor(small, s) || b->dtype != s->dtype ||
+      b->numel != s->numel * static_cast<size_t>(nranks))
+    return false;
+  const size_t es = dtype_size(static_cast<DataType>(s->dtype));
+  const uintptr_t b_end = b->ptr + b->numel * es, s_end = s->ptr + s->numel * es;
+  const bool disjoint = s->numel == 0 || s_end <= b->ptr || b_end <= s->ptr;
+  return disjoint || s->ptr == b->ptr + static_cast<size_t>(rank) * s->numel * es;
+}
+
 // Python exception classes from pycollectives.errors, looked up once.
 py::object error_class(const char* name) {
   return py::module_::import("pycollectives.errors").attr(name);
@@ -119,16 +147,33 @@ PYBIND11_MODULE(_C, m) {
            // the Python path.
            [](C& c, py::handle tensor, py::handle op) {
              TensorView v;
-             if (!PyLong_Check(op.ptr()) || PyBool_Check(op.ptr())) return false;
-             const long code = PyLong_AsLong(op.ptr());
-             if (PyErr_Occurred()) {
-               PyErr_Clear();
-               return false;
-             }
-             if (!valid_reduce_op(static_cast<int>(code)) || !view_tensor(tensor, &v)) return false;
+             ReduceOp code;
+             if (!fast_op(op, &code) || !view_tensor(tensor, &v)) return false;
              py::gil_scoped_release nogil;
-             c.all_reduce(address(v.ptr), v.numel, static_cast<DataType>(v.dtype),
-                          static_cast<ReduceOp>(code), false, -1.0);
+             c.all_reduce(address(v.ptr), v.numel, static_cast<DataType>(v.dtype), code, false,
+                          -1.0);
+             return true;
+           })
+      .def("reduce_scatter_fast",
+           // As all_reduce_fast: synchronous, default timeout, torch CPU tensors.
+           [](C& c, py::handle output, py::handle input, py::handle op) {
+             TensorView out, in;
+             ReduceOp code;
+             if (!fast_op(op, &code) ||
+                 !fast_pair(input, output, c.world_size(), c.rank(), &in, &out))
+               return false;
+             py::gil_scoped_release nogil;
+             c.reduce_scatter(address(out.ptr), address(in.ptr), out.numel,
+                              static_cast<DataType>(out.dtype), code, false, -1.0);
+             return true;
+           })
+      .def("all_gather_fast",
+           [](C& c, py::handle output, py::handle input) {
+             TensorView out, in;
+             if (!fast_pair(output, input, c.world_size(), c.rank(), &out, &in)) return false;
+             py::gil_scoped_release nogil;
+             c.all_gather(address(out.ptr), address(in.ptr), in.numel,
+                          static_cast<DataType>(in.dtype), false, -1.0);
              return true;
            })
       .def(

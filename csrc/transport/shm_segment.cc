@@ -28,12 +28,14 @@ std::string mib(size_t bytes) {
 [[noreturn]] void throw_no_space(size_t need) {
   struct statvfs st{};
   std::ostringstream os;
-  os << "pycollectives: /dev/shm is too small: the communicator needs " << mib(need);
+  os << "pycollectives: /dev/shm is too small: a shared-memory segment of " << mib(need)
+     << " is needed";
   if (statvfs("/dev/shm", &st) == 0)
     os << " but only " << mib(static_cast<size_t>(st.f_bavail) * st.f_frsize) << " of "
        << mib(static_cast<size_t>(st.f_blocks) * st.f_frsize) << " are free";
   os << ". Enlarge it (docker run --shm-size=1g ..., or mount -o remount,size=2G /dev/shm), "
-        "or use smaller pipelining buffers (PYCOLL_SLOT_BYTES, PYCOLL_NSLOTS).";
+        "or use smaller pipelining buffers (PYCOLL_SLOT_BYTES, PYCOLL_NSLOTS; the "
+        "communicator's segment) or smaller alloc_shared windows.";
   throw Error(os.str());
 }
 
