@@ -97,6 +97,7 @@ void direct_reduce_scatter(OpCtx& c, const DirectView& v, void* out, size_t coun
 
 void direct_all_gather(OpCtx& c, const DirectView& v, const void* in, size_t count) {
   const int n = c.nranks, r = c.rank;
+  PYC_ASSERT(n <= kMaxDirectRanks);
   const size_t bytes = count * c.esize(), off = static_cast<size_t>(r) * bytes;
   constexpr size_t kChunk = 256 << 10;  // the input's chunk stays in L2 across its n copies
   const char* src = static_cast<const char*>(in);
