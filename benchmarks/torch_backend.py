@@ -14,8 +14,8 @@ every cell per round, so that the drift of a shared machine hits all alike):
   - both: the same step with the gradient collective replaced by a local
     no-op (a DDP comm hook that only divides; an FSDP2 custom reduce-scatter
     that copies this rank's chunk), everything else unchanged.
-Gradient synchronization time = median(step) - median(baseline step), for
-either baseline. Ranks run one torch thread each. The results go into docs/benchmarks.md
+Gradient synchronization time = median over rounds of (step - baseline step
+of the same round), for either baseline. Ranks run one torch thread each. The results go into docs/benchmarks.md
 between <!-- torch_backend:begin --> and <!-- torch_backend:end --> (the rest of
 the file is left alone).
 """
@@ -225,6 +225,13 @@ def _machine() -> str:
 def render(results: dict[str, list[float]], args: argparse.Namespace, params: int) -> str:
     """The markdown section (between the markers) of these results."""
     med = {k: statistics.median(v) * 1e3 for k, v in results.items()}
+
+    def sync(name: str, backend: str, baseline: str) -> float:
+        """Median over rounds of (step - baseline step) in the same round: pairing
+        the two cells of a round cancels the machine's drift between rounds."""
+        a, b = results[f"{name}/{backend}/step"], results[f"{name}/{backend}/{baseline}"]
+        return statistics.median(x - y for x, y in zip(a, b, strict=True)) * 1e3
+
     cmd = "python benchmarks/torch_backend.py" + (
         " " + " ".join(sys.argv[1:]) if sys.argv[1:] else ""
     )
@@ -241,8 +248,9 @@ def render(results: dict[str, list[float]], args: argparse.Namespace, params: in
         "DDP with `gradient_as_bucket_view=True` (both backends), FSDP2 with `fully_shard` per "
         "layer and on the root.",
         "",
-        "Two measures of the gradient synchronization inside the step, each the step minus "
-        "a baseline step on the same group:",
+        "Two measures of the gradient synchronization inside the step, each the median over "
+        "rounds of (step - baseline step of the same round), on the same group (the step "
+        "columns are plain medians, so their differences need not equal the sync columns):",
         "",
         "- **sync (local collective)**: the baseline is the same training step with the "
         "gradient collective replaced by a local no-op, and nothing else changed. DDP: a comm "
@@ -278,8 +286,8 @@ def render(results: dict[str, list[float]], args: argparse.Namespace, params: in
             continue
         g = {k: med[f"{name}/gloo/{k}"] for k in ("step", "local", "nosync", "comm")}
         p = {k: med[f"{name}/pycoll/{k}"] for k in ("step", "local", "nosync", "comm")}
-        gl, pl = g["step"] - g["local"], p["step"] - p["local"]
-        gn, pn = g["step"] - g["nosync"], p["step"] - p["nosync"]
+        gl, pl = sync(name, "gloo", "local"), sync(name, "pycoll", "local")
+        gn, pn = sync(name, "gloo", "nosync"), sync(name, "pycoll", "nosync")
         lines.append(
             f"| {label} | {g['step']:.1f} / {p['step']:.1f} | {g['step'] / p['step']:.2f}x "
             f"| {g['local']:.1f} / {p['local']:.1f} | {gl:.1f} / {pl:.1f} | {ratio(gl, pl)} "
@@ -290,6 +298,11 @@ def render(results: dict[str, list[float]], args: argparse.Namespace, params: in
             f"{label} {ratio(gl, pl)} (local-collective baseline), {ratio(gn, pn)} "
             f"(no-sync baseline), {ratio(g['comm'], p['comm'])} alone"
         )
+    stretch = "; ".join(
+        f"{label} {sync(n, 'pycoll', 'local') / med[f'{n}/pycoll/comm']:.1f}x"
+        for n, label in (("ddp", "DDP"), ("fsdp2", "FSDP2"))
+        if f"{n}/pycoll/step" in med
+    )
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lines += [
         "",
@@ -298,11 +311,15 @@ def render(results: dict[str, list[float]], args: argparse.Namespace, params: in
         "2-core machine; the interleaving spreads other jobs' effect over every cell, not "
         "out of the figures).",
         "",
-        "Inside the step DDP's all-reduces overlap the backward pass (each bucket as it "
-        "fills); FSDP2 on CPU calls each reduce-scatter synchronously. With two ranks on two "
-        "cores there is no spare core: pycoll's progress thread copies and reduces through "
-        "shared memory on the CPU and so competes with the computation, which is why its "
-        "advantage inside the step is smaller than alone.",
+        "Inside the step pycoll's collectives cost more than alone (sync with the "
+        f"local-collective baseline / comm alone: {stretch}). FSDP2 on CPU calls each "
+        "reduce-scatter synchronously, between layers; DDP all-reduces each bucket "
+        "asynchronously while backward goes on. With two ranks on two cores there is no "
+        "spare core: pycoll's collectives are CPU and memory work (they copy and reduce "
+        "through shared memory), done on the cores and memory bus the training step is "
+        "using, while gloo's mostly wait on TCP sockets. Lowering the progress thread's "
+        "scheduling priority (nice 10 or 19) or using larger slots (4 MiB) changed nothing "
+        "measurable for DDP in a separate test (not profiled further).",
         "",
         END,
     ]
