@@ -93,6 +93,21 @@ def test_bench_all_collectives(tmp_path):
     assert {r["collective"] for r in data["rows"]} == set(COLLECTIVES)
 
 
+def test_bench_registered_buffers(tmp_path):
+    """-R 1: pycollectives' buffers are alloc_shared windows; every collective still
+    checks out, and the JSON metadata says which buffers were used."""
+    out_json = tmp_path / "bench.json"
+    p = run_bench("--nproc", "3", "-b", "8", "-e", "1M", "-f", "16", "-n", "2", "-w", "1",
+                  "--trials", "1", "--coll", "all", "-R", "1", "--json", str(out_json))  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "# buffers: registered (comm.alloc_shared windows)" in p.stdout, p.stdout
+    tables = parse_tables(p.stdout)
+    for coll in COLLECTIVES:
+        rows = tables.get(("pycoll", coll))
+        assert rows and all(f[-1] == "0" for f in rows), (coll, p.stdout)
+    assert json.loads(out_json.read_text())["metadata"]["versions"]["buffers"] == "registered"
+
+
 def test_bench_compare_gloo():
     p = run_bench(
         "--nproc",
