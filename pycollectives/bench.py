@@ -688,6 +688,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.minbytes > args.maxbytes:
         parser.error(f"--minbytes {args.minbytes} is larger than --maxbytes {args.maxbytes}")
+    if args.registered and args.device == "cuda":
+        parser.error("-R 1: registered buffers are shared-memory windows, CPU only")
     if args.plot and (msg := check_matplotlib()):
         parser.error(msg)
     if args.device == "cuda" and (msg := _cuda_unavailable()):

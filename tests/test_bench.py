@@ -151,3 +151,5 @@ def test_bench_bad_flags():
     assert p.returncode == 2 and "invalid size" in p.stderr
     p = run_bench("--coll", "allreduce", timeout=60)
     assert p.returncode == 2 and "unknown collective" in p.stderr
+    p = run_bench("-R", "1", "--device", "cuda", timeout=60)
+    assert p.returncode == 2 and "CPU only" in p.stderr
