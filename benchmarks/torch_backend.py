@@ -15,7 +15,8 @@ every cell per round, so that the drift of a shared machine hits all alike):
     no-op (a DDP comm hook that only divides; an FSDP2 custom reduce-scatter
     that copies this rank's chunk), everything else unchanged.
 Gradient synchronization time = median over rounds of (step - baseline step
-of the same round), for either baseline. Ranks run one torch thread each. The results go into docs/benchmarks.md
+of the same round), for either baseline. Ranks run one torch thread each.
+The results go into docs/benchmarks.md
 between <!-- torch_backend:begin --> and <!-- torch_backend:end --> (the rest of
 the file is left alone).
 """
@@ -115,30 +116,32 @@ def _fsdp_steps(args: argparse.Namespace, rank: int, pg: Any) -> dict[str, Any]:
     class LocalReduceScatter(ReduceScatter):
         """FSDP2's reduce-scatter replaced by a local copy of this rank's chunk."""
 
+        def __init__(self) -> None:
+            self.calls = 0
+
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             return torch.empty(*size, dtype=dtype, device=device)  # as FSDP2's default
 
-        calls = 0
-
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001
-            LocalReduceScatter.calls += 1
+            self.calls += 1
             output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
 
     mesh = DeviceMesh.from_group(pg, "cpu")
 
-    def sharded(local_reduce_scatter: bool) -> torch.nn.Module:
+    def sharded(reduce_scatter: ReduceScatter | None) -> torch.nn.Module:
         model = make_model(args.width, args.layers)
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        if local_reduce_scatter:
+        if reduce_scatter is not None:
             for m in model.modules():
                 if hasattr(m, "set_custom_reduce_scatter"):
-                    m.set_custom_reduce_scatter(LocalReduceScatter())
+                    m.set_custom_reduce_scatter(reduce_scatter)
         return model
 
-    model, local_model = sharded(False), sharded(True)
+    local_rs = LocalReduceScatter()
+    model, local_model = sharded(None), sharded(local_rs)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     local_opt = torch.optim.SGD(local_model.parameters(), lr=1e-4)
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
@@ -157,7 +160,7 @@ def _fsdp_steps(args: argparse.Namespace, rank: int, pg: Any) -> dict[str, Any]:
         local_model(x).square().mean().backward()
         local_opt.step()
         local_opt.zero_grad(set_to_none=False)
-        assert LocalReduceScatter.calls > 0, "FSDP2 did not call the custom reduce-scatter"
+        assert local_rs.calls > 0, "FSDP2 did not call the custom reduce-scatter"
 
     # The gradient reduce-scatters alone: one per layer, synchronous, no compute.
     n = pg.size()
