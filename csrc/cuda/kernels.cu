@@ -3,6 +3,7 @@
 // kernels. The reduce kernels themselves are in reduce_kernels_*.cu.
 #include <algorithm>
 #include <cstdint>
+#include <sstream>
 #include <string>
 
 #include "core/types.h"
@@ -152,9 +153,15 @@ void launch_scale(ScaleParams p, cudaStream_t stream) {
   PYC_CUDA_CHECK(cudaGetLastError());
 }
 
-void check_element_aligned(const void* p, size_t elem, const char* what, const char* op) {
+// `what`, with `index` >= 0 appended as "[index]": the name is formatted only
+// when the check fails (this runs on every kernel launch).
+void check_element_aligned(const void* p, size_t elem, const char* what, const char* op,
+                           int index = -1) {
   if (addr(p) % elem != 0) {
-    PYC_THROW(InvalidArgument, "pycollectives: " << op << ": " << what << " (" << p
+    std::ostringstream name;
+    name << what;
+    if (index >= 0) name << "[" << index << "]";
+    PYC_THROW(InvalidArgument, "pycollectives: " << op << ": " << name.str() << " (" << p
                                                  << ") is not aligned to the element size (" << elem
                                                  << " bytes)");
   }
@@ -194,7 +201,7 @@ void reduce(const ReduceArgs& args, cudaStream_t stream) {
   for (int k = 0; k < args.nsrc; ++k) {
     if (args.srcs[k] == nullptr)
       PYC_THROW(InvalidArgument, "pycollectives: " << kOp << ": srcs[" << k << "] is null");
-    check_element_aligned(args.srcs[k], elem, ("srcs[" + std::to_string(k) + "]").c_str(), kOp);
+    check_element_aligned(args.srcs[k], elem, "srcs", kOp, k);
     if (partial_overlap(args.dst0, args.srcs[k], bytes) ||
         partial_overlap(args.dst1, args.srcs[k], bytes)) {
       PYC_THROW(InvalidArgument, "pycollectives: " << kOp << ": srcs[" << k
