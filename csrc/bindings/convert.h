@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/error.h"
 #include "core/types.h"
@@ -30,6 +31,21 @@ inline ReduceOp checked_kernel_op(int v, const char* fn) {
     PYC_THROW(InvalidArgument, "pycollectives: " << fn << ": invalid reduce kernel op code " << v
                                                  << " (sum, prod, min or max)");
   return static_cast<ReduceOp>(v);
+}
+
+// Source addresses as the pointers a ReduceArgs takes.
+inline std::vector<const void*> addresses(const std::vector<uintptr_t>& v) {
+  std::vector<const void*> out;
+  out.reserve(v.size());
+  for (uintptr_t p : v) out.push_back(address(p));
+  return out;
+}
+
+// What every CUDA binding raises in a build without the CUDA sources.
+[[noreturn]] inline void throw_built_without_cuda(const char* fn) {
+  PYC_THROW(Error, "pycollectives: " << fn
+                                     << ": pycollectives was built without CUDA (rebuild with "
+                                        "nvcc on PATH or CUDA_HOME set, or PYCOLL_CUDA=1)");
 }
 
 }  // namespace pyc

@@ -31,12 +31,7 @@ constexpr bool kCudaBuilt = false;
 
 // Raises pyc::Error (PyCollectivesError) in a build without CUDA.
 void require_cuda_build(const char* fn) {
-  if (!kCudaBuilt) {
-    PYC_THROW(Error, "pycollectives was built without CUDA: "
-                         << fn
-                         << " is unavailable (rebuild with nvcc on PATH or CUDA_HOME set, "
-                            "PYCOLL_CUDA=1)");
-  }
+  if (!kCudaBuilt) throw_built_without_cuda(fn);
 }
 
 }  // namespace
@@ -66,9 +61,7 @@ void bind_cuda(py::module_& m) {
         const DataType dt = checked_dtype(dtype, kFn);
         const ReduceOp kernel_op = checked_kernel_op(op, kFn);
         if (srcs.empty()) PYC_THROW(InvalidArgument, "pycollectives: " << kFn << ": srcs is empty");
-        std::vector<const void*> src_ptrs;
-        src_ptrs.reserve(srcs.size());
-        for (uintptr_t s : srcs) src_ptrs.push_back(address(s));
+        const std::vector<const void*> src_ptrs = addresses(srcs);
         const ReduceArgs args{dt,
                               kernel_op,
                               address(dst0),

@@ -28,12 +28,6 @@ CudaCall call(int device, uintptr_t stream, double timeout) {
   c.timeout_s = timeout;
   return c;
 }
-#else
-[[noreturn]] void no_cuda(const char* what) {
-  PYC_THROW(Error, "pycollectives: " << what
-                                     << ": pycollectives was built without CUDA (rebuild with "
-                                        "nvcc on PATH, or PYCOLL_CUDA=1)");
-}
 #endif
 
 }  // namespace
@@ -116,7 +110,7 @@ void bind_cuda_comm(py::module_& m) {
   for (const char* name :
        {"cuda_all_reduce", "cuda_reduce_scatter", "cuda_all_gather", "cuda_broadcast",
         "cuda_reduce", "cuda_all_to_all", "cuda_send", "cuda_recv", "cuda_pointer_device"}) {
-    m.def(name, [name](const py::args&) { no_cuda(name); });
+    m.def(name, [name](const py::args&) { throw_built_without_cuda(name); });
   }
 #endif
 }

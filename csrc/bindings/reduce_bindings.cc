@@ -24,12 +24,10 @@ void bind_reduce(py::module_& m) {
         const ReduceOp kernel_op = checked_kernel_op(op, "_reduce");
         if (srcs.empty()) throw py::value_error("pycollectives: _reduce needs at least one source");
         if (count > 0 && dst0 == 0) throw py::value_error("pycollectives: _reduce: dst0 is null");
-        std::vector<const void*> src_ptrs;
-        for (uintptr_t s : srcs) {
+        for (uintptr_t s : srcs)
           if (count > 0 && s == 0)
             throw py::value_error("pycollectives: _reduce: a source is null");
-          src_ptrs.push_back(address(s));
-        }
+        const std::vector<const void*> src_ptrs = addresses(srcs);
         const ReduceArgs args{dt,
                               kernel_op,
                               address(dst0),
