@@ -1,13 +1,33 @@
-"""What the benchmark scripts share: rewriting their own section of
-docs/benchmarks.md (between their markers, leaving the rest alone) and naming
-the machine's CPU."""
+"""What the benchmark scripts share: running the benchmark CLI for its JSON,
+rewriting their own section of docs/benchmarks.md (between their markers,
+leaving the rest alone) and naming the machine's CPU."""
 
 from __future__ import annotations
 
+import json
+import os
 import platform
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def run_bench(nranks: int, flags: list[str], env: dict[str, str] | None = None) -> dict:
+    """Runs `pycollectives-bench --nproc nranks --json ... flags` (its table
+    discarded) and returns the JSON it wrote: metadata and rows. Raises
+    CalledProcessError when the benchmark fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, "-m", "pycollectives.bench", "--nproc", str(nranks),
+               "--json", out, *flags]  # fmt: skip
+        print("+", " ".join(cmd[1:]), flush=True)
+        subprocess.run(
+            cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, **(env or {}))
+        )
+        return json.loads(Path(out).read_text())
 
 
 def write_section(section: str, begin: str, end: str, path: Path = DOC) -> None:

@@ -13,15 +13,10 @@ against the ratios measured in this run.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-from _doc import write_section
+from _doc import run_bench, write_section
 
 COLLS = ["all_reduce", "reduce_scatter", "all_gather"]
 BEGIN, END = "<!-- cpu_compare:begin -->", "<!-- cpu_compare:end -->"
@@ -29,23 +24,7 @@ BEGIN, END = "<!-- cpu_compare:begin -->", "<!-- cpu_compare:end -->"
 
 def bench(nranks: int, extra: list[str], compare: str = "gloo,mpi") -> dict:
     """Runs one comparison; returns the bench's JSON (metadata and rows)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        cmd = [
-            sys.executable,
-            "-m",
-            "pycollectives.bench",
-            "--nproc",
-            str(nranks),
-            "--compare",
-            compare,
-            "--json",
-            out,
-            *extra,
-        ]
-        print("+", " ".join(cmd[1:]), flush=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        return json.loads(Path(out).read_text())
+    return run_bench(nranks, ["--compare", compare, *extra])
 
 
 def registered_rows(data: dict) -> list[dict]:

@@ -28,14 +28,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
-import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from _doc import write_section
+from _doc import run_bench, write_section
 
 COLLS = ["all_reduce", "reduce_scatter", "all_gather"]
 BEGIN, END = "<!-- cuda_collectives:begin -->", "<!-- cuda_collectives:end -->"
@@ -93,32 +91,9 @@ def nccl_setup() -> tuple[dict[str, str] | None, str]:
 
 def bench(nranks: int, sizes: list[str], iters: list[str], backends: str, env: dict) -> dict:
     """Runs one comparison; returns the bench's JSON (metadata and rows)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        cmd = [
-            sys.executable,
-            "-m",
-            "pycollectives.bench",
-            "--device",
-            "cuda",
-            "--nproc",
-            str(nranks),
-            "--coll",
-            ",".join(COLLS),
-            "--compare",
-            backends,
-            "-c",
-            "1",
-            "--timeout",
-            "600",
-            "--json",
-            out,
-            *sizes,
-            *iters,
-        ]
-        print("+", " ".join(cmd[1:]), flush=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, **env))
-        return json.loads(Path(out).read_text())
+    flags = ["--device", "cuda", "--coll", ",".join(COLLS), "--compare", backends, "-c", "1",
+             "--timeout", "600", *sizes, *iters]  # fmt: skip
+    return run_bench(nranks, flags, env)
 
 
 def traffic(coll: str, size: int, n: int) -> float:
