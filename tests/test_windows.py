@@ -35,6 +35,12 @@ def _bytes_sent(comm: pc.Communicator, coll: str = "all_reduce") -> int:
     return comm.stats().get(coll, {}).get("bytes_sent", 0)
 
 
+def _bytes_received(comm: pc.Communicator, coll: str) -> int:
+    """Bytes this rank took from the slots: none on the direct all-gather, whose
+    peers write straight into the output window."""
+    return comm.stats().get(coll, {}).get("bytes_received", 0)
+
+
 def job_windows(comm: pc.Communicator) -> list[str]:
     """alloc_shared: the direct in-place all-reduce (symmetric), the ring when the
     ranks' placements differ, every op and dtype exact, views at an offset."""
@@ -115,9 +121,9 @@ def job_windows_rs_ag(comm: pc.Communicator) -> list[str]:
                 if in_place:
                     inp[r * count : (r + 1) * count].copy_(src)
                     src = inp[r * count : (r + 1) * count]
-                sent = _bytes_sent(comm, "all_gather")
+                received = _bytes_received(comm, "all_gather")
                 comm.all_gather(inp, src)
-                if direct and _bytes_sent(comm, "all_gather") - sent != (n - 1) * nbytes:
+                if direct and _bytes_received(comm, "all_gather") != received:
                     bad.append(f"all_gather {count} {dt}: took the ring, not the direct path")
                 want = torch.cat([vals[q][:count] for q in range(n)])
                 if not torch.equal(inp, want):
@@ -127,12 +133,18 @@ def job_windows_rs_ag(comm: pc.Communicator) -> list[str]:
     inp = w[r * 16 : r * 16 + n * 100_000]
     inp.fill_(r + 1.0)
     out = torch.empty(100_000)
+    sent = _bytes_sent(comm, "reduce_scatter")
     comm.reduce_scatter(out, inp)
     if not torch.all(out == n * (n + 1) / 2):
         bad.append("asymmetric reduce_scatter: wrong")
+    if _bytes_sent(comm, "reduce_scatter") == sent:
+        bad.append("asymmetric reduce_scatter: did not take the ring")
+    received = _bytes_received(comm, "all_gather")
     comm.all_gather(inp, torch.full((100_000,), float(r)))
     if not torch.equal(inp, torch.arange(n).repeat_interleave(100_000).float()):
         bad.append("asymmetric all_gather: wrong")
+    if _bytes_received(comm, "all_gather") - received != (n - 1) * 400_000:
+        bad.append("asymmetric all_gather: did not take the ring")
     return bad
 
 
