@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: running the benchmark CLI for its JSON,
+"""What the benchmark scripts share: a free port, running the benchmark CLI for its JSON,
 rewriting their own section of docs/benchmarks.md (between their markers,
 leaving the rest alone) and naming the machine's CPU."""
 
@@ -7,12 +7,20 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a TCPStore the ranks meet at."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_bench(nranks: int, flags: list[str], env: dict[str, str] | None = None) -> dict:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _doc import cpu_model, write_section  # noqa: E402
+from _doc import cpu_model, free_port, write_section  # noqa: E402
 
 BEGIN, END = "<!-- ddp:begin -->", "<!-- ddp:end -->"
 WIDTHS = [2048, 4096, 4096, 4096, 2048]
@@ -158,9 +157,7 @@ def worker(
 def run_model(kind: str, args: argparse.Namespace) -> tuple[int, dict[str, float]]:
     """Runs every configuration on `args.ranks` fresh ranks; returns the
     parameter count and the median step time (ms) of each."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [

@@ -28,7 +28,6 @@ import datetime
 import os
 import platform
 import queue
-import socket
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from _doc import DOC, cpu_model, write_section
+from _doc import DOC, cpu_model, free_port, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- torch_backend:begin -->", "<!-- torch_backend:end -->"
@@ -214,12 +213,6 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, q: An
         q.put(results)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _machine() -> str:
     cpu = cpu_model()
     return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, torch {torch.__version__}"
@@ -344,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     params = args.layers * (args.width * args.width + args.width)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     env_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     procs = [
