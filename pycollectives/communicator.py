@@ -507,8 +507,14 @@ class Communicator:
         child = self._c.split(c, key, to_seconds(timeout))
         return None if child is None else Communicator(child)
 
-    def stats(self) -> dict[str, dict[str, float]]:
-        """Per-operation counters: calls, bytes_sent, bytes_received, time_s."""
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per-operation counters: calls, bytes_sent, bytes_received, time_s, and paths.
+
+        ``paths`` counts the calls by how they moved their bytes: ``"slots"``
+        (ring, chain or pairwise schedules through the shared slots),
+        ``"oneshot"`` (small messages through the one-shot areas) or
+        ``"direct"`` (in place across symmetric windows, see `alloc_shared`).
+        """
         return self._c.stats()
 
     @property

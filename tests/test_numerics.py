@@ -64,14 +64,22 @@ def test_numpy_buffers(pool):
 
 
 def job_stats(comm: pc.Communicator) -> dict:
-    before = comm.stats().get("all_reduce", {}).get("calls", 0)
-    t = torch.ones(1 << 16)
-    comm.all_reduce(t)
-    comm.all_reduce(t)
+    before = comm.stats().get("all_reduce", {})
+    calls, paths = before.get("calls", 0), dict(before.get("paths", {}))
+    comm.all_reduce(torch.ones(1 << 16))  # 256 KiB: the ring through the slots
+    comm.all_reduce(torch.ones(16))  # 64 bytes: the one-shot areas
+    comm.all_reduce(torch.ones(1 << 16))
     s = comm.stats()["all_reduce"]
-    return {"calls": s["calls"] - before, "sent": s["bytes_sent"], "time": s["time_s"]}
+    taken = {p: k - paths.get(p, 0) for p, k in s["paths"].items() if k != paths.get(p, 0)}
+    return {
+        "calls": s["calls"] - calls,
+        "sent": s["bytes_sent"],
+        "time": s["time_s"],
+        "paths": taken,
+    }
 
 
-def test_stats_count_calls_and_bytes(pool):
+def test_stats_count_calls_bytes_and_paths(pool):
     for s in pool(2).run(job_stats):
-        assert s["calls"] == 2 and s["sent"] > 0 and s["time"] > 0
+        assert s["calls"] == 3 and s["sent"] > 0 and s["time"] > 0
+        assert s["paths"] == {"slots": 2, "oneshot": 1}

@@ -31,14 +31,14 @@ def _vals(n: int, count: int) -> list[torch.Tensor]:
     return [((torch.arange(count) * (q + 1)) % 3 + 1).to(torch.float64) for q in range(n)]
 
 
-def _bytes_sent(comm: pc.Communicator, coll: str = "all_reduce") -> int:
-    return comm.stats().get(coll, {}).get("bytes_sent", 0)
-
-
-def _bytes_received(comm: pc.Communicator, coll: str) -> int:
-    """Bytes this rank took from the slots: none on the direct all-gather, whose
-    peers write straight into the output window."""
-    return comm.stats().get(coll, {}).get("bytes_received", 0)
+def _path(comm: pc.Communicator, coll: str, *args: object) -> str:
+    """Runs comm.<coll>(*args) once and returns the path it took, from comm.stats()."""
+    before = dict(comm.stats().get(coll, {}).get("paths", {}))
+    getattr(comm, coll)(*args)
+    after = comm.stats()[coll]["paths"]
+    taken = [p for p, k in after.items() if k != before.get(p, 0)]
+    assert len(taken) == 1, (before, after)
+    return taken[0]
 
 
 def job_windows(comm: pc.Communicator) -> list[str]:
@@ -54,25 +54,21 @@ def job_windows(comm: pc.Communicator) -> list[str]:
             for op in pc.ReduceOp:
                 ref = _reference(stacked, op, dt)
                 x.copy_(vals[r].to(dt))
-                sent = _bytes_sent(comm)
-                comm.all_reduce(x, op)
-                nbytes = count * dt.itemsize
-                # Above the one-shot size the direct path runs: each rank publishes
-                # only its 1/n part (the ring would send 2(n-1)/n of the buffer).
-                if nbytes > 64 << 10 and _bytes_sent(comm) - sent > nbytes // n + 64:
-                    bad.append(f"{count} {dt} {op.name}: took the ring, not the direct path")
+                path = _path(comm, "all_reduce", x, op)
+                # Above the one-shot size (32 KiB) the direct path runs.
+                if count * dt.itemsize > 32 << 10 and path != "direct":
+                    bad.append(f"{count} {dt} {op.name}: took the {path} path, not direct")
                 if not torch.equal(x, ref.to(dt)):
                     bad.append(f"{count} {dt} {op.name}: wrong")
     # Placements that differ across ranks: falls back to the ring, still right.
     w = comm.alloc_shared(101_000)
     x = w[r * 16 : r * 16 + 100_000]
     x.fill_(r + 1.0)
-    sent = _bytes_sent(comm)
-    comm.all_reduce(x)
+    path = _path(comm, "all_reduce", x)
     if not torch.all(x == n * (n + 1) / 2):
         bad.append("asymmetric placement: wrong")
-    if _bytes_sent(comm) - sent < 400_000 * (n - 1) // n:
-        bad.append("asymmetric placement: did not take the ring")
+    if path != "slots":
+        bad.append(f"asymmetric placement: took the {path} path, not the ring")
     return bad
 
 
@@ -85,12 +81,12 @@ def test_windows_direct_all_reduce(pool, world_size):
 def job_windows_rs_ag(comm: pc.Communicator) -> list[str]:
     """Reduce-scatter with the input in a window and all-gather with the output in
     a window: exact for every op and dtype, in place and out of place, and the
-    direct path taken above the one-shot size (checked by the bytes sent)."""
+    direct path taken from 4 KiB per rank (checked in comm.stats())."""
     n, r, bad = comm.world_size, comm.rank, []
     for count in (0, 1, 7, 1000, (1 << 18) + 3):
         for dt in (torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.int64):
             nbytes = count * dt.itemsize
-            direct = nbytes * n > 64 << 10  # above the one-shot size
+            direct = nbytes >= 4096  # the direct path's threshold (the one-shot one is above)
             w = comm.alloc_shared(n * count + 16, dt)
             inp = w[16:]  # a view at an offset: the same on every rank
             vals = [v.to(dt) for v in _vals(n, n * count)]
@@ -104,12 +100,9 @@ def job_windows_rs_ag(comm: pc.Communicator) -> list[str]:
                         if in_place
                         else torch.empty(count, dtype=dt)
                     )
-                    sent = _bytes_sent(comm, "reduce_scatter")
-                    comm.reduce_scatter(out, inp, op)
-                    if direct and _bytes_sent(comm, "reduce_scatter") != sent:
-                        bad.append(
-                            f"reduce_scatter {count} {dt}: took the ring, not the direct path"
-                        )
+                    path = _path(comm, "reduce_scatter", out, inp, op)
+                    if direct and path != "direct":
+                        bad.append(f"reduce_scatter {count} {dt}: took the {path} path")
                     if not torch.equal(out, ref.to(dt)):
                         bad.append(
                             f"reduce_scatter {count} {dt} {op.name} in_place={in_place}: wrong"
@@ -121,10 +114,9 @@ def job_windows_rs_ag(comm: pc.Communicator) -> list[str]:
                 if in_place:
                     inp[r * count : (r + 1) * count].copy_(src)
                     src = inp[r * count : (r + 1) * count]
-                received = _bytes_received(comm, "all_gather")
-                comm.all_gather(inp, src)
-                if direct and _bytes_received(comm, "all_gather") != received:
-                    bad.append(f"all_gather {count} {dt}: took the ring, not the direct path")
+                path = _path(comm, "all_gather", inp, src)
+                if direct and path != "direct":
+                    bad.append(f"all_gather {count} {dt}: took the {path} path")
                 want = torch.cat([vals[q][:count] for q in range(n)])
                 if not torch.equal(inp, want):
                     bad.append(f"all_gather {count} {dt} in_place={in_place}: wrong")
@@ -133,18 +125,17 @@ def job_windows_rs_ag(comm: pc.Communicator) -> list[str]:
     inp = w[r * 16 : r * 16 + n * 100_000]
     inp.fill_(r + 1.0)
     out = torch.empty(100_000)
-    sent = _bytes_sent(comm, "reduce_scatter")
-    comm.reduce_scatter(out, inp)
+    path = _path(comm, "reduce_scatter", out, inp)
     if not torch.all(out == n * (n + 1) / 2):
         bad.append("asymmetric reduce_scatter: wrong")
-    if _bytes_sent(comm, "reduce_scatter") == sent:
-        bad.append("asymmetric reduce_scatter: did not take the ring")
-    received = _bytes_received(comm, "all_gather")
-    comm.all_gather(inp, torch.full((100_000,), float(r)))
+    if path != "slots":
+        bad.append(f"asymmetric reduce_scatter: took the {path} path, not the ring")
+    src = torch.full((100_000,), float(r))
+    path = _path(comm, "all_gather", inp, src)
     if not torch.equal(inp, torch.arange(n).repeat_interleave(100_000).float()):
         bad.append("asymmetric all_gather: wrong")
-    if _bytes_received(comm, "all_gather") - received != (n - 1) * 400_000:
-        bad.append("asymmetric all_gather: did not take the ring")
+    if path != "slots":
+        bad.append(f"asymmetric all_gather: took the {path} path, not the ring")
     return bad
 
 

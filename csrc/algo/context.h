@@ -34,6 +34,16 @@ class KernelExec {
   virtual void copy(void* dst0, void* dst1, const void* src, size_t bytes) = 0;
 };
 
+// How an operation moved its bytes (counted per collective in the stats):
+// through the slots (ring, chain, pairwise), the one-shot areas, or in place
+// across symmetric windows (direct).
+enum class Path : int { kSlots = 0, kOneShot, kDirect };
+constexpr int kNumPaths = 3;
+inline const char* path_name(Path p) {
+  static const char* const names[kNumPaths] = {"slots", "oneshot", "direct"};
+  return names[static_cast<int>(p)];
+}
+
 struct OpCtx {
   int rank = 0;
   int nranks = 1;
@@ -45,6 +55,7 @@ struct OpCtx {
   KernelExec* exec = nullptr;  // null: host memory, the CPU kernels run inline
   uint64_t bytes_sent = 0;
   uint64_t bytes_recv = 0;
+  Path path = Path::kSlots;
 
   size_t esize() const { return dtype_size(dtype); }
   int mod(long i) const { return static_cast<int>(((i % nranks) + nranks) % nranks); }

@@ -246,6 +246,10 @@ PYBIND11_MODULE(_C, m) {
           e["bytes_sent"] = s.bytes_sent.load();
           e["bytes_received"] = s.bytes_recv.load();
           e["time_s"] = static_cast<double>(s.time_ns.load()) * 1e-9;
+          py::dict paths;  // how the calls moved their bytes
+          for (int p = 0; p < kNumPaths; ++p)
+            if (s.paths[p].load() > 0) paths[path_name(static_cast<Path>(p))] = s.paths[p].load();
+          e["paths"] = paths;
           d[op_kind_name(static_cast<OpKind>(k))] = e;
         }
         return d;

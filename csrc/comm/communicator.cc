@@ -216,6 +216,7 @@ void Communicator::account(OpKind kind, const OpCtx& c, uint64_t ns) {
   s.bytes_sent.fetch_add(c.bytes_sent, std::memory_order_relaxed);
   s.bytes_recv.fetch_add(c.bytes_recv, std::memory_order_relaxed);
   s.time_ns.fetch_add(ns, std::memory_order_relaxed);
+  s.paths[static_cast<int>(c.path)].fetch_add(1, std::memory_order_relaxed);
 }
 
 std::shared_ptr<Work> Communicator::collective(const OpSig& sig, double timeout_s, bool async,
@@ -314,9 +315,11 @@ std::shared_ptr<Work> Communicator::all_reduce(void* buf, size_t count, DataType
         // One-shot first: its one handshake beats the direct path's two as long as
         // the whole buffer fits the one-shot areas.
         if (oneshot(c, count * c.esize())) {
+          c.path = Path::kOneShot;
           oneshot_all_reduce(c, oneshot_, buf, buf, count);
           saw_flags(c.tag.seq);
         } else if (direct(c, win.get(), count * c.esize(), where)) {
+          c.path = Path::kDirect;
           direct_all_reduce(c, direct_view(*win, where), count);
         } else {
           ring_all_reduce(c, buf, buf, count);
@@ -419,8 +422,10 @@ std::shared_ptr<Work> Communicator::reduce_scatter(void* out, const void* in, si
       sig, timeout_s, async,
       [this, out, in, count, win, where](OpCtx& c) {
         if (direct(c, win.get(), count * c.esize(), where)) {
+          c.path = Path::kDirect;
           direct_reduce_scatter(c, direct_view(*win, where), out, count);
         } else if (oneshot(c, count * c.esize() * n_)) {
+          c.path = Path::kOneShot;
           oneshot_reduce_scatter(c, oneshot_, in, out, count);
           saw_flags(c.tag.seq);
         } else {
@@ -439,8 +444,10 @@ std::shared_ptr<Work> Communicator::all_gather(void* out, const void* in, size_t
       sig, timeout_s, async,
       [this, out, in, count, win, where](OpCtx& c) {
         if (direct(c, win.get(), count * c.esize(), where)) {
+          c.path = Path::kDirect;
           direct_all_gather(c, direct_view(*win, where), in, count);
         } else if (oneshot(c, count * c.esize())) {
+          c.path = Path::kOneShot;
           oneshot_all_gather(c, oneshot_, in, out, count);
           saw_flags(c.tag.seq);
         } else {
@@ -456,6 +463,7 @@ std::shared_ptr<Work> Communicator::broadcast(void* buf, size_t count, DataType 
   OpSig sig{OpKind::kBroadcast, dt, ReduceOp::kSum, root, count};
   return collective(sig, timeout_s, async, [this, buf, count, root](OpCtx& c) {
     if (oneshot(c, count * c.esize())) {
+      c.path = Path::kOneShot;
       oneshot_broadcast(c, oneshot_, buf, count, root);
       if (c.rank != root) saw_flags(c.tag.seq, root);
     } else {

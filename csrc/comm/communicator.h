@@ -35,6 +35,7 @@ struct CommConfig {
 
 struct OpStats {
   std::atomic<uint64_t> calls{0}, bytes_sent{0}, bytes_recv{0}, time_ns{0};
+  std::array<std::atomic<uint64_t>, kNumPaths> paths{};  // calls by Path
 };
 
 enum class AbortKind : int32_t { kNone = 0, kError, kTimeout, kPeerFailure, kMismatch };
