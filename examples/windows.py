@@ -4,18 +4,30 @@ torchrun --nproc-per-node 2 examples/windows.py
 
 comm.alloc_shared allocates a tensor that every peer maps, so an all-reduce of
 it, a reduce-scatter from it and an all-gather into it run in place across the
-ranks' buffers. The example checks the results and compares the bytes each
-rank pushed through the shared slots, with plain tensors and with windows.
+ranks' buffers. The example checks the results and prints the path each
+collective took (comm.stats()), with plain tensors and with windows: plain
+tensors go through the slots or, where the kernel allows it, single copy (cma).
 """
 
 import torch
 
 import pycollectives as pc
 
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
-def slot_bytes(comm: pc.Communicator) -> int:
-    """Bytes this rank sent through the slots (or published on the windows) so far."""
-    return int(sum(v["bytes_sent"] for v in comm.stats().values()))
+
+def paths(comm: pc.Communicator) -> dict[str, dict[str, int]]:
+    """Calls so far by collective and path."""
+    return {c: dict(comm.stats().get(c, {}).get("paths", {})) for c in COLLECTIVES}
+
+
+def taken(comm: pc.Communicator, before: dict[str, dict[str, int]]) -> str:
+    """The paths the collectives took since `before`, e.g. 'all_reduce: direct, ...'."""
+    now = paths(comm)
+    return ", ".join(
+        f"{c}: " + "+".join(p for p, k in now[c].items() if k != before[c].get(p, 0))
+        for c in COLLECTIVES
+    )
 
 
 def run(comm: pc.Communicator, buf: torch.Tensor) -> None:
@@ -37,17 +49,18 @@ def main() -> None:
     n = comm.world_size
     numel = n * (1 << 18)  # 1 MiB of float32 per rank and block
 
-    before = slot_bytes(comm)
+    before = paths(comm)
     run(comm, torch.empty(numel))
-    plain = slot_bytes(comm) - before
+    plain = taken(comm, before)
 
     window = comm.alloc_shared(numel)  # collective: every rank, same size, same order
-    before = slot_bytes(comm)
+    before = paths(comm)
     run(comm, window)
-    shared = slot_bytes(comm) - before
+    shared = taken(comm, before)
 
     if comm.rank == 0:
-        print(f"world {n}: bytes sent per rank, plain tensors {plain}, window tensors {shared}")
+        print(f"world {n}: plain tensors: {plain}")
+        print(f"world {n}: window tensors: {shared}")
     comm.close()
 
 

@@ -512,15 +512,27 @@ class Communicator:
 
         ``paths`` counts the calls by how they moved their bytes: ``"slots"``
         (ring, chain or pairwise schedules through the shared slots),
-        ``"oneshot"`` (small messages through the one-shot areas) or
-        ``"direct"`` (in place across symmetric windows, see `alloc_shared`).
+        ``"oneshot"`` (small messages through the one-shot areas),
+        ``"direct"`` (in place across symmetric windows, see `alloc_shared`) or
+        ``"cma"`` (single copy out of the peers' plain buffers, see `single_copy`).
         """
         return self._c.stats()
 
     @property
     def algorithm(self) -> str:
-        """The PYCOLL_ALGO setting in force (rank 0's): auto, ring or oneshot."""
+        """The PYCOLL_ALGO setting in force (rank 0's): auto, ring, oneshot or cma."""
         return self._c.algo
+
+    @property
+    def single_copy(self) -> bool:
+        """Whether ranks read each other's plain buffers directly (CMA).
+
+        Decided at init, alike on every rank: true when every rank could read
+        every peer with ``process_vm_readv`` (same user, ptrace allowed, not
+        refused by seccomp) and neither ``PYCOLL_CMA=0`` nor ``PYCOLL_ALGO``
+        ``ring``/``oneshot`` is set. Where it is false, the slots carry everything.
+        """
+        return self._c.cma
 
     def close(self) -> None:
         """Finishes pending operations and releases the communicator (idempotent)."""

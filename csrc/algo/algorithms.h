@@ -40,6 +40,28 @@ void direct_reduce_scatter(OpCtx& c, const DirectView& v, void* out, size_t coun
 // data[p]: rank p's output (nranks blocks of `count`); `in` may be this rank's block.
 void direct_all_gather(OpCtx& c, const DirectView& v, const void* in, size_t count);
 
+// Raises this rank's `gathered[rank]` for operation c.tag.seq and waits for
+// every peer's: after it, no peer reads or writes this rank's buffers.
+void finish_gathered(OpCtx& c, Counter* const* gathered);
+
+// Single-copy collectives on plain buffers (see cma.cc): every rank reads its
+// peers' buffers with process_vm_readv (transport/cma.h). addr[p] is rank p's
+// buffer in its own process (all-reduce: the buffer; reduce-scatter and
+// all-gather: the input). scratch: (nranks - 1) * chunk bytes of this rank's.
+struct CmaView {
+  int pid[kMaxDirectRanks];
+  uint64_t addr[kMaxDirectRanks];
+  Counter* reduced[kMaxDirectRanks];
+  Counter* gathered[kMaxDirectRanks];
+  char* scratch;
+  size_t chunk;
+};
+void cma_all_reduce(OpCtx& c, const CmaView& v, void* buf, size_t count);
+// in (this rank's, = addr[rank]): nranks blocks of `count`; out may be in's own block.
+void cma_reduce_scatter(OpCtx& c, const CmaView& v, const void* in, void* out, size_t count);
+// out: nranks blocks of `count`; in (= addr[rank]) may be out's own block.
+void cma_all_gather(OpCtx& c, const CmaView& v, const void* in, void* out, size_t count);
+
 // One send or receive of a batch. `tag`: what a send's slots carry, or what a
 // receive expects from its sender.
 struct P2POp {

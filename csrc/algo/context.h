@@ -34,13 +34,11 @@ class KernelExec {
   virtual void copy(void* dst0, void* dst1, const void* src, size_t bytes) = 0;
 };
 
-// How an operation moved its bytes (counted per collective in the stats):
-// through the slots (ring, chain, pairwise), the one-shot areas, or in place
-// across symmetric windows (direct).
-enum class Path : int { kSlots = 0, kOneShot, kDirect };
-constexpr int kNumPaths = 3;
+// How an operation moved its bytes (counted per collective in the stats).
+enum class Path : int { kSlots = 0, kOneShot, kDirect, kCma };
+constexpr int kNumPaths = 4;
 inline const char* path_name(Path p) {
-  static const char* const names[kNumPaths] = {"slots", "oneshot", "direct"};
+  static const char* const names[kNumPaths] = {"slots", "oneshot", "direct", "cma"};
   return names[static_cast<int>(p)];
 }
 

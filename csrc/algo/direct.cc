@@ -57,28 +57,18 @@ void direct_all_reduce(OpCtx& c, const DirectView& v, size_t count) {
     copy(v.data[r] + pa * es, nullptr, v.data[p] + pa * es, plen * es);
     c.bytes_recv += plen * es;
   }
-  publish(*v.gathered[r], seq);
-  for (int s = 1; s < n; ++s) {
-    const int p = (r + s) % n;
-    c.mon->peer = p;
-    wait_reached(*v.gathered[p], seq, *c.mon);
-  }
   c.bytes_sent += len * es;
+  finish_gathered(c, v.gathered);
 }
 
-namespace {
-
-// Raises this rank's `gathered` for the operation and waits for every peer's.
-void finish(OpCtx& c, const DirectView& v) {
-  publish(*v.gathered[c.rank], c.tag.seq);
+void finish_gathered(OpCtx& c, Counter* const* gathered) {
+  publish(*gathered[c.rank], c.tag.seq);
   for (int s = 1; s < c.nranks; ++s) {
     const int p = (c.rank + s) % c.nranks;
     c.mon->peer = p;
-    wait_reached(*v.gathered[p], c.tag.seq, *c.mon);
+    wait_reached(*gathered[p], c.tag.seq, *c.mon);
   }
 }
-
-}  // namespace
 
 void direct_reduce_scatter(OpCtx& c, const DirectView& v, void* out, size_t count) {
   const int n = c.nranks;
@@ -92,7 +82,7 @@ void direct_reduce_scatter(OpCtx& c, const DirectView& v, void* out, size_t coun
     if (avg) scale_avg(out, c.dtype, count, n);
   }
   c.bytes_recv += (n - 1) * count * es;
-  finish(c, v);
+  finish_gathered(c, v.gathered);
 }
 
 void direct_all_gather(OpCtx& c, const DirectView& v, const void* in, size_t count) {
@@ -112,7 +102,7 @@ void direct_all_gather(OpCtx& c, const DirectView& v, const void* in, size_t cou
     for (int i = 0; i < nd; i += 2) copy(dst[i], i + 1 < nd ? dst[i + 1] : nullptr, src + a, len);
   }
   c.bytes_sent += (n - 1) * bytes;
-  finish(c, v);
+  finish_gathered(c, v.gathered);
 }
 
 }  // namespace pyc

@@ -134,6 +134,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("rank", &C::rank)
       .def_property_readonly("world_size", &C::world_size)
       .def_property_readonly("algo", &C::algo_name)
+      .def_property_readonly("cma", &C::cma_enabled)
       .def(
           "all_reduce",
           [](C& c, uintptr_t buf, size_t n, int dt, int op, bool async, double to) {

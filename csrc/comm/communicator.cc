@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -16,6 +17,7 @@
 #include "comm/monitor.h"
 #include "core/env.h"
 #include "core/error.h"
+#include "transport/cma.h"
 
 namespace pyc {
 namespace {
@@ -41,9 +43,12 @@ CommConfig CommConfig::from_env() {
     c.algo = Algo::kRing;
   else if (algo == "oneshot")
     c.algo = Algo::kOneShot;
+  else if (algo == "cma")
+    c.algo = Algo::kCma;
   else
-    PYC_THROW(InvalidArgument,
-              "pycollectives: PYCOLL_ALGO must be auto, ring or oneshot, not '" << algo << "'");
+    PYC_THROW(
+        InvalidArgument,
+        "pycollectives: PYCOLL_ALGO must be auto, ring, oneshot or cma, not '" << algo << "'");
   return c;
 }
 
@@ -53,6 +58,8 @@ const char* Communicator::algo_name() const {
       return "ring";
     case Algo::kOneShot:
       return "oneshot";
+    case Algo::kCma:
+      return "cma";
     default:
       return "auto";
   }
@@ -141,6 +148,14 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
   p2p_recvd_.assign(n, 0);
   RankCtl* me = layout_.rank_ctl(base, rank);
   me->pid = getpid();
+  // The probe word peers read in connect(): an address and a value no other
+  // process holds there by chance.
+  cma_token_ = std::chrono::steady_clock::now().time_since_epoch().count() ^
+               (static_cast<uint64_t>(getpid()) << 32) ^ reinterpret_cast<uintptr_t>(this);
+  me->cma_token = cma_token_;
+  me->cma_addr = reinterpret_cast<uintptr_t>(&cma_token_);
+  if (algo_ != Algo::kRing && algo_ != Algo::kOneShot && env_size("PYCOLL_CMA", 1) != 0)
+    cma_allow_peers();
   // The engine's thread holds this rank's robust mutex for the communicator's
   // life: peers see EOWNERDEAD the moment this process dies, however it dies.
   engine_ = std::make_unique<ProgressEngine>([me] { PYC_ERRCHECK(pthread_mutex_lock(&me->alive)); },
@@ -159,7 +174,8 @@ Communicator::~Communicator() {
 }
 
 void Communicator::connect() {
-  auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_);
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(timeout_s_));
   while (static_cast<int>(hdr_->attached.load()) < n_) {
     if (Clock::now() > deadline)
       PYC_THROW(TimeoutError, "pycollectives: rank "
@@ -168,6 +184,32 @@ void Communicator::connect() {
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   if (creator_) seg_.unlink();  // every rank has it mapped: nothing stays in /dev/shm
+  agree_cma(deadline);
+}
+
+void Communicator::agree_cma(Clock::time_point deadline) {
+  RankCtl* me = layout_.rank_ctl(seg_.data(), rank_);
+  bool ok = n_ > 1 && n_ <= kMaxDirectRanks && algo_ != Algo::kRing && algo_ != Algo::kOneShot &&
+            env_size("PYCOLL_CMA", 1) != 0;
+  for (int p = 0; p < n_ && ok; ++p) {
+    const RankCtl* peer = layout_.rank_ctl(seg_.data(), p);
+    if (p != rank_) ok = cma_probe(peer->pid, peer->cma_addr, peer->cma_token);
+  }
+  me->cma_state.store(ok ? 1 : 2, std::memory_order_release);
+  bool all = true;  // every rank decides alike: CMA only if every rank read every peer
+  for (int p = 0; p < n_; ++p) {
+    const RankCtl* peer = layout_.rank_ctl(seg_.data(), p);
+    uint32_t st;
+    while ((st = peer->cma_state.load(std::memory_order_acquire)) == 0) {
+      if (Clock::now() > deadline)
+        PYC_THROW(TimeoutError, "pycollectives: rank " << rank_ << ": init: rank " << p
+                                                       << " did not finish connecting within "
+                                                       << timeout_s_ << " s");
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    all = all && st == 1;
+  }
+  cma_ = all;
 }
 
 void Communicator::close() {
@@ -190,7 +232,7 @@ void Communicator::check_rank(int r, const char* what, OpKind kind) const {
                                                       << n_ << ")");
 }
 
-void Communicator::announce(uint32_t seq, const OpSig& sig, uint64_t where) {
+void Communicator::announce(uint32_t seq, const OpSig& sig, uint64_t where, uint64_t addr) {
   RankCtl* me = layout_.rank_ctl(seg_.data(), rank_);
   SigEntry& e = me->sig[seq % kSigHistory];
   e.seq.store(0, std::memory_order_relaxed);
@@ -198,6 +240,7 @@ void Communicator::announce(uint32_t seq, const OpSig& sig, uint64_t where) {
   e.w0 = sig.word0();
   e.w1 = sig.word1();
   e.where = where;
+  e.addr = addr;
   e.seq.store(seq, std::memory_order_release);
   publish(me->started, seq);
 }
@@ -220,18 +263,19 @@ void Communicator::account(OpKind kind, const OpCtx& c, uint64_t ns) {
 }
 
 std::shared_ptr<Work> Communicator::collective(const OpSig& sig, double timeout_s, bool async,
-                                               Body body, uint64_t where) {
+                                               Body body, uint64_t where, const void* addr) {
   check_open(sig.kind);
   if (timeout_s < 0) timeout_s = timeout_s_;
+  const uint64_t a = cma_ ? reinterpret_cast<uintptr_t>(addr) : 0;
   return engine_->submit([this] { return ++seq_; },
-                         [this, sig, timeout_s, where, body = std::move(body)](uint32_t seq) {
-                           run_collective(sig, seq, timeout_s, body, where);
+                         [this, sig, timeout_s, where, a, body = std::move(body)](uint32_t seq) {
+                           run_collective(sig, seq, timeout_s, body, where, a);
                          },
                          async);
 }
 
 void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout_s,
-                                  const Body& body, uint64_t where) {
+                                  const Body& body, uint64_t where, uint64_t addr) {
   if (aborted()) throw_abort();
   auto t0 = Clock::now();
   OpMonitor mon(*this, sig, seq, true, timeout_s);
@@ -244,7 +288,7 @@ void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout
   c.links = this;
   c.mon = &mon;
   try {
-    announce(seq, sig, where);
+    announce(seq, sig, where, addr);
     if (seq > static_cast<uint32_t>(kMaxLead)) wait_started(seq - kMaxLead, mon);
     body(c);
   } catch (const std::exception& e) {
@@ -294,7 +338,8 @@ void Communicator::run_point_to_point(const OpSig& sig, uint32_t seq, double tim
 // ---- operations ----
 
 bool Communicator::oneshot(OpCtx& c, size_t bytes) {
-  if (algo_ == Algo::kRing || !oneshot_fits(oneshot_, n_, bytes)) return false;
+  if (algo_ == Algo::kRing || (algo_ == Algo::kCma && cma_) || !oneshot_fits(oneshot_, n_, bytes))
+    return false;
   wait_started(c.tag.seq - 1, *c.mon);  // peers are done reading our area of op seq-2
   return true;
 }
@@ -312,20 +357,24 @@ std::shared_ptr<Work> Communicator::all_reduce(void* buf, size_t count, DataType
   return collective(
       sig, timeout_s, async,
       [this, buf, count, win, where](OpCtx& c) {
+        const size_t bytes = count * c.esize();
         // One-shot first: its one handshake beats the direct path's two as long as
         // the whole buffer fits the one-shot areas.
-        if (oneshot(c, count * c.esize())) {
+        if (oneshot(c, bytes)) {
           c.path = Path::kOneShot;
           oneshot_all_reduce(c, oneshot_, buf, buf, count);
           saw_flags(c.tag.seq);
-        } else if (direct(c, win.get(), count * c.esize(), where)) {
+        } else if (direct(c, win.get(), bytes, where)) {
           c.path = Path::kDirect;
           direct_all_reduce(c, direct_view(*win, where), count);
+        } else if (cma(c, OpKind::kAllReduce, bytes)) {
+          c.path = Path::kCma;
+          cma_all_reduce(c, cma_view(c.tag.seq), buf, count);
         } else {
           ring_all_reduce(c, buf, buf, count);
         }
       },
-      where);
+      where, buf);
 }
 
 std::shared_ptr<ShmWindow> Communicator::find_window(const void* p, size_t n, uint64_t* where) {
@@ -349,6 +398,63 @@ bool Communicator::direct(OpCtx& c, const ShmWindow* win, size_t bytes, uint64_t
   // less (every rank decides alike: the size is part of the signature).
   constexpr size_t kDirectMinBytes = 4096;
   return win && bytes >= kDirectMinBytes && symmetric(c, where);
+}
+
+namespace {
+
+// Whether the single-copy path beats the slots for a collective moving `total`
+// bytes (nccl-tests' size: the all-reduce buffer, the reduce-scatter input,
+// the all-gather output) on `n` ranks. Crossovers measured on a 2-core VM
+// (docs/benchmarks.md, "Single copy"): below them a system call per peer and
+// chunk costs more than the slots' pipelined copies; at 32-64 MiB per buffer
+// the kernel's page-by-page copy falls behind them.
+bool cma_wins(OpKind kind, int n, size_t total) {
+  constexpr size_t KiB = 1024, MiB = 1024 * KiB;
+  switch (kind) {
+    case OpKind::kAllGather:
+      return total >= 32 * KiB * n && (n >= 3 || total < 32 * MiB);
+    case OpKind::kAllReduce:
+      return n <= 4 && total >= 2 * MiB && total < (n <= 3 ? 32 : 16) * MiB;
+    case OpKind::kReduceScatter:
+      return n <= 4 && total >= 1 * MiB && total < (n <= 3 ? 32 : 16) * MiB;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+bool Communicator::cma(OpCtx& c, OpKind kind, size_t total) {
+  if (!cma_ || total == 0) return false;
+  if (algo_ != Algo::kCma && !cma_wins(kind, n_, total)) return false;
+  const uint32_t seq = c.tag.seq;
+  wait_started(seq, *c.mon);  // every peer's buffer is in place and its address announced
+  for (int p = 0; p < n_; ++p) {
+    const SigEntry& e = layout_.rank_ctl(seg_.data(), p)->sig[seq % kSigHistory];
+    if (e.seq.load(std::memory_order_acquire) != seq || e.w0 != c.tag.w0 || e.w1 != c.tag.w1 ||
+        e.addr == 0)
+      return false;  // the ring runs (and reports a mismatched operation)
+  }
+  return true;
+}
+
+CmaView Communicator::cma_view(uint32_t seq) {
+  constexpr size_t kChunk = 256 << 10;  // (n - 1) chunks stay in L2 while they are reduced
+  if (!cma_scratch_) {
+    cma_scratch_.reset(new char[(n_ - 1) * kChunk + 64]);
+  }
+  CmaView v;
+  for (int p = 0; p < n_; ++p) {
+    RankCtl* ctl = layout_.rank_ctl(seg_.data(), p);
+    v.pid[p] = ctl->pid;
+    v.addr[p] = ctl->sig[seq % kSigHistory].addr;
+    v.reduced[p] = &ctl->reduced;
+    v.gathered[p] = &ctl->gathered;
+  }
+  const auto base = reinterpret_cast<uintptr_t>(cma_scratch_.get());
+  v.scratch = reinterpret_cast<char*>((base + 63) / 64 * 64);
+  v.chunk = kChunk;
+  return v;
 }
 
 DirectView Communicator::direct_view(const ShmWindow& win, uint64_t where) {
@@ -421,18 +527,22 @@ std::shared_ptr<Work> Communicator::reduce_scatter(void* out, const void* in, si
   return collective(
       sig, timeout_s, async,
       [this, out, in, count, win, where](OpCtx& c) {
-        if (direct(c, win.get(), count * c.esize(), where)) {
+        const size_t bytes = count * c.esize();
+        if (direct(c, win.get(), bytes, where)) {
           c.path = Path::kDirect;
           direct_reduce_scatter(c, direct_view(*win, where), out, count);
-        } else if (oneshot(c, count * c.esize() * n_)) {
+        } else if (oneshot(c, bytes * n_)) {
           c.path = Path::kOneShot;
           oneshot_reduce_scatter(c, oneshot_, in, out, count);
           saw_flags(c.tag.seq);
+        } else if (cma(c, OpKind::kReduceScatter, bytes * n_)) {
+          c.path = Path::kCma;
+          cma_reduce_scatter(c, cma_view(c.tag.seq), in, out, count);
         } else {
           ring_reduce_scatter(c, in, out, count);
         }
       },
-      where);
+      where, in);
 }
 
 std::shared_ptr<Work> Communicator::all_gather(void* out, const void* in, size_t count, DataType dt,
@@ -443,18 +553,22 @@ std::shared_ptr<Work> Communicator::all_gather(void* out, const void* in, size_t
   return collective(
       sig, timeout_s, async,
       [this, out, in, count, win, where](OpCtx& c) {
-        if (direct(c, win.get(), count * c.esize(), where)) {
+        const size_t bytes = count * c.esize();
+        if (direct(c, win.get(), bytes, where)) {
           c.path = Path::kDirect;
           direct_all_gather(c, direct_view(*win, where), in, count);
-        } else if (oneshot(c, count * c.esize())) {
+        } else if (oneshot(c, bytes)) {
           c.path = Path::kOneShot;
           oneshot_all_gather(c, oneshot_, in, out, count);
           saw_flags(c.tag.seq);
+        } else if (cma(c, OpKind::kAllGather, bytes * n_)) {
+          c.path = Path::kCma;
+          cma_all_gather(c, cma_view(c.tag.seq), in, out, count);
         } else {
           ring_all_gather(c, in, out, count);
         }
       },
-      where);
+      where, in);
 }
 
 std::shared_ptr<Work> Communicator::broadcast(void* buf, size_t count, DataType dt, int root,

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -21,7 +22,7 @@ namespace pyc {
 
 class CudaPath;  // cuda/cuda_path.h: the CUDA transport of a communicator
 
-enum class Algo : uint32_t { kAuto = 0, kRing = 1, kOneShot = 2 };
+enum class Algo : uint32_t { kAuto = 0, kRing = 1, kOneShot = 2, kCma = 3 };
 
 // Sizes chosen by the rank that creates the segment; the others read them.
 struct CommConfig {
@@ -49,7 +50,8 @@ class Communicator final : public Links {
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  // Waits until every rank has mapped the segment, then the creator unlinks it.
+  // Waits until every rank has mapped the segment, then the creator unlinks it;
+  // then every rank probes whether it can read its peers with CMA.
   void connect();
   // Finishes pending work and releases the segment. Idempotent.
   void close();
@@ -58,6 +60,8 @@ class Communicator final : public Links {
   int world_size() const { return n_; }
   double default_timeout() const { return timeout_s_; }
   const char* algo_name() const;
+  // Whether single-copy reads of peers' plain buffers (CMA) are available.
+  bool cma_enabled() const { return cma_; }
 
   // timeout_s < 0: the communicator's default. Return nullptr unless async.
   std::shared_ptr<Work> all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, bool async,
@@ -111,16 +115,17 @@ class Communicator final : public Links {
   void check_open(OpKind kind) const;
   // Queues a collective: numbered at issue, announced and run in order.
   // `where`: the buffer's window placement (see SigEntry::where), announced with the op.
+  // `addr`: the buffer peers read with CMA (see SigEntry::addr), announced likewise.
   std::shared_ptr<Work> collective(const OpSig& sig, double timeout_s, bool async, Body body,
-                                   uint64_t where = 0);
+                                   uint64_t where = 0, const void* addr = nullptr);
   void run_collective(const OpSig& sig, uint32_t seq, double timeout_s, const Body& body,
-                      uint64_t where = 0);
+                      uint64_t where, uint64_t addr);
   std::shared_ptr<Work> point_to_point(const OpSig& sig, int peer, double timeout_s, bool async,
                                        Body body);
   // Runs a send, a receive or a batch of them (numbered per pair of ranks, not
   // announced: peers need not take part).
   void run_point_to_point(const OpSig& sig, uint32_t seq, double timeout_s, const Body& body);
-  void announce(uint32_t seq, const OpSig& sig, uint64_t where = 0);
+  void announce(uint32_t seq, const OpSig& sig, uint64_t where, uint64_t addr);
   // The window holding [p, p + n) on this rank and its placement word, if any.
   std::shared_ptr<ShmWindow> find_window(const void* p, size_t n, uint64_t* where);
   // After every peer started operation c.tag.seq: whether all announced the
@@ -131,6 +136,14 @@ class Communicator final : public Links {
   bool direct(OpCtx& c, const ShmWindow* win, size_t bytes, uint64_t where);
   // The buffers at placement `where` in every rank's copy of `win`, and the counters.
   DirectView direct_view(const ShmWindow& win, uint64_t where);
+  // Whether the operation runs single-copy over CMA (cma.cc): CMA works between
+  // every pair of ranks, `total` bytes (nccl-tests' size) lie where it beats the
+  // slots for `kind` (or PYCOLL_ALGO=cma), and every rank announced the same
+  // operation and an address.
+  bool cma(OpCtx& c, OpKind kind, size_t total);
+  CmaView cma_view(uint32_t seq);
+  // Probes every peer with CMA and agrees with them on cma_ (in connect()).
+  void agree_cma(std::chrono::steady_clock::time_point deadline);
   // Waits until every peer has started collective `seq` (or a later one).
   void wait_started(uint32_t seq, WaitMonitor& mon);
   void account(OpKind kind, const OpCtx& c, uint64_t ns);
@@ -171,7 +184,10 @@ class Communicator final : public Links {
   // Created by the first CUDA operation (cuda/); released by close() once the
   // engine has stopped. Stays null in a CPU-only build.
   std::shared_ptr<CudaPath> cuda_;
-  std::mutex cuda_mu_;  // guards the creation of cuda_
+  bool cma_ = false;                     // agreed by every rank in connect()
+  uint64_t cma_token_ = 0;               // what peers' probes read here
+  std::unique_ptr<char[]> cma_scratch_;  // (n - 1) chunks, made by the first CMA operation
+  std::mutex cuda_mu_;                   // guards the creation of cuda_
 };
 
 }  // namespace pyc

@@ -38,6 +38,7 @@ struct SigEntry {
   uint32_t pad;
   uint64_t w0, w1;
   uint64_t where;  // symmetric-window placement of the buffer (window id << 40 | offset), or 0
+  uint64_t addr;   // the buffer's address in this rank's process, for peers' CMA reads, or 0
 };
 
 struct alignas(64) RankCtl {
@@ -45,6 +46,11 @@ struct alignas(64) RankCtl {
   Counter reduced;   // direct all-reduce: this rank's part of operation `value` is reduced
   Counter gathered;  // direct all-reduce: this rank has read every peer's part
   alignas(64) int32_t pid;
+  // CMA (transport/cma.h): a word of this process at cma_addr holds cma_token;
+  // cma_state is 1 once this rank read every peer's token, 2 if it could not.
+  std::atomic<uint32_t> cma_state;
+  uint64_t cma_addr;
+  uint64_t cma_token;
   std::atomic<uint32_t> closed;       // set by close() before `alive` is released
   alignas(64) pthread_mutex_t alive;  // robust; held while the rank's communicator lives
   alignas(64) SigEntry sig[kSigHistory];

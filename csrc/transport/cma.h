@@ -1,0 +1,27 @@
+// Cross-memory attach (CMA): one process copies straight out of another's
+// memory with process_vm_readv, so a plain (private) buffer crosses between
+// ranks in one copy instead of two through the shared slots. OpenMPI's vader
+// and MPICH's nemesis take the same single-copy path.
+//
+// It needs ptrace access to the peer (same user; Yama's ptrace_scope <= 1 with
+// the peer's consent, which cma_allow_peers gives) and a seccomp profile that
+// allows the call; cma_probe tells whether a given peer is readable.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pyc {
+
+// Lets processes of this user read this one when Yama's ptrace_scope is 1
+// (prctl PR_SET_PTRACER, as OpenMPI does for CMA). A no-op without Yama.
+void cma_allow_peers();
+// Whether `bytes` read at `addr` in process `pid` succeed and equal `expect`.
+bool cma_probe(pid_t pid, uint64_t addr, uint64_t expect);
+// Copies `bytes` at `src` in process `pid` (rank `peer`) into `dst`; throws
+// naming the peer and the errno if the kernel refuses.
+void cma_read(pid_t pid, int peer, void* dst, uint64_t src, size_t bytes);
+
+}  // namespace pyc

@@ -1,0 +1,145 @@
+"""Single-copy collectives on plain buffers (CMA, csrc/algo/cma.cc): every op,
+dtype and size exact when forced (PYCOLL_ALGO=cma), the automatic choice by
+size, the slots when PYCOLL_CMA=0, and mismatched calls at CMA sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from spawn import RankPool, run
+from test_windows import _path, _reference, _vals
+
+import pycollectives as pc
+
+
+def job_cma_forced(comm: pc.Communicator) -> list[str]:
+    """PYCOLL_ALGO=cma: all-reduce, reduce-scatter and all-gather of every size
+    take the single-copy path, exact for every op and dtype, in place and not."""
+    n, r, bad = comm.world_size, comm.rank, []
+    if not comm.single_copy:
+        return ["CMA unavailable"]
+    for count in (0, 1, 7, 1000, (1 << 18) + 3):
+        for dt in (torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.int64):
+            want_path = "cma" if count > 0 else "slots"
+            vals = [v.to(dt) for v in _vals(n, n * count)]
+            stacked = torch.stack([v.to(torch.float64) for v in vals])
+            for op in pc.ReduceOp:
+                full = _reference(stacked, op, dt).to(dt)
+                x = vals[r].clone()
+                if (p := _path(comm, "all_reduce", x, op)) != want_path:
+                    bad.append(f"all_reduce {count} {dt}: took the {p} path")
+                if not torch.equal(x, full):
+                    bad.append(f"all_reduce {count} {dt} {op.name}: wrong")
+                for in_place in (False, True):
+                    inp = vals[r].clone()
+                    mine = slice(r * count, (r + 1) * count)
+                    out = inp[mine] if in_place else torch.empty(count, dtype=dt)
+                    if (p := _path(comm, "reduce_scatter", out, inp, op)) != want_path:
+                        bad.append(f"reduce_scatter {count} {dt}: took the {p} path")
+                    if not torch.equal(out, full[mine]):
+                        bad.append(f"reduce_scatter {count} {dt} {op.name} {in_place}: wrong")
+            for in_place in (False, True):
+                out = torch.zeros(n * count, dtype=dt)
+                src = vals[r][:count]
+                if in_place:
+                    out[r * count : (r + 1) * count].copy_(src)
+                    src = out[r * count : (r + 1) * count]
+                if (p := _path(comm, "all_gather", out, src)) != want_path:
+                    bad.append(f"all_gather {count} {dt}: took the {p} path")
+                if not torch.equal(out, torch.cat([vals[q][:count] for q in range(n)])):
+                    bad.append(f"all_gather {count} {dt} in_place={in_place}: wrong")
+    return bad
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_cma_forced_every_op_dtype_size(world_size):
+    pool = RankPool(world_size, env={"PYCOLL_ALGO": "cma"})
+    try:
+        results = pool.run(job_cma_forced, timeout=240)
+    finally:
+        pool.close()
+    if results[0] == ["CMA unavailable"]:
+        pytest.skip("process_vm_readv between the ranks is not allowed here")
+    for r, bad in enumerate(results):
+        assert not bad, f"rank {r}: {bad}"
+
+
+def job_cma_auto(comm: pc.Communicator) -> list[str]:
+    """Default (auto): sizes inside the measured bands take CMA, sizes outside
+    them take the slots or the one-shot areas; random floats against float64."""
+    n, r, bad = comm.world_size, comm.rank, []
+    cma = "cma" if comm.single_copy else "slots"
+    g = torch.Generator().manual_seed(7)
+    data = [torch.randn(1 << 20, generator=g, dtype=torch.float64) for _ in range(n)]
+    total = torch.stack(data).sum(0)
+    cases = [  # (collective, elements of float32 per rank's buffer, expected path)
+        ("all_reduce", 1 << 20, cma),  # 4 MiB
+        ("all_reduce", 1 << 16, "slots"),  # 256 KiB
+        ("all_reduce", 1000, "oneshot"),
+        ("all_gather", 1 << 14, cma),  # 64 KiB per rank
+        ("reduce_scatter", 1 << 20, cma),  # 4 MiB of input
+    ]
+    for coll, count, want in cases:
+        x = data[r][:count].float()
+        if coll == "all_reduce":
+            path = _path(comm, coll, x)
+            ok = torch.allclose(x.double(), total[:count], rtol=1e-5, atol=1e-5)
+        elif coll == "all_gather":
+            out = torch.empty(n * count)
+            path = _path(comm, coll, out, x)
+            ok = torch.equal(out, torch.cat([d[:count].float() for d in data]))
+        else:
+            blk = count // n
+            out = torch.empty(blk)
+            path = _path(comm, coll, out, x[: n * blk])
+            ref = total[r * blk : (r + 1) * blk]
+            ok = torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+        if path != want:
+            bad.append(f"{coll} {count}: took the {path} path, not {want}")
+        if not ok:
+            bad.append(f"{coll} {count}: wrong")
+    return bad
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_cma_chosen_by_size(pool, world_size):
+    for r, bad in enumerate(pool(world_size).run(job_cma_auto, timeout=120)):
+        assert not bad, f"rank {r}: {bad}"
+
+
+def _disabled(rank: int, world_size: int) -> tuple[bool, str]:
+    comm = pc.init()
+    x = torch.full((1 << 20,), rank + 1.0)
+    path = _path(comm, "all_reduce", x)
+    assert torch.all(x == world_size * (world_size + 1) / 2)
+    return comm.single_copy, path
+
+
+def test_pycoll_cma_0_on_one_rank_turns_it_off_for_all():
+    # Only rank 0 sets it: every rank must still agree, or they would deadlock.
+    out = run(_disabled_rank0, 2, {"PYCOLL_CMA": "0"}, timeout=60)
+    assert out == [(False, "slots"), (False, "slots")]
+
+
+def _disabled_rank0(rank: int, world_size: int, env: dict[str, str]) -> tuple[bool, str]:
+    import os
+
+    if rank == 0:
+        os.environ.update(env)
+    return _disabled(rank, world_size)
+
+
+def _mismatch(rank: int, world_size: int) -> str:
+    comm = pc.init(timeout=60)
+    count = 100_000 if rank == 0 else 100_008  # both in the all-gather's CMA band
+    out = torch.empty(world_size * count)
+    try:
+        comm.all_gather(out, torch.ones(count))
+    except pc.CollectiveMismatch as e:
+        return str(e)
+    raise AssertionError("no CollectiveMismatch")
+
+
+def test_mismatched_counts_at_cma_sizes_raise_on_every_rank():
+    for msg in run(_mismatch, 2, timeout=60):
+        assert "count=100000" in msg and "count=100008" in msg, msg
