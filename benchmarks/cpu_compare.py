@@ -209,7 +209,10 @@ def main() -> None:
         "- Registered buffers (`-R 1`): pycollectives' buffers come from `comm.alloc_shared` "
         "(symmetric windows, as nccl-tests `-R`), so all-reduce, reduce-scatter and all-gather "
         "run in place across the ranks' buffers; OpenMPI (same invocation) and gloo (the plain "
-        "invocation) keep plain buffers. Plain buffers are what a caller gets without asking.",
+        "invocation) keep plain buffers. Plain buffers are what a caller gets without asking; "
+        f"single copy (CMA) between the ranks: {v.get('single_copy', '?')} (docs/api.md, "
+        "'Single copy': all-reduce 2-32 MiB, reduce-scatter 1-32 MiB, all-gather from 32 KiB "
+        "per rank take it).",
         f"- Machine: {meta['cpu_model']}, {meta['cpu_count']} cores (KVM), host `{meta['hostname']}`",
         f"- Date: {meta['date']}",
         f"- Software: pycollectives {v['pycollectives']} ({v['simd_level']}), torch {v['torch']} (gloo), "

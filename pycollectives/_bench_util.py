@@ -367,6 +367,7 @@ def algo_env() -> dict[str, str]:
         "PYCOLL_SIMD": os.environ.get("PYCOLL_SIMD", "(auto)"),
         "PYCOLL_SLOT_BYTES": os.environ.get("PYCOLL_SLOT_BYTES", "(default)"),
         "PYCOLL_NSLOTS": os.environ.get("PYCOLL_NSLOTS", "(default)"),
+        "PYCOLL_CMA": os.environ.get("PYCOLL_CMA", "(default)"),
     }
 
 
@@ -576,6 +577,7 @@ class PycollRunner(Runner):
             f"# backend pycoll: pycollectives {pycoll_version()}  simd_level: {simd}",
             f"# algorithm env: {env}",
             f"# buffers: {'registered (comm.alloc_shared windows)' if self.registered else 'plain'}",
+            f"# single copy (CMA) between ranks: {'yes' if self.comm.single_copy else 'no'}",
         ]
 
     def close(self):  # noqa: D102

@@ -397,6 +397,7 @@ def _rank_main(args: argparse.Namespace) -> int:
                 runner.pc.simd_level() if hasattr(runner.pc, "simd_level") else "?"
             )
             extra_meta["buffers"] = "registered" if args.registered else "plain"
+            extra_meta["single_copy"] = "yes" if runner.comm.single_copy else "no"
         elif backend == "gloo":
             runner = GlooRunner(rank, world, store, args.timeout)
         elif backend == "nccl":
