@@ -154,8 +154,7 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
                (static_cast<uint64_t>(getpid()) << 32) ^ reinterpret_cast<uintptr_t>(this);
   me->cma_token = cma_token_;
   me->cma_addr = reinterpret_cast<uintptr_t>(&cma_token_);
-  if (algo_ != Algo::kRing && algo_ != Algo::kOneShot && env_size("PYCOLL_CMA", 1) != 0)
-    cma_allow_peers();
+  if (cma_wanted()) cma_allow_peers();
   // The engine's thread holds this rank's robust mutex for the communicator's
   // life: peers see EOWNERDEAD the moment this process dies, however it dies.
   engine_ = std::make_unique<ProgressEngine>([me] { PYC_ERRCHECK(pthread_mutex_lock(&me->alive)); },
@@ -187,10 +186,14 @@ void Communicator::connect() {
   agree_cma(deadline);
 }
 
+bool Communicator::cma_wanted() const {
+  return n_ > 1 && n_ <= kMaxDirectRanks && algo_ != Algo::kRing && algo_ != Algo::kOneShot &&
+         env_size("PYCOLL_CMA", 1) != 0;
+}
+
 void Communicator::agree_cma(Clock::time_point deadline) {
   RankCtl* me = layout_.rank_ctl(seg_.data(), rank_);
-  bool ok = n_ > 1 && n_ <= kMaxDirectRanks && algo_ != Algo::kRing && algo_ != Algo::kOneShot &&
-            env_size("PYCOLL_CMA", 1) != 0;
+  bool ok = cma_wanted();
   for (int p = 0; p < n_ && ok; ++p) {
     const RankCtl* peer = layout_.rank_ctl(seg_.data(), p);
     if (p != rank_) ok = cma_probe(peer->pid, peer->cma_addr, peer->cma_token);
@@ -427,15 +430,7 @@ bool cma_wins(OpKind kind, int n, size_t total) {
 bool Communicator::cma(OpCtx& c, OpKind kind, size_t total) {
   if (!cma_ || total == 0) return false;
   if (algo_ != Algo::kCma && !cma_wins(kind, n_, total)) return false;
-  const uint32_t seq = c.tag.seq;
-  wait_started(seq, *c.mon);  // every peer's buffer is in place and its address announced
-  for (int p = 0; p < n_; ++p) {
-    const SigEntry& e = layout_.rank_ctl(seg_.data(), p)->sig[seq % kSigHistory];
-    if (e.seq.load(std::memory_order_acquire) != seq || e.w0 != c.tag.w0 || e.w1 != c.tag.w1 ||
-        e.addr == 0)
-      return false;  // the ring runs (and reports a mismatched operation)
-  }
-  return true;
+  return announced_alike(c, [](const SigEntry& e) { return e.addr != 0; });
 }
 
 CmaView Communicator::cma_view(uint32_t seq) {
@@ -470,13 +465,18 @@ DirectView Communicator::direct_view(const ShmWindow& win, uint64_t where) {
 }
 
 bool Communicator::symmetric(OpCtx& c, uint64_t where) {
+  return announced_alike(c, [where](const SigEntry& e) { return e.where == where; });
+}
+
+template <class Also>
+bool Communicator::announced_alike(OpCtx& c, Also also) {
   if (n_ > kMaxDirectRanks) return false;
   const uint32_t seq = c.tag.seq;
-  wait_started(seq, *c.mon);  // every peer's data is in place and its op announced
+  wait_started(seq, *c.mon);  // every peer's buffer is in place and its op announced
   for (int p = 0; p < n_; ++p) {
     const SigEntry& e = layout_.rank_ctl(seg_.data(), p)->sig[seq % kSigHistory];
     if (e.seq.load(std::memory_order_acquire) != seq || e.w0 != c.tag.w0 || e.w1 != c.tag.w1 ||
-        e.where != where)
+        !also(e))
       return false;  // the ring runs (and reports a mismatched operation)
   }
   return true;

@@ -131,6 +131,10 @@ class Communicator final : public Links {
   // After every peer started operation c.tag.seq: whether all announced the
   // same operation at the same placement `where` (then direct.cc applies).
   bool symmetric(OpCtx& c, uint64_t where);
+  // After every peer started operation c.tag.seq: whether all announced the
+  // same operation and `also(entry)` holds for every rank's announcement.
+  template <class Also>
+  bool announced_alike(OpCtx& c, Also also);
   // Whether the operation runs on the windows (direct.cc): `win` holds its
   // buffer of `bytes` per rank, and every rank placed it alike (symmetric).
   bool direct(OpCtx& c, const ShmWindow* win, size_t bytes, uint64_t where);
@@ -142,6 +146,8 @@ class Communicator final : public Links {
   // operation and an address.
   bool cma(OpCtx& c, OpKind kind, size_t total);
   CmaView cma_view(uint32_t seq);
+  // Whether this rank would use CMA (PYCOLL_CMA, PYCOLL_ALGO, world size).
+  bool cma_wanted() const;
   // Probes every peer with CMA and agrees with them on cma_ (in connect()).
   void agree_cma(std::chrono::steady_clock::time_point deadline);
   // Waits until every peer has started collective `seq` (or a later one).
