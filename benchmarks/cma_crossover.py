@@ -22,8 +22,8 @@ from _doc import cpu_model, run_bench, write_section
 
 BEGIN, END = "<!-- cma_crossover:begin -->", "<!-- cma_crossover:end -->"
 COLLS = ("all_reduce", "reduce_scatter", "all_gather")
-FLAGS = ["-b", "256K", "-e", "64M", "-f", "4", "--coll", ",".join(COLLS),
-         "-n", "10", "-w", "3", "--trials", "3", "-c", "1"]  # fmt: skip
+FLAGS = ["-b", "64K", "-e", "64M", "-f", "4", "--coll", ",".join(COLLS),
+         "-n", "20", "-w", "3", "--trials", "3", "-c", "1"]  # fmt: skip
 MODES = {"cma": {"PYCOLL_ALGO": "cma"}, "slots": {"PYCOLL_CMA": "0"}}
 
 

@@ -155,10 +155,13 @@ def main() -> None:
     common = ["-b", "16", "-e", "64M", "-f", "4", "--coll", ",".join(COLLS), "-n", "10", "-w", "3",
               "--trials", args.trials, "-c", "1"]  # fmt: skip
     rows, meta = [], None
+    single_copy: dict[int, str] = {}  # world size -> whether CMA ran between its ranks
     for n in ranks:
         data = bench(n, common)
         rows += data["rows"]
         meta = meta or data["metadata"]
+        if n > 1:
+            single_copy[n] = data["metadata"]["versions"].get("single_copy", "?")
         if n > 1 and args.registered:
             # the same sizes on alloc_shared buffers; MPI again in that invocation
             rows += registered_rows(bench(n, [*common, "-R", "1"], compare="mpi"))
@@ -210,9 +213,9 @@ def main() -> None:
         "(symmetric windows, as nccl-tests `-R`), so all-reduce, reduce-scatter and all-gather "
         "run in place across the ranks' buffers; OpenMPI (same invocation) and gloo (the plain "
         "invocation) keep plain buffers. Plain buffers are what a caller gets without asking; "
-        f"single copy (CMA) between the ranks: {v.get('single_copy', '?')} (docs/api.md, "
-        "'Single copy': all-reduce 2-32 MiB, reduce-scatter 1-32 MiB, all-gather from 32 KiB "
-        "per rank take it).",
+        "single copy (CMA) between the ranks: "
+        + (", ".join(f"{n} ranks: {sc}" for n, sc in single_copy.items()) or "-")
+        + " (docs/api.md, 'Single copy', says which sizes take it).",
         f"- Machine: {meta['cpu_model']}, {meta['cpu_count']} cores (KVM), host `{meta['hostname']}`",
         f"- Date: {meta['date']}",
         f"- Software: pycollectives {v['pycollectives']} ({v['simd_level']}), torch {v['torch']} (gloo), "

@@ -508,13 +508,16 @@ class Communicator:
         return None if child is None else Communicator(child)
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per-operation counters: calls, bytes_sent, bytes_received, time_s, and paths.
+        """Per-operation counters: calls, bytes_sent, bytes_received, time_s, paths, taken_over.
 
         ``paths`` counts the calls by how they moved their bytes: ``"slots"``
         (ring, chain or pairwise schedules through the shared slots),
         ``"oneshot"`` (small messages through the one-shot areas),
         ``"direct"`` (in place across symmetric windows, see `alloc_shared`) or
-        ``"cma"`` (single copy out of the peers' plain buffers, see `single_copy`).
+        ``"cma"`` (single copy between the peers' plain buffers, see `single_copy`).
+        ``taken_over`` counts the single-copy chunks this rank did for another
+        rank's part because that rank had not claimed them yet (it was
+        descheduled or slower).
         """
         return self._c.stats()
 
@@ -525,11 +528,11 @@ class Communicator:
 
     @property
     def single_copy(self) -> bool:
-        """Whether ranks read each other's plain buffers directly (CMA).
+        """Whether ranks read and write each other's plain buffers directly (CMA).
 
         Decided at init, alike on every rank: true when every rank could read
-        every peer with ``process_vm_readv`` (same user, ptrace allowed, not
-        refused by seccomp) and neither ``PYCOLL_CMA=0`` nor ``PYCOLL_ALGO``
+        and write every peer with ``process_vm_readv``/``process_vm_writev``
+        (same user, ptrace allowed, not refused by seccomp) and neither ``PYCOLL_CMA=0`` nor ``PYCOLL_ALGO``
         ``ring``/``oneshot`` is set. Where it is false, the slots carry everything.
         """
         return self._c.cma

@@ -1,6 +1,7 @@
 """Single-copy collectives on plain buffers (CMA, csrc/algo/cma.cc): every op,
-dtype and size exact when forced (PYCOLL_ALGO=cma), the automatic choice by
-size, the slots when PYCOLL_CMA=0, and mismatched calls at CMA sizes."""
+dtype and size exact when forced (PYCOLL_ALGO=cma), chunks taken over from
+ranks that do not run, the automatic choice by size, the slots when
+PYCOLL_CMA=0, and mismatched calls at CMA sizes."""
 
 from __future__ import annotations
 
@@ -64,6 +65,50 @@ def test_cma_forced_every_op_dtype_size(world_size):
         assert not bad, f"rank {r}: {bad}"
 
 
+def job_cma_taken_over(comm: pc.Communicator) -> tuple[list[str], dict[str, int]]:
+    """All ranks on one CPU: whichever rank runs claims the chunks of the ranks that
+    are descheduled. Exact results, and how many chunks each rank took over."""
+    import os
+
+    n, r, bad = comm.world_size, comm.rank, []
+    if not comm.single_copy:
+        return ["CMA unavailable"], {}
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    count = (1 << 20) + 5  # 4 MiB of int32 per block: 17 chunks of 256 KiB
+    vals = [torch.arange(n * count, dtype=torch.int32) % 97 + q for q in range(n)]
+    full = torch.stack(vals).sum(0)
+    for it in range(4):
+        x = vals[r].clone()
+        comm.all_reduce(x)
+        if not torch.equal(x, full):
+            bad.append(f"all_reduce {it}: wrong")
+        out = torch.empty(count, dtype=torch.int32)
+        comm.reduce_scatter(out, vals[r])
+        if not torch.equal(out, full[r * count : (r + 1) * count]):
+            bad.append(f"reduce_scatter {it}: wrong")
+        out = torch.empty(n * count, dtype=torch.int32)
+        comm.all_gather(out, vals[r][:count])
+        if not torch.equal(out, torch.cat([v[:count] for v in vals])):
+            bad.append(f"all_gather {it}: wrong")
+    stats = comm.stats()
+    return bad, {c: stats[c]["taken_over"] for c in ("all_reduce", "reduce_scatter", "all_gather")}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_cma_chunks_of_descheduled_ranks_are_taken_over(world_size):
+    pool = RankPool(world_size, env={"PYCOLL_ALGO": "cma"})
+    try:
+        results = pool.run(job_cma_taken_over, timeout=240)
+    finally:
+        pool.close()
+    if results[0][0] == ["CMA unavailable"]:
+        pytest.skip("process_vm_readv between the ranks is not allowed here")
+    for r, (bad, _) in enumerate(results):
+        assert not bad, f"rank {r}: {bad}"
+    for coll in ("all_reduce", "reduce_scatter", "all_gather"):
+        assert sum(taken[coll] for _, taken in results) > 0, (coll, results)
+
+
 def job_cma_auto(comm: pc.Communicator) -> list[str]:
     """Default (auto): sizes inside the measured bands take CMA, sizes outside
     them take the slots or the one-shot areas; random floats against float64."""
@@ -76,7 +121,9 @@ def job_cma_auto(comm: pc.Communicator) -> list[str]:
         ("all_reduce", 1 << 20, cma),  # 4 MiB
         ("all_reduce", 1 << 16, "slots"),  # 256 KiB
         ("all_reduce", 1000, "oneshot"),
-        ("all_gather", 1 << 14, cma),  # 64 KiB per rank
+        ("all_gather", 1 << 17, cma),  # 512 KiB per rank
+        # 32 KiB per rank: single copy beats the one-shot areas with 2 ranks only
+        ("all_gather", 1 << 13, cma if n == 2 else "oneshot"),
         ("reduce_scatter", 1 << 20, cma),  # 4 MiB of input
     ]
     for coll, count, want in cases:

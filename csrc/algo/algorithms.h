@@ -3,6 +3,8 @@
 // bytes move. Counts are in elements of ctx.dtype.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <vector>
 
 #include "algo/context.h"
@@ -44,14 +46,16 @@ void direct_all_gather(OpCtx& c, const DirectView& v, const void* in, size_t cou
 // every peer's: after it, no peer reads or writes this rank's buffers.
 void finish_gathered(OpCtx& c, Counter* const* gathered);
 
-// Single-copy collectives on plain buffers (see cma.cc): every rank reads its
-// peers' buffers with process_vm_readv (transport/cma.h). addr[p] is rank p's
-// buffer in its own process (all-reduce: the buffer; reduce-scatter and
-// all-gather: the input). scratch: (nranks - 1) * chunk bytes of this rank's.
+// Single-copy collectives on plain buffers (see cma.cc): ranks read and write
+// each other's buffers with process_vm_readv/writev (transport/cma.h), sharing
+// the work out in chunks. addr[p] and out[p] are rank p's input and output in
+// its own process (all-reduce: both the buffer); next[p] counts the claimed
+// chunks of part p. scratch: nranks * chunk bytes of this rank's.
 struct CmaView {
   int pid[kMaxDirectRanks];
   uint64_t addr[kMaxDirectRanks];
-  Counter* reduced[kMaxDirectRanks];
+  uint64_t out[kMaxDirectRanks];
+  std::atomic<uint64_t>* next[kMaxDirectRanks];
   Counter* gathered[kMaxDirectRanks];
   char* scratch;
   size_t chunk;

@@ -1,24 +1,33 @@
-// Single-copy collectives on plain buffers: every rank reads its peers'
-// buffers straight out of their processes with process_vm_readv (CMA), so a
-// byte crosses once, where the slots take two copies (one in, one out).
+// Single-copy collectives on plain buffers: ranks read and write each other's
+// buffers inside their processes with process_vm_readv / process_vm_writev
+// (CMA), so a byte crosses in one kernel copy where the slots take two.
 //
-// Reduce-scatter: rank r reads block r of every peer's input, a chunk at a
-// time into scratch that stays in cache, and reduces those chunks and its own
-// (in rank order, so every rank gets the same bits) into its output; then
-// raises `gathered` and waits for every peer's, after which nobody reads its
-// input any more.
+// The work is shared out in chunks of v.chunk bytes rather than fixed per
+// rank. An operation's chunks fall into nranks parts, and part p is claimed
+// through rank p's counter (claim below). A rank first claims the chunks of
+// its own part, then whatever the others have left unclaimed, in ring order.
+// A descheduled rank's buffers can be read and written without it running, so
+// when ranks outnumber cores (or one rank is slow to get there) the ranks that
+// run do the work of those that do not. Whoever claims a chunk does all of it:
 //
-// All-reduce = that reduce-scatter over part r of the buffer, in place, then
-// `reduced`; then each peer's reduced part is read out of the peer's buffer
-// (after its `reduced`), then `gathered` as above. A part of this rank's
-// buffer is overwritten only after its owner raised `reduced`, i.e. stopped
-// reading it.
+// - All-reduce (part p: the p-th n-th of the buffer): read the chunk of every
+//   peer into scratch, reduce those and this rank's (in rank order) into this
+//   rank's buffer, then write the result into every peer's buffer. Every
+//   element is reduced once, so every rank holds the same bits.
+// - Reduce-scatter (part p: block p, i.e. rank p's output): read block p's
+//   chunk of every peer's input, reduce with this rank's into rank p's output
+//   (through scratch and a write when p is a peer).
+// - All-gather (part p: rank p's input): the chunk goes into block p of every
+//   rank's output; a rank other than p reads it out of rank p first.
 //
-// All-gather: rank r copies its input into block r of its output and reads
-// every peer's input into the peer's block; then `gathered`.
+// Only the claimer touches a chunk's bytes, in every rank's buffers, so in
+// place operations need no more ordering than that. A rank that finds nothing
+// left to claim raises `gathered` and waits for every peer's: after that all
+// chunks are done and nobody reads or writes its buffers any more.
 #include "transport/cma.h"
 
 #include <algorithm>
+#include <atomic>
 
 #include "algo/algorithms.h"
 #include "core/error.h"
@@ -27,74 +36,130 @@
 namespace pyc {
 namespace {
 
-// Reduces `count` elements of every rank's buffer, `off` bytes into it (this
-// rank's at `own`), into `dst`.
+// The next unclaimed chunk of operation `seq` in the part counted by `next`,
+// or `total` once all are taken. Every rank started `seq` before anyone claims
+// (the caller waited for that), so nobody still claims an earlier operation's
+// chunks: the first claim of `seq` finds an older sequence number in the word
+// and starts the count afresh.
+uint32_t claim(std::atomic<uint64_t>& next, uint32_t seq, uint32_t total) {
+  uint64_t v = next.load(std::memory_order_relaxed);
+  for (;;) {
+    const uint32_t i = static_cast<uint32_t>(v >> 32) == seq ? static_cast<uint32_t>(v) : 0;
+    if (i >= total) return total;
+    if (next.compare_exchange_weak(v, uint64_t{seq} << 32 | (i + 1), std::memory_order_relaxed))
+      return i;
+  }
+}
+
+// Runs work(p, i) for every chunk i < chunks(p) of every part p that this rank
+// claims (its own part first), then waits until every rank has run out.
+template <class Chunks, class Work>
+void share(OpCtx& c, const CmaView& v, Chunks chunks, Work work) {
+  for (int s = 0; s < c.nranks; ++s) {
+    const int p = (c.rank + s) % c.nranks;
+    const auto total = static_cast<uint32_t>(chunks(p));
+    for (uint32_t i; (i = claim(*v.next[p], c.tag.seq, total)) < total;) {
+      work(p, i);
+      if (p != c.rank) ++c.taken_over;
+    }
+  }
+  finish_gathered(c, v.gathered);
+}
+
+// Reduces `count` elements (at most one chunk), `off` bytes into every rank's
+// addr buffer (this rank's at `own`), in rank order into `dst`.
 void reduce_pulled(OpCtx& c, const CmaView& v, size_t off, const char* own, char* dst,
                    size_t count) {
   const int n = c.nranks, r = c.rank;
-  const size_t es = c.esize(), step = v.chunk / es;
-  const bool avg = c.op == ReduceOp::kAvg;
-  for (size_t a = 0; a < count; a += step) {
-    const size_t len = std::min(step, count - a), at = a * es;
-    const void* srcs[kMaxDirectRanks];
-    char* tmp = v.scratch;
-    for (int p = 0; p < n; ++p) {
-      if (p == r) {
-        srcs[p] = own + at;
-        continue;
-      }
-      cma_read(v.pid[p], p, tmp, v.addr[p] + off + at, len * es);
-      srcs[p] = tmp;
-      tmp += v.chunk;
+  const size_t bytes = count * c.esize();
+  const void* srcs[kMaxDirectRanks];
+  char* tmp = v.scratch;
+  for (int p = 0; p < n; ++p) {
+    if (p == r) {
+      srcs[p] = own;
+      continue;
     }
-    reduce(ReduceArgs{c.dtype, avg ? ReduceOp::kSum : c.op, dst + at, nullptr, srcs, n, len});
-    if (avg) scale_avg(dst + at, c.dtype, len, n);
+    cma_read(v.pid[p], p, tmp, v.addr[p] + off, bytes);
+    srcs[p] = tmp;
+    tmp += v.chunk;
   }
-  c.bytes_recv += (n - 1) * count * es;
+  const bool avg = c.op == ReduceOp::kAvg;
+  reduce(ReduceArgs{c.dtype, avg ? ReduceOp::kSum : c.op, dst, nullptr, srcs, n, count});
+  if (avg) scale_avg(dst, c.dtype, count, n);
+  c.bytes_recv += (n - 1) * bytes;
+}
+
+// Writes `bytes` at `src` into every peer's buffer at out[p] + off, except
+// rank `skip`'s.
+void push(OpCtx& c, const CmaView& v, const char* src, size_t off, size_t bytes, int skip) {
+  for (int s = 1; s < c.nranks; ++s) {
+    const int p = (c.rank + s) % c.nranks;
+    if (p == skip) continue;
+    cma_write(v.pid[p], p, v.out[p] + off, src, bytes);
+    c.bytes_sent += bytes;
+  }
 }
 
 }  // namespace
 
 void cma_all_reduce(OpCtx& c, const CmaView& v, void* buf, size_t count) {
-  const int n = c.nranks, r = c.rank;
+  const int n = c.nranks;
   PYC_ASSERT(n <= kMaxDirectRanks);
-  const size_t es = c.esize(), unit = 64 / es, units = (count + unit - 1) / unit;
-  auto lo = [&](int p) { return std::min(count, units * p / n * unit); };
+  const size_t es = c.esize(), step = v.chunk / es, chunks = (count + step - 1) / step;
   char* b = static_cast<char*>(buf);
-
-  const size_t a = lo(r), len = lo(r + 1) - a;
-  reduce_pulled(c, v, a * es, b + a * es, b + a * es, len);
-  publish(*v.reduced[r], c.tag.seq);
-  for (int s = 1; s < n; ++s) {
-    const int p = (r + s) % n;
-    const size_t pa = lo(p), plen = lo(p + 1) - pa;
-    c.mon->peer = p;
-    wait_reached(*v.reduced[p], c.tag.seq, *c.mon);
-    cma_read(v.pid[p], p, b + pa * es, v.addr[p] + pa * es, plen * es);
-    c.bytes_recv += plen * es;
-  }
-  finish_gathered(c, v.gathered);
+  auto first = [&](int p) { return chunks * p / n; };  // part p: chunks [first(p), first(p + 1))
+  share(
+      c, v, [&](int p) { return first(p + 1) - first(p); },
+      [&](int p, size_t i) {
+        const size_t k = first(p) + i, at = k * step * es, len = std::min(step, count - k * step);
+        reduce_pulled(c, v, at, b + at, b + at, len);
+        push(c, v, b + at, at, len * es, -1);
+      });
 }
 
 void cma_reduce_scatter(OpCtx& c, const CmaView& v, const void* in, void* out, size_t count) {
-  PYC_ASSERT(c.nranks <= kMaxDirectRanks);
-  const size_t off = static_cast<size_t>(c.rank) * count * c.esize();
-  reduce_pulled(c, v, off, static_cast<const char*>(in) + off, static_cast<char*>(out), count);
-  finish_gathered(c, v.gathered);
+  const int n = c.nranks, r = c.rank;
+  PYC_ASSERT(n <= kMaxDirectRanks);
+  const size_t es = c.esize(), step = v.chunk / es, chunks = (count + step - 1) / step;
+  const char* src = static_cast<const char*>(in);
+  char* result = v.scratch + (n - 1) * v.chunk;  // a peer's chunk, before it is written there
+  share(
+      c, v, [&](int) { return chunks; },
+      [&](int p, size_t i) {
+        const size_t at = i * step * es, len = std::min(step, count - i * step);
+        const size_t off = p * count * es + at;
+        char* dst = p == r ? static_cast<char*>(out) + at : result;
+        reduce_pulled(c, v, off, src + off, dst, len);
+        if (p != r) {
+          cma_write(v.pid[p], p, v.out[p] + at, dst, len * es);
+          c.bytes_sent += len * es;
+        }
+      });
 }
 
 void cma_all_gather(OpCtx& c, const CmaView& v, const void* in, void* out, size_t count) {
   const int n = c.nranks, r = c.rank;
   PYC_ASSERT(n <= kMaxDirectRanks);
-  const size_t bytes = count * c.esize();
+  const size_t es = c.esize(), bytes = count * es, step = v.chunk / es;
+  const size_t chunks = (count + step - 1) / step;
   char* o = static_cast<char*>(out);
-  if (o + r * bytes != in) copy(o + r * bytes, nullptr, in, bytes);
-  for (int s = 1; s < n; ++s) {
-    const int p = (r + s) % n;
-    cma_read(v.pid[p], p, o + p * bytes, v.addr[p], bytes);
-    c.bytes_recv += bytes;
-  }
-  finish_gathered(c, v.gathered);
+  // Rank p's block p of its output already holds the input when it gathers in place.
+  auto in_place = [&](int p) { return v.out[p] + p * bytes == v.addr[p]; };
+  share(
+      c, v, [&](int) { return chunks; },
+      [&](int p, size_t i) {
+        const size_t at = i * step * es, len = std::min(step, count - i * step) * es;
+        char* blk = o + p * bytes + at;
+        if (p == r) {
+          const char* src = static_cast<const char*>(in) + at;
+          if (blk != src) copy(blk, nullptr, src, len);
+          push(c, v, src, p * bytes + at, len, -1);
+        } else {
+          cma_read(v.pid[p], p, blk, v.addr[p] + at, len);
+          c.bytes_recv += len;
+          push(c, v, blk, p * bytes + at, len, in_place(p) ? p : -1);
+        }
+      });
 }
 
 }  // namespace pyc

@@ -54,6 +54,7 @@ struct OpCtx {
   uint64_t bytes_sent = 0;
   uint64_t bytes_recv = 0;
   Path path = Path::kSlots;
+  uint64_t taken_over = 0;  // single copy: chunks of other ranks' parts this rank did
 
   size_t esize() const { return dtype_size(dtype); }
   int mod(long i) const { return static_cast<int>(((i % nranks) + nranks) % nranks); }

@@ -251,6 +251,7 @@ PYBIND11_MODULE(_C, m) {
           for (int p = 0; p < kNumPaths; ++p)
             if (s.paths[p].load() > 0) paths[path_name(static_cast<Path>(p))] = s.paths[p].load();
           e["paths"] = paths;
+          e["taken_over"] = s.taken_over.load();  // single copy: chunks done for a peer
           d[op_kind_name(static_cast<OpKind>(k))] = e;
         }
         return d;

@@ -235,7 +235,8 @@ void Communicator::check_rank(int r, const char* what, OpKind kind) const {
                                                       << n_ << ")");
 }
 
-void Communicator::announce(uint32_t seq, const OpSig& sig, uint64_t where, uint64_t addr) {
+void Communicator::announce(uint32_t seq, const OpSig& sig, uint64_t where, uint64_t addr,
+                            uint64_t out) {
   RankCtl* me = layout_.rank_ctl(seg_.data(), rank_);
   SigEntry& e = me->sig[seq % kSigHistory];
   e.seq.store(0, std::memory_order_relaxed);
@@ -244,6 +245,7 @@ void Communicator::announce(uint32_t seq, const OpSig& sig, uint64_t where, uint
   e.w1 = sig.word1();
   e.where = where;
   e.addr = addr;
+  e.out = out;
   e.seq.store(seq, std::memory_order_release);
   publish(me->started, seq);
 }
@@ -262,23 +264,26 @@ void Communicator::account(OpKind kind, const OpCtx& c, uint64_t ns) {
   s.bytes_sent.fetch_add(c.bytes_sent, std::memory_order_relaxed);
   s.bytes_recv.fetch_add(c.bytes_recv, std::memory_order_relaxed);
   s.time_ns.fetch_add(ns, std::memory_order_relaxed);
+  s.taken_over.fetch_add(c.taken_over, std::memory_order_relaxed);
   s.paths[static_cast<int>(c.path)].fetch_add(1, std::memory_order_relaxed);
 }
 
 std::shared_ptr<Work> Communicator::collective(const OpSig& sig, double timeout_s, bool async,
-                                               Body body, uint64_t where, const void* addr) {
+                                               Body body, uint64_t where, const void* in,
+                                               const void* out) {
   check_open(sig.kind);
   if (timeout_s < 0) timeout_s = timeout_s_;
-  const uint64_t a = cma_ ? reinterpret_cast<uintptr_t>(addr) : 0;
+  const uint64_t a = cma_ ? reinterpret_cast<uintptr_t>(in) : 0;
+  const uint64_t o = cma_ ? reinterpret_cast<uintptr_t>(out) : 0;
   return engine_->submit([this] { return ++seq_; },
-                         [this, sig, timeout_s, where, a, body = std::move(body)](uint32_t seq) {
-                           run_collective(sig, seq, timeout_s, body, where, a);
+                         [this, sig, timeout_s, where, a, o, body = std::move(body)](uint32_t seq) {
+                           run_collective(sig, seq, timeout_s, body, where, a, o);
                          },
                          async);
 }
 
 void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout_s,
-                                  const Body& body, uint64_t where, uint64_t addr) {
+                                  const Body& body, uint64_t where, uint64_t addr, uint64_t out) {
   if (aborted()) throw_abort();
   auto t0 = Clock::now();
   OpMonitor mon(*this, sig, seq, true, timeout_s);
@@ -291,7 +296,7 @@ void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout
   c.links = this;
   c.mon = &mon;
   try {
-    announce(seq, sig, where, addr);
+    announce(seq, sig, where, addr, out);
     if (seq > static_cast<uint32_t>(kMaxLead)) wait_started(seq - kMaxLead, mon);
     body(c);
   } catch (const std::exception& e) {
@@ -377,7 +382,7 @@ std::shared_ptr<Work> Communicator::all_reduce(void* buf, size_t count, DataType
           ring_all_reduce(c, buf, buf, count);
         }
       },
-      where, buf);
+      where, buf, buf);
 }
 
 std::shared_ptr<ShmWindow> Communicator::find_window(const void* p, size_t n, uint64_t* where) {
@@ -405,21 +410,26 @@ bool Communicator::direct(OpCtx& c, const ShmWindow* win, size_t bytes, uint64_t
 
 namespace {
 
-// Whether the single-copy path beats the slots for a collective moving `total`
-// bytes (nccl-tests' size: the all-reduce buffer, the reduce-scatter input,
-// the all-gather output) on `n` ranks. Crossovers measured on a 2-core VM
-// (docs/benchmarks.md, "Single copy"): below them a system call per peer and
-// chunk costs more than the slots' pipelined copies; at 32-64 MiB per buffer
-// the kernel's page-by-page copy falls behind them.
+// Whether the single-copy path beats the slots (and, for all-gather, the
+// one-shot areas) for a collective moving `total` bytes (nccl-tests' size:
+// the all-reduce buffer, the reduce-scatter input, the all-gather output) on
+// `n` ranks. Crossovers measured on a 2-core VM (docs/benchmarks.md, "Single
+// copy"): below them a system call per peer and chunk costs more than the
+// slots' pipelined copies; nothing was measured beyond 4 ranks.
 bool cma_wins(OpKind kind, int n, size_t total) {
   constexpr size_t KiB = 1024, MiB = 1024 * KiB;
+  if (n > 4) return false;
   switch (kind) {
-    case OpKind::kAllGather:
-      return total >= 32 * KiB * n && (n >= 3 || total < 32 * MiB);
     case OpKind::kAllReduce:
-      return n <= 4 && total >= 2 * MiB && total < (n <= 3 ? 32 : 16) * MiB;
+      return total >= 1 * MiB;
     case OpKind::kReduceScatter:
-      return n <= 4 && total >= 1 * MiB && total < (n <= 3 ? 32 : 16) * MiB;
+      return n == 2   ? total >= 256 * KiB && total < 32 * MiB
+             : n == 3 ? total >= 1 * MiB
+                      : total >= 1 * MiB && total < 8 * MiB;
+    case OpKind::kAllGather:
+      return n == 2   ? total >= 64 * KiB && total < 32 * MiB
+             : n == 3 ? total >= 256 * KiB
+                      : total >= 1 * MiB;
     default:
       return false;
   }
@@ -434,16 +444,18 @@ bool Communicator::cma(OpCtx& c, OpKind kind, size_t total) {
 }
 
 CmaView Communicator::cma_view(uint32_t seq) {
-  constexpr size_t kChunk = 256 << 10;  // (n - 1) chunks stay in L2 while they are reduced
+  constexpr size_t kChunk = 256 << 10;  // a chunk of every rank stays in L2 while it is reduced
   if (!cma_scratch_) {
-    cma_scratch_.reset(new char[(n_ - 1) * kChunk + 64]);
+    cma_scratch_.reset(new char[n_ * kChunk + 64]);
   }
   CmaView v;
   for (int p = 0; p < n_; ++p) {
     RankCtl* ctl = layout_.rank_ctl(seg_.data(), p);
     v.pid[p] = ctl->pid;
-    v.addr[p] = ctl->sig[seq % kSigHistory].addr;
-    v.reduced[p] = &ctl->reduced;
+    const SigEntry& e = ctl->sig[seq % kSigHistory];
+    v.addr[p] = e.addr;
+    v.out[p] = e.out;
+    v.next[p] = &ctl->cma_next;
     v.gathered[p] = &ctl->gathered;
   }
   const auto base = reinterpret_cast<uintptr_t>(cma_scratch_.get());
@@ -542,7 +554,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter(void* out, const void* in, si
           ring_reduce_scatter(c, in, out, count);
         }
       },
-      where, in);
+      where, in, out);
 }
 
 std::shared_ptr<Work> Communicator::all_gather(void* out, const void* in, size_t count, DataType dt,
@@ -554,21 +566,23 @@ std::shared_ptr<Work> Communicator::all_gather(void* out, const void* in, size_t
       sig, timeout_s, async,
       [this, out, in, count, win, where](OpCtx& c) {
         const size_t bytes = count * c.esize();
+        // Single copy before one-shot: from 32 KiB per rank (with 2 ranks)
+        // one kernel copy per peer beats the one-shot areas' copy in and out.
         if (direct(c, win.get(), bytes, where)) {
           c.path = Path::kDirect;
           direct_all_gather(c, direct_view(*win, where), in, count);
+        } else if (cma(c, OpKind::kAllGather, bytes * n_)) {
+          c.path = Path::kCma;
+          cma_all_gather(c, cma_view(c.tag.seq), in, out, count);
         } else if (oneshot(c, bytes)) {
           c.path = Path::kOneShot;
           oneshot_all_gather(c, oneshot_, in, out, count);
           saw_flags(c.tag.seq);
-        } else if (cma(c, OpKind::kAllGather, bytes * n_)) {
-          c.path = Path::kCma;
-          cma_all_gather(c, cma_view(c.tag.seq), in, out, count);
         } else {
           ring_all_gather(c, in, out, count);
         }
       },
-      where, in);
+      where, in, out);
 }
 
 std::shared_ptr<Work> Communicator::broadcast(void* buf, size_t count, DataType dt, int root,

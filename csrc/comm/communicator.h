@@ -35,7 +35,7 @@ struct CommConfig {
 };
 
 struct OpStats {
-  std::atomic<uint64_t> calls{0}, bytes_sent{0}, bytes_recv{0}, time_ns{0};
+  std::atomic<uint64_t> calls{0}, bytes_sent{0}, bytes_recv{0}, time_ns{0}, taken_over{0};
   std::array<std::atomic<uint64_t>, kNumPaths> paths{};  // calls by Path
 };
 
@@ -115,17 +115,18 @@ class Communicator final : public Links {
   void check_open(OpKind kind) const;
   // Queues a collective: numbered at issue, announced and run in order.
   // `where`: the buffer's window placement (see SigEntry::where), announced with the op.
-  // `addr`: the buffer peers read with CMA (see SigEntry::addr), announced likewise.
+  // `in`, `out`: the buffers peers read and write with CMA (SigEntry::addr, out), likewise.
   std::shared_ptr<Work> collective(const OpSig& sig, double timeout_s, bool async, Body body,
-                                   uint64_t where = 0, const void* addr = nullptr);
+                                   uint64_t where = 0, const void* in = nullptr,
+                                   const void* out = nullptr);
   void run_collective(const OpSig& sig, uint32_t seq, double timeout_s, const Body& body,
-                      uint64_t where, uint64_t addr);
+                      uint64_t where, uint64_t addr, uint64_t out);
   std::shared_ptr<Work> point_to_point(const OpSig& sig, int peer, double timeout_s, bool async,
                                        Body body);
   // Runs a send, a receive or a batch of them (numbered per pair of ranks, not
   // announced: peers need not take part).
   void run_point_to_point(const OpSig& sig, uint32_t seq, double timeout_s, const Body& body);
-  void announce(uint32_t seq, const OpSig& sig, uint64_t where, uint64_t addr);
+  void announce(uint32_t seq, const OpSig& sig, uint64_t where, uint64_t addr, uint64_t out);
   // The window holding [p, p + n) on this rank and its placement word, if any.
   std::shared_ptr<ShmWindow> find_window(const void* p, size_t n, uint64_t* where);
   // After every peer started operation c.tag.seq: whether all announced the

@@ -18,10 +18,13 @@ namespace pyc {
 // Lets processes of this user read this one when Yama's ptrace_scope is 1
 // (prctl PR_SET_PTRACER, as OpenMPI does for CMA). A no-op without Yama.
 void cma_allow_peers();
-// Whether `bytes` read at `addr` in process `pid` succeed and equal `expect`.
+// Whether the word at `addr` in process `pid` reads as `expect` and can be
+// written back.
 bool cma_probe(pid_t pid, uint64_t addr, uint64_t expect);
 // Copies `bytes` at `src` in process `pid` (rank `peer`) into `dst`; throws
 // naming the peer and the errno if the kernel refuses.
 void cma_read(pid_t pid, int peer, void* dst, uint64_t src, size_t bytes);
+// Copies `bytes` at `src` here into `dst` in process `pid` (rank `peer`).
+void cma_write(pid_t pid, int peer, uint64_t dst, const void* src, size_t bytes);
 
 }  // namespace pyc

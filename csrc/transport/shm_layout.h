@@ -38,13 +38,17 @@ struct SigEntry {
   uint32_t pad;
   uint64_t w0, w1;
   uint64_t where;  // symmetric-window placement of the buffer (window id << 40 | offset), or 0
-  uint64_t addr;   // the buffer's address in this rank's process, for peers' CMA reads, or 0
+  uint64_t addr;   // the (input) buffer's address in this rank's process, for CMA, or 0
+  uint64_t out;    // the output buffer's address likewise (all-reduce: = addr)
 };
 
 struct alignas(64) RankCtl {
   Counter started;   // latest collective sequence number started
   Counter reduced;   // direct all-reduce: this rank's part of operation `value` is reduced
   Counter gathered;  // direct all-reduce: this rank has read every peer's part
+  // Single copy (algo/cma.cc): the claim counter of this rank's part of the
+  // operation, sequence number << 32 | next unclaimed chunk.
+  alignas(64) std::atomic<uint64_t> cma_next;
   alignas(64) int32_t pid;
   // CMA (transport/cma.h): a word of this process at cma_addr holds cma_token;
   // cma_state is 1 once this rank read every peer's token, 2 if it could not.
