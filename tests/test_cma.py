@@ -5,6 +5,8 @@ PYCOLL_CMA=0, and mismatched calls at CMA sizes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from spawn import RankPool, run
@@ -13,12 +15,25 @@ from test_windows import _path, _reference, _vals
 import pycollectives as pc
 
 
-def job_cma_forced(comm: pc.Communicator) -> list[str]:
+def _forced(world_size: int, job: Callable[[pc.Communicator], object]) -> list:
+    """Runs job on world_size ranks under PYCOLL_ALGO=cma; skips where the job
+    returned None (CMA is not allowed between the ranks here)."""
+    pool = RankPool(world_size, env={"PYCOLL_ALGO": "cma"})
+    try:
+        results = pool.run(job, timeout=240)
+    finally:
+        pool.close()
+    if results[0] is None:
+        pytest.skip("process_vm_readv between the ranks is not allowed here")
+    return results
+
+
+def job_cma_forced(comm: pc.Communicator) -> list[str] | None:
     """PYCOLL_ALGO=cma: all-reduce, reduce-scatter and all-gather of every size
     take the single-copy path, exact for every op and dtype, in place and not."""
     n, r, bad = comm.world_size, comm.rank, []
     if not comm.single_copy:
-        return ["CMA unavailable"]
+        return None
     for count in (0, 1, 7, 1000, (1 << 18) + 3):
         for dt in (torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.int64):
             want_path = "cma" if count > 0 else "slots"
@@ -54,25 +69,18 @@ def job_cma_forced(comm: pc.Communicator) -> list[str]:
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_cma_forced_every_op_dtype_size(world_size):
-    pool = RankPool(world_size, env={"PYCOLL_ALGO": "cma"})
-    try:
-        results = pool.run(job_cma_forced, timeout=240)
-    finally:
-        pool.close()
-    if results[0] == ["CMA unavailable"]:
-        pytest.skip("process_vm_readv between the ranks is not allowed here")
-    for r, bad in enumerate(results):
+    for r, bad in enumerate(_forced(world_size, job_cma_forced)):
         assert not bad, f"rank {r}: {bad}"
 
 
-def job_cma_taken_over(comm: pc.Communicator) -> tuple[list[str], dict[str, int]]:
+def job_cma_taken_over(comm: pc.Communicator) -> tuple[list[str], dict[str, int]] | None:
     """All ranks on one CPU: whichever rank runs claims the chunks of the ranks that
     are descheduled. Exact results, and how many chunks each rank took over."""
     import os
 
     n, r, bad = comm.world_size, comm.rank, []
     if not comm.single_copy:
-        return ["CMA unavailable"], {}
+        return None
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     count = (1 << 20) + 5  # 4 MiB of int32 per block: 17 chunks of 256 KiB
     vals = [torch.arange(n * count, dtype=torch.int32) % 97 + q for q in range(n)]
@@ -96,13 +104,7 @@ def job_cma_taken_over(comm: pc.Communicator) -> tuple[list[str], dict[str, int]
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_cma_chunks_of_descheduled_ranks_are_taken_over(world_size):
-    pool = RankPool(world_size, env={"PYCOLL_ALGO": "cma"})
-    try:
-        results = pool.run(job_cma_taken_over, timeout=240)
-    finally:
-        pool.close()
-    if results[0][0] == ["CMA unavailable"]:
-        pytest.skip("process_vm_readv between the ranks is not allowed here")
+    results = _forced(world_size, job_cma_taken_over)
     for r, (bad, _) in enumerate(results):
         assert not bad, f"rank {r}: {bad}"
     for coll in ("all_reduce", "reduce_scatter", "all_gather"):

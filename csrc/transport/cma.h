@@ -1,11 +1,12 @@
 // Cross-memory attach (CMA): one process copies straight out of another's
-// memory with process_vm_readv, so a plain (private) buffer crosses between
-// ranks in one copy instead of two through the shared slots. OpenMPI's vader
-// and MPICH's nemesis take the same single-copy path.
+// memory with process_vm_readv, or into it with process_vm_writev, so a plain
+// (private) buffer crosses between ranks in one copy instead of two through
+// the shared slots. OpenMPI's vader and MPICH's nemesis take the same
+// single-copy path.
 //
 // It needs ptrace access to the peer (same user; Yama's ptrace_scope <= 1 with
 // the peer's consent, which cma_allow_peers gives) and a seccomp profile that
-// allows the call; cma_probe tells whether a given peer is readable.
+// allows the calls; cma_probe tells whether a given peer is accessible.
 #pragma once
 
 #include <sys/types.h>
