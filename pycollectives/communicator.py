@@ -532,8 +532,9 @@ class Communicator:
 
         Decided at init, alike on every rank: true when every rank could read
         and write every peer with ``process_vm_readv``/``process_vm_writev``
-        (same user, ptrace allowed, not refused by seccomp) and neither ``PYCOLL_CMA=0`` nor ``PYCOLL_ALGO``
-        ``ring``/``oneshot`` is set. Where it is false, the slots carry everything.
+        (same user, ptrace allowed, not refused by seccomp) and neither
+        ``PYCOLL_CMA=0`` nor ``PYCOLL_ALGO`` ``ring``/``oneshot`` is set. Where
+        it is false, the slots carry everything.
         """
         return self._c.cma
 

@@ -89,14 +89,18 @@ void reduce_pulled(OpCtx& c, const CmaView& v, size_t off, const char* own, char
   c.bytes_recv += (n - 1) * bytes;
 }
 
-// Writes `bytes` at `src` into every peer's buffer at out[p] + off, except
+// Writes `bytes` at `src` into rank p's output at out[p] + off.
+void write_out(OpCtx& c, const CmaView& v, int p, size_t off, const char* src, size_t bytes) {
+  cma_write(v.pid[p], p, v.out[p] + off, src, bytes);
+  c.bytes_sent += bytes;
+}
+
+// Writes `bytes` at `src` into every peer's output at out[p] + off, except
 // rank `skip`'s.
 void push(OpCtx& c, const CmaView& v, const char* src, size_t off, size_t bytes, int skip) {
   for (int s = 1; s < c.nranks; ++s) {
     const int p = (c.rank + s) % c.nranks;
-    if (p == skip) continue;
-    cma_write(v.pid[p], p, v.out[p] + off, src, bytes);
-    c.bytes_sent += bytes;
+    if (p != skip) write_out(c, v, p, off, src, bytes);
   }
 }
 
@@ -130,10 +134,7 @@ void cma_reduce_scatter(OpCtx& c, const CmaView& v, const void* in, void* out, s
         const size_t off = p * count * es + at;
         char* dst = p == r ? static_cast<char*>(out) + at : result;
         reduce_pulled(c, v, off, src + off, dst, len);
-        if (p != r) {
-          cma_write(v.pid[p], p, v.out[p] + at, dst, len * es);
-          c.bytes_sent += len * es;
-        }
+        if (p != r) write_out(c, v, p, at, dst, len * es);
       });
 }
 

@@ -199,7 +199,7 @@ void Communicator::agree_cma(Clock::time_point deadline) {
     if (p != rank_) ok = cma_probe(peer->pid, peer->cma_addr, peer->cma_token);
   }
   me->cma_state.store(ok ? 1 : 2, std::memory_order_release);
-  bool all = true;  // every rank decides alike: CMA only if every rank read every peer
+  bool all = true;  // every rank decides alike: CMA only if every rank reached every peer
   for (int p = 0; p < n_; ++p) {
     const RankCtl* peer = layout_.rank_ctl(seg_.data(), p);
     uint32_t st;

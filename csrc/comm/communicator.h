@@ -51,7 +51,7 @@ class Communicator final : public Links {
   Communicator& operator=(const Communicator&) = delete;
 
   // Waits until every rank has mapped the segment, then the creator unlinks it;
-  // then every rank probes whether it can read its peers with CMA.
+  // then every rank probes whether it can read and write its peers with CMA.
   void connect();
   // Finishes pending work and releases the segment. Idempotent.
   void close();
@@ -60,7 +60,7 @@ class Communicator final : public Links {
   int world_size() const { return n_; }
   double default_timeout() const { return timeout_s_; }
   const char* algo_name() const;
-  // Whether single-copy reads of peers' plain buffers (CMA) are available.
+  // Whether single-copy reads and writes of peers' plain buffers (CMA) are available.
   bool cma_enabled() const { return cma_; }
 
   // timeout_s < 0: the communicator's default. Return nullptr unless async.
@@ -193,7 +193,7 @@ class Communicator final : public Links {
   std::shared_ptr<CudaPath> cuda_;
   bool cma_ = false;                     // agreed by every rank in connect()
   uint64_t cma_token_ = 0;               // what peers' probes read here
-  std::unique_ptr<char[]> cma_scratch_;  // (n - 1) chunks, made by the first CMA operation
+  std::unique_ptr<char[]> cma_scratch_;  // n chunks, made by the first CMA operation
   std::mutex cuda_mu_;                   // guards the creation of cuda_
 };
 

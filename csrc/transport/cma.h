@@ -16,7 +16,7 @@
 
 namespace pyc {
 
-// Lets processes of this user read this one when Yama's ptrace_scope is 1
+// Lets processes of this user access this one when Yama's ptrace_scope is 1
 // (prctl PR_SET_PTRACER, as OpenMPI does for CMA). A no-op without Yama.
 void cma_allow_peers();
 // Whether the word at `addr` in process `pid` reads as `expect` and can be
@@ -25,7 +25,8 @@ bool cma_probe(pid_t pid, uint64_t addr, uint64_t expect);
 // Copies `bytes` at `src` in process `pid` (rank `peer`) into `dst`; throws
 // naming the peer and the errno if the kernel refuses.
 void cma_read(pid_t pid, int peer, void* dst, uint64_t src, size_t bytes);
-// Copies `bytes` at `src` here into `dst` in process `pid` (rank `peer`).
+// Copies `bytes` at `src` here into `dst` in process `pid` (rank `peer`);
+// throws likewise.
 void cma_write(pid_t pid, int peer, uint64_t dst, const void* src, size_t bytes);
 
 }  // namespace pyc

@@ -51,7 +51,8 @@ struct alignas(64) RankCtl {
   alignas(64) std::atomic<uint64_t> cma_next;
   alignas(64) int32_t pid;
   // CMA (transport/cma.h): a word of this process at cma_addr holds cma_token;
-  // cma_state is 1 once this rank read every peer's token, 2 if it could not.
+  // cma_state is 1 once this rank read (and wrote back) every peer's token, 2
+  // if it could not.
   std::atomic<uint32_t> cma_state;
   uint64_t cma_addr;
   uint64_t cma_token;
