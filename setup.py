@@ -153,7 +153,7 @@ class BuildExt(build_ext):
             ext.sources = list(ext.sources) + [
                 str(p.relative_to(ROOT)) for p in _cuda_files("*.cc")
             ]
-            ext.depends = list(ext.depends or []) + [str(p) for p in cu + _headers()]
+            ext.depends = list(ext.depends) + [str(p) for p in cu]
             ext.define_macros = list(ext.define_macros or []) + [("PYCOLL_WITH_CUDA", "1")]
             ext.include_dirs = list(ext.include_dirs) + [str(home / "include")]
             ext.library_dirs = list(ext.library_dirs or []) + [str(_cuda_lib_dir(home))]
@@ -165,6 +165,7 @@ ext = Pybind11Extension(
     "pycollectives._C",
     _sources("*.cc"),
     include_dirs=[str(CSRC)],
+    depends=[str(p.relative_to(ROOT)) for p in _headers()],  # a header edit rebuilds too
     cxx_std=17,
     extra_compile_args=["-O3", "-Wall", "-Wextra", "-fno-strict-aliasing"],
     libraries=["rt"],

@@ -8,9 +8,12 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -36,6 +39,41 @@ def run_bench(nranks: int, flags: list[str], env: dict[str, str] | None = None) 
             cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, **(env or {}))
         )
         return json.loads(Path(out).read_text())
+
+
+def median_times(
+    nranks: int,
+    flags: list[str],
+    modes: dict[str, dict[str, str]],
+    rounds: int,
+    check: Callable[[str, dict], None] | None = None,
+) -> dict[tuple[str, int, str], float]:
+    """Runs the benchmark once per mode (name -> environment) per round, the modes' order
+    reversed every other round, and returns the median pycollectives time (us) over rounds
+    per (collective, size, mode). check(mode, data) may reject a run (raise SystemExit);
+    a row with wrong elements does."""
+    times: dict[tuple[str, int, str], list[float]] = defaultdict(list)
+    for rnd in range(rounds):
+        order = list(modes) if rnd % 2 == 0 else list(reversed(modes))
+        for mode in order:
+            data = run_bench(nranks, flags, modes[mode])
+            if check:
+                check(mode, data)
+            for row in data["rows"]:
+                if row["backend"] != "pycoll" or row["time_us"] is None:
+                    continue
+                if row["wrong"]:
+                    raise SystemExit(f"{mode}: {row['wrong']} wrong elements: {row}")
+                times[(row["collective"], row["size"], mode)].append(row["time_us"])
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def size_label(size: int) -> str:
+    """1 MiB, 64 KiB, 12 B."""
+    for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= k:
+            return f"{size // k} {unit}"
+    return f"{size} B"
 
 
 def write_section(section: str, begin: str, end: str, path: Path = DOC) -> None:

@@ -15,10 +15,8 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
-from collections import defaultdict
 
-from _doc import cpu_model, run_bench, write_section
+from _doc import cpu_model, median_times, size_label, write_section
 
 BEGIN, END = "<!-- cma_crossover:begin -->", "<!-- cma_crossover:end -->"
 COLLS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -29,20 +27,12 @@ MODES = {"cma": {"PYCOLL_ALGO": "cma"}, "slots": {"PYCOLL_CMA": "0"}}
 
 def measure(nranks: int, rounds: int) -> dict[tuple[str, int, str], float]:
     """Median time (us) per (collective, size, mode) over `rounds` rounds."""
-    times: dict[tuple[str, int, str], list[float]] = defaultdict(list)
-    for rnd in range(rounds):
-        order = list(MODES) if rnd % 2 == 0 else list(reversed(MODES))
-        for mode in order:
-            data = run_bench(nranks, FLAGS, MODES[mode])
-            if mode == "cma" and data["metadata"]["versions"].get("single_copy") != "yes":
-                raise SystemExit("single copy (CMA) is not available between ranks here")
-            for row in data["rows"]:
-                if row["backend"] != "pycoll" or row["time_us"] is None:
-                    continue
-                if row["wrong"]:
-                    raise SystemExit(f"{mode}: {row['wrong']} wrong elements: {row}")
-                times[(row["collective"], row["size"], mode)].append(row["time_us"])
-    return {k: statistics.median(v) for k, v in times.items()}
+
+    def check(mode: str, data: dict) -> None:
+        if mode == "cma" and data["metadata"]["versions"].get("single_copy") != "yes":
+            raise SystemExit("single copy (CMA) is not available between ranks here")
+
+    return median_times(nranks, FLAGS, MODES, rounds, check)
 
 
 def table(nranks: int, t: dict[tuple[str, int, str], float]) -> list[str]:
@@ -57,8 +47,7 @@ def table(nranks: int, t: dict[tuple[str, int, str], float]) -> list[str]:
                 cells.append(" - | - | - |")
             else:
                 cells.append(f" {s:.1f} | {m:.1f} | {s / m:.2f} |")
-        label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
-        lines.append(f"| {label} |" + "".join(cells))
+        lines.append(f"| {size_label(size)} |" + "".join(cells))
     return [*lines, ""]
 
 

@@ -4,7 +4,8 @@
 
 For each world size, runs `pycollectives-bench --compare gloo,mpi` (same sizes,
 same timing method: median over trials of the slowest rank's time) for
-all-reduce, reduce-scatter and all-gather from 16 B to 64 MiB, plus an 8-byte
+all-reduce, reduce-scatter and all-gather from 16 B to 64 MiB (50 calls per
+trial up to 1 MiB, 10 from 4 MiB; SIZE_RUNS), plus an 8-byte
 all-reduce latency run, then rewrites the CPU section of docs/benchmarks.md
 with the command, machine, date, every figure and the issue's targets checked
 against the ratios measured in this run.
@@ -16,9 +17,15 @@ import argparse
 import statistics
 from pathlib import Path
 
-from _doc import run_bench, write_section
+from _doc import run_bench, size_label, write_section
 
 COLLS = ["all_reduce", "reduce_scatter", "all_gather"]
+# Sizes and iterations per trial: a trial of 10 calls of a few microseconds is over in less
+# than a scheduler tick of this shared 2-core VM, so up to 1 MiB each trial times 50 calls.
+SIZE_RUNS = [
+    ["-b", "16", "-e", "1M", "-f", "4", "-n", "50", "-w", "10"],
+    ["-b", "4M", "-e", "64M", "-f", "4", "-n", "10", "-w", "3"],
+]
 BEGIN, END = "<!-- cpu_compare:begin -->", "<!-- cpu_compare:end -->"
 
 
@@ -32,13 +39,6 @@ def registered_rows(data: dict) -> list[dict]:
     (same invocation, plain buffers) mpi -> mpi-R."""
     rename = {"pycoll": "pycoll-R", "mpi": "mpi-R"}
     return [{**r, "backend": rename[r["backend"]]} for r in data["rows"] if r["backend"] in rename]
-
-
-def fmt_size(b: int) -> str:
-    for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if b >= k:
-            return f"{b // k} {unit}"
-    return f"{b} B"
 
 
 def _bw(r: dict | None) -> str:
@@ -66,7 +66,7 @@ def table(rows: list[dict], coll: str, n: int) -> list[str]:
         if p is None:
             continue
         line = (
-            f"| {fmt_size(s)} | {p['time_us']:.2f} | {_bw(p)} | {_bw(g)} | {_bw(m)} "
+            f"| {size_label(s)} | {p['time_us']:.2f} | {_bw(p)} | {_bw(g)} | {_bw(m)} "
             f"| {_ratio(g, p)} | {_ratio(m, p)} |"
         )
         if reg:
@@ -108,10 +108,10 @@ def targets(rows: list[dict], lat: dict[str, float]) -> list[str]:
         return f"{txt} | {'met' if ok else 'MISSED'}" if vals else "not measured | -"
 
     def check(name: str, coll: str, n: int, peer: str, sizes: list[int], need: float) -> None:
-        plain = [(fmt_size(s), speedup(rows, coll, n, s, peer)) for s in sizes]
+        plain = [(size_label(s), speedup(rows, coll, n, s, peer)) for s in sizes]
         # registered buffers: MPI from the same (-R 1) invocation, gloo from the plain one
         rpeer = "mpi-R" if peer == "mpi" else peer
-        reg = [(fmt_size(s), speedup(rows, coll, n, s, rpeer, "pycoll-R")) for s in sizes]
+        reg = [(size_label(s), speedup(rows, coll, n, s, rpeer, "pycoll-R")) for s in sizes]
         lines.append(f"| {name} | {verdict(plain, need)} | {verdict(reg, need)} |")
 
     big = [64 << 10, mib, 16 * mib, 64 * mib]
@@ -152,19 +152,19 @@ def main() -> None:
     args = ap.parse_args()
     ranks = [int(x) for x in args.ranks.split(",")]
 
-    common = ["-b", "16", "-e", "64M", "-f", "4", "--coll", ",".join(COLLS), "-n", "10", "-w", "3",
-              "--trials", args.trials, "-c", "1"]  # fmt: skip
     rows, meta = [], None
     single_copy: dict[int, str] = {}  # world size -> whether CMA ran between its ranks
     for n in ranks:
-        data = bench(n, common)
-        rows += data["rows"]
-        meta = meta or data["metadata"]
-        if n > 1:
-            single_copy[n] = data["metadata"]["versions"].get("single_copy", "?")
-        if n > 1 and args.registered:
-            # the same sizes on alloc_shared buffers; MPI again in that invocation
-            rows += registered_rows(bench(n, [*common, "-R", "1"], compare="mpi"))
+        for sizes in SIZE_RUNS:
+            common = [*sizes, "--coll", ",".join(COLLS), "--trials", args.trials, "-c", "1"]
+            data = bench(n, common)
+            rows += data["rows"]
+            meta = meta or data["metadata"]
+            if n > 1:
+                single_copy[n] = data["metadata"]["versions"].get("single_copy", "?")
+            if n > 1 and args.registered:
+                # the same sizes on alloc_shared buffers; MPI again in that invocation
+                rows += registered_rows(bench(n, [*common, "-R", "1"], compare="mpi"))
     lat: dict[str, float] = {}
     if 2 in ranks:
         runs = [
@@ -205,8 +205,9 @@ def main() -> None:
         "",
         f"- Command: `python benchmarks/cpu_compare.py --ranks {args.ranks} --trials {args.trials} "
         f"--registered {args.registered}` "
-        "(each world size: `pycollectives-bench --nproc N -b 16 -e 64M -f 4 --coll "
-        f"{','.join(COLLS)} -n 10 -w 3 --trials {args.trials} -c 1 --compare gloo,mpi`"
+        "(each world size: `pycollectives-bench --nproc N -b 16 -e 1M -f 4 -n 50 -w 10 --coll "
+        f"{','.join(COLLS)} --trials {args.trials} -c 1 --compare gloo,mpi` and the same with "
+        "`-b 4M -e 64M -f 4 -n 10 -w 3`"
         + (", then the same with `-R 1 --compare mpi`" if args.registered else "")
         + "; 8-byte latency: three runs of `-b 8 -e 8 -n 2000 -w 200 --trials 9`, median)",
         "- Registered buffers (`-R 1`): pycollectives' buffers come from `comm.alloc_shared` "

@@ -1,4 +1,7 @@
-"""The CPU reduction kernels (csrc/reduce), called directly through pycollectives._C._reduce.
+"""The CPU reduction and copy kernels (csrc/reduce), called directly through pycollectives._C.
+
+Copies (_copy): byte counts around the register and unrolled widths, destinations at every
+alignment, one or two destinations, cached or streaming stores; exact, nothing written outside.
 
 Every dtype x op x nsrc in 1..4 x count, with buffers offset by one element from their
 allocation, the destination aliasing the first source or not, and a second destination or not;
@@ -214,6 +217,39 @@ def run_scale_case(rng, dtype: str, count: int, divisor: int) -> tuple[bytes, st
     return x.tobytes(), failure
 
 
+# copy: byte counts around the 64-byte register and the 4 x 64-byte unrolled step, and byte
+# offsets of the destinations that leave none, some or all of dst0 unaligned
+COPY_BYTES = (0, 1, 63, 64, 65, 255, 256, 257, 1000, 4099, 65536 + 13)
+COPY_OFFSETS = (0, 1, 31, 63)
+GUARD = 64  # bytes on either side of a destination that must stay untouched
+
+
+def run_copy_case(
+    rng, nbytes: int, offset: int, second: bool, streaming: bool
+) -> tuple[bytes, str]:
+    """_copy of nbytes into destinations `offset` bytes past 64-byte alignment (and the
+    source one byte further): (dst0 + dst1 bytes, failure or "")."""
+    src_buf = rng.integers(0, 256, nbytes + 128, dtype=np.uint8)
+    src = src_buf[offset + 1 : offset + 1 + nbytes]
+    bufs = [np.full(nbytes + 2 * GUARD + 64, 0xA5, np.uint8) for _ in range(2 if second else 1)]
+    dsts = []
+    for b in bufs:
+        start = GUARD + (-b.ctypes.data - GUARD) % 64 + offset  # 64-aligned + offset
+        dsts.append((b, start))
+    addr = [b.ctypes.data + s for b, s in dsts]
+    _C._copy(addr[0], addr[1] if second else 0, src.ctypes.data, nbytes, streaming)
+    out = b""
+    for b, s in dsts:
+        got = b[s : s + nbytes]
+        if not np.array_equal(got, src):
+            return b"", f"copy differs at byte {int(np.argmax(got != src))}"
+        outside = np.concatenate([b[:s], b[s + nbytes :]])
+        if (outside != 0xA5).any():
+            return b"", "copy wrote outside its destination"
+        out += got.tobytes()
+    return out, ""
+
+
 def case_rng(*key) -> np.random.Generator:
     seed = int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little")
     return np.random.default_rng(seed)
@@ -223,6 +259,14 @@ def case_rng(*key) -> np.random.Generator:
 def run_all() -> tuple[dict[str, str], list[str]]:
     """Every case on the current path: ({case: sha256 of result}, [failures])."""
     digests, failures = {}, []
+    for nbytes, offset, second, streaming in itertools.product(
+        COPY_BYTES, COPY_OFFSETS, (False, True), (False, True)
+    ):
+        key = ("copy", nbytes, offset, second, streaming)
+        data, failure = run_copy_case(case_rng(*key), nbytes, offset, second, streaming)
+        digests[repr(key)] = hashlib.sha256(data).hexdigest()
+        if failure:
+            failures.append(f"{key}: {failure}")
     for dtype in dtypes_available():
         for op in OPS:
             for nsrc, count, layout in itertools.product(NSRCS, COUNTS, LAYOUTS):
@@ -309,6 +353,8 @@ def test_invalid_arguments():
         _C._scale_avg(p, 0, 4, 0)
     with pytest.raises(ValueError, match="dtype"):
         _C._scale_avg(p, -1, 4, 2)
+    with pytest.raises(ValueError, match="null"):
+        _C._copy(0, 0, p, 4, True)
 
 
 def test_simd_level_names_a_path():

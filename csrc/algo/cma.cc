@@ -153,7 +153,7 @@ void cma_all_gather(OpCtx& c, const CmaView& v, const void* in, void* out, size_
         char* blk = o + p * bytes + at;
         if (p == r) {
           const char* src = static_cast<const char*>(in) + at;
-          if (blk != src) copy(blk, nullptr, src, len);
+          if (blk != src) copy(blk, nullptr, src, len, c.out_store);
           push(c, v, src, p * bytes + at, len, -1);
         } else {
           cma_read(v.pid[p], p, blk, v.addr[p] + at, len);

@@ -7,6 +7,7 @@
 
 #include "core/types.h"
 #include "core/wait.h"
+#include "reduce/reduce.h"
 #include "transport/conn.h"
 
 namespace pyc {
@@ -20,8 +21,6 @@ class Links {
   // A slot from `peer` carried another operation's tag: report and throw.
   [[noreturn]] virtual void tag_mismatch(int peer, const SlotTag& got, const SlotTag& want) = 0;
 };
-
-struct ReduceArgs;
 
 // Runs an operation's copy and reduce kernels somewhere other than on the
 // calling CPU thread (the CUDA path: on the communicator's stream, over
@@ -55,6 +54,9 @@ struct OpCtx {
   uint64_t bytes_recv = 0;
   Path path = Path::kSlots;
   uint64_t taken_over = 0;  // single copy: chunks of other ranks' parts this rank did
+  // How copies write the caller's output: streamed past the caches when the
+  // operation's output is larger than they are (Communicator::output_store).
+  Store out_store = Store::kCached;
 
   size_t esize() const { return dtype_size(dtype); }
   int mod(long i) const { return static_cast<int>(((i % nranks) + nranks) % nranks); }

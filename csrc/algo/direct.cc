@@ -54,7 +54,7 @@ void direct_all_reduce(OpCtx& c, const DirectView& v, size_t count) {
     const size_t pa = lo(p), plen = lo(p + 1) - pa;
     c.mon->peer = p;
     wait_reached(*v.reduced[p], seq, *c.mon);
-    copy(v.data[r] + pa * es, nullptr, v.data[p] + pa * es, plen * es);
+    copy(v.data[r] + pa * es, nullptr, v.data[p] + pa * es, plen * es, c.out_store);
     c.bytes_recv += plen * es;
   }
   c.bytes_sent += len * es;
@@ -99,7 +99,11 @@ void direct_all_gather(OpCtx& c, const DirectView& v, const void* in, size_t cou
       char* d = v.data[(r + s) % n] + off + a;
       if (d != src + a) dst[nd++] = d;  // in place: the input already is this block
     }
-    for (int i = 0; i < nd; i += 2) copy(dst[i], i + 1 < nd ? dst[i + 1] : nullptr, src + a, len);
+    if (c.out_store == Store::kStreaming) {  // every output streamed; the chunk is read from L2
+      for (int i = 0; i < nd; ++i) copy(dst[i], nullptr, src + a, len, Store::kStreaming);
+    } else {
+      for (int i = 0; i < nd; i += 2) copy(dst[i], i + 1 < nd ? dst[i + 1] : nullptr, src + a, len);
+    }
   }
   c.bytes_sent += (n - 1) * bytes;
   finish_gathered(c, v.gathered);

@@ -23,17 +23,19 @@ inline void do_scale_avg(OpCtx& c, void* x, size_t n) {
   else
     scale_avg(x, c.dtype, n, c.nranks);
 }
-inline void do_copy(OpCtx& c, void* dst0, void* dst1, const void* src, size_t bytes) {
+// dst0_store applies on the CPU only (a device copy goes to device memory).
+inline void do_copy(OpCtx& c, void* dst0, void* dst1, const void* src, size_t bytes,
+                    Store dst0_store = Store::kCached) {
   if (c.exec)
     c.exec->copy(dst0, dst1, src, bytes);
   else
-    copy(dst0, dst1, src, bytes);
+    copy(dst0, dst1, src, bytes, dst0_store);
 }
 
 }  // namespace
 
 void exec_copy(OpCtx& c, void* dst0, void* dst1, const void* src, size_t bytes) {
-  do_copy(c, dst0, dst1, src, bytes);
+  do_copy(c, dst0, dst1, src, bytes, c.out_store);
 }
 
 Prims::Prims(OpCtx& ctx, int send_peer, int recv_peer)
@@ -88,14 +90,17 @@ void Prims::send(const void* src, size_t n) {
 void Prims::copy_send(const void* src, void* dst, size_t n) {
   const size_t b = n * c_.esize();
   void* out = acquire_out();
-  do_copy(c_, out, src == dst ? nullptr : dst, src, b);
+  if (src == dst)
+    do_copy(c_, out, nullptr, src, b);
+  else
+    do_copy(c_, dst, out, src, b, c_.out_store);
   post_out(b);
 }
 
 void Prims::recv(void* dst, size_t n) {
   const size_t b = n * c_.esize();
   const void* in = wait_in(b);
-  do_copy(c_, dst, nullptr, in, b);
+  do_copy(c_, dst, nullptr, in, b, c_.out_store);
   release_in();
 }
 
@@ -127,7 +132,7 @@ void Prims::recv_copy_send(void* dst, size_t n) {
   const size_t b = n * c_.esize();
   const void* in = wait_in(b);
   void* out = acquire_out();
-  do_copy(c_, dst, out, in, b);
+  do_copy(c_, dst, out, in, b, c_.out_store);
   release_in();
   post_out(b);
 }

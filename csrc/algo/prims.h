@@ -9,7 +9,8 @@ namespace pyc {
 
 // dst0 (and dst1) = src on the operation's memory: the CPU kernel inline, or
 // the operation's executor (CUDA) when it has one. For the algorithms' local
-// copies, so that they serve every transport.
+// copies into the caller's buffer, so that they serve every transport; dst0
+// is written as c.out_store says.
 void exec_copy(OpCtx& c, void* dst0, void* dst1, const void* src, size_t bytes);
 
 class Prims {

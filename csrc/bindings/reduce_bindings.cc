@@ -52,6 +52,18 @@ void bind_reduce(py::module_& m) {
       },
       py::arg("ptr"), py::arg("dtype"), py::arg("count"), py::arg("divisor"),
       "x[i] /= divisor in place, as for ReduceOp.AVG.");
+  m.def(
+      "_copy",
+      [](uintptr_t dst0, uintptr_t dst1, uintptr_t src, size_t bytes, bool streaming) {
+        if (bytes > 0 && (dst0 == 0 || src == 0))
+          throw py::value_error("pycollectives: _copy: dst0 or src is null");
+        py::gil_scoped_release release;
+        copy(address(dst0), address(dst1), address(src), bytes,
+             streaming ? Store::kStreaming : Store::kCached);
+      },
+      py::arg("dst0"), py::arg("dst1"), py::arg("src"), py::arg("bytes"), py::arg("streaming"),
+      "dst0 (and dst1 unless 0) = the bytes at src; dst0 through non-temporal stores if "
+      "streaming.");
   m.def("simd_level", &simd_level,
         "Which CPU reduction kernels are in use: \"avx512\", \"avx2\" or \"generic\".");
 }

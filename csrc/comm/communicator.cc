@@ -35,6 +35,7 @@ CommConfig CommConfig::from_env() {
   c.slot_bytes = env_size("PYCOLL_SLOT_BYTES", 0);
   c.nslots = static_cast<uint32_t>(env_size("PYCOLL_NSLOTS", 0));
   c.oneshot_bytes = env_size("PYCOLL_ONESHOT_BYTES", 0);
+  c.stream_bytes = env_size("PYCOLL_STREAM_BYTES", c.stream_bytes);
   const char* a = std::getenv("PYCOLL_ALGO");
   std::string algo = a ? a : "auto";
   if (algo == "auto" || algo.empty())
@@ -67,7 +68,11 @@ const char* Communicator::algo_name() const {
 
 Communicator::Communicator(int rank, int n, const std::string& name, bool creator,
                            const CommConfig& cfg, double timeout_s)
-    : rank_(rank), n_(n), timeout_s_(timeout_s), creator_(creator) {
+    : rank_(rank),
+      n_(n),
+      timeout_s_(timeout_s),
+      creator_(creator),
+      stream_bytes_(cfg.stream_bytes) {
   if (n < 1) PYC_THROW(InvalidArgument, "pycollectives: init: world_size must be >= 1, not " << n);
   if (rank < 0 || rank >= n)
     PYC_THROW(InvalidArgument,
@@ -295,6 +300,7 @@ void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout
   c.tag = SlotTag{seq, sig.word0(), sig.word1()};
   c.links = this;
   c.mon = &mon;
+  c.out_store = output_store(sig);
   try {
     announce(seq, sig, where, addr, out);
     if (seq > static_cast<uint32_t>(kMaxLead)) wait_started(seq - kMaxLead, mon);
@@ -441,6 +447,15 @@ bool Communicator::cma(OpCtx& c, OpKind kind, size_t total) {
   if (!cma_ || total == 0) return false;
   if (algo_ != Algo::kCma && !cma_wins(kind, n_, total)) return false;
   return announced_alike(c, [](const SigEntry& e) { return e.addr != 0; });
+}
+
+Store Communicator::output_store(const OpSig& sig) const {
+  // An output this large is out of the caches before the caller reads it, so
+  // ordinary stores would only add a read of every line they write (docs/
+  // benchmarks.md, "Streaming stores"). Below, it stays where the caller reads it.
+  const bool blocks = sig.kind == OpKind::kAllGather || sig.kind == OpKind::kAllToAll;
+  const uint64_t bytes = sig.count * dtype_size(sig.dtype) * (blocks ? n_ : 1);
+  return bytes >= stream_bytes_ ? Store::kStreaming : Store::kCached;
 }
 
 CmaView Communicator::cma_view(uint32_t seq) {

@@ -30,8 +30,11 @@ struct CommConfig {
   uint32_t nslots = 0;       // 0: default
   size_t oneshot_bytes = 0;  // 0: default
   Algo algo = Algo::kAuto;
-  static CommConfig
-  from_env();  // PYCOLL_SLOT_BYTES, PYCOLL_NSLOTS, PYCOLL_ONESHOT_BYTES, PYCOLL_ALGO
+  // Outputs of at least this many bytes (on this rank) are written with
+  // streaming stores (output_store); a local choice, ranks may differ.
+  size_t stream_bytes = size_t{32} << 20;
+  // PYCOLL_SLOT_BYTES, PYCOLL_NSLOTS, PYCOLL_ONESHOT_BYTES, PYCOLL_ALGO, PYCOLL_STREAM_BYTES
+  static CommConfig from_env();
 };
 
 struct OpStats {
@@ -147,6 +150,9 @@ class Communicator final : public Links {
   // operation and an address.
   bool cma(OpCtx& c, OpKind kind, size_t total);
   CmaView cma_view(uint32_t seq);
+  // How the operation's copies write into the caller's output: streamed past
+  // the caches from stream_bytes_ of output on this rank.
+  Store output_store(const OpSig& sig) const;
   // Whether this rank would use CMA (PYCOLL_CMA, PYCOLL_ALGO, world size).
   bool cma_wanted() const;
   // Probes every peer with CMA and agrees with them on cma_ (in connect()).
@@ -174,6 +180,7 @@ class Communicator final : public Links {
   ShmLayout layout_;
   SegmentHeader* hdr_ = nullptr;
   Algo algo_ = Algo::kAuto;
+  size_t stream_bytes_ = 0;  // CommConfig::stream_bytes
   std::vector<std::unique_ptr<ShmSendConn>> send_;
   std::vector<std::unique_ptr<ShmRecvConn>> recv_;
   OneShotAreas oneshot_{};

@@ -16,6 +16,8 @@ size_t env_size(const char* name, size_t dflt, size_t min) {
     mult = 1 << 10;
   else if (*end == 'M' || *end == 'm')
     mult = 1 << 20;
+  else if (*end == 'G' || *end == 'g')
+    mult = size_t{1} << 30;
   else if (*end != '\0' || end == v)
     PYC_THROW(InvalidArgument, "pycollectives: cannot parse " << name << "=" << v);
   if (!(x >= static_cast<double>(min)))

@@ -16,18 +16,21 @@ struct KernelTable {
   SimdLevel level;
   void (*reduce)(const ReduceArgs& args);
   void (*scale_avg)(void* x, DataType dtype, size_t count, int divisor);
+  void (*copy_streaming)(void* dst0, void* dst1, const void* src, size_t bytes);  // null: memcpy
 };
 
 KernelTable choose_kernels() {
   switch (selected_simd_level()) {
 #if PYC_X86_KERNELS
     case SimdLevel::kAvx512:
-      return {SimdLevel::kAvx512, kernels::reduce_avx512, kernels::scale_avg_avx512};
+      return {SimdLevel::kAvx512, kernels::reduce_avx512, kernels::scale_avg_avx512,
+              kernels::copy_streaming_avx512};
     case SimdLevel::kAvx2:
-      return {SimdLevel::kAvx2, kernels::reduce_avx2, kernels::scale_avg_avx2};
+      return {SimdLevel::kAvx2, kernels::reduce_avx2, kernels::scale_avg_avx2,
+              kernels::copy_streaming_avx2};
 #endif
     default:
-      return {SimdLevel::kGeneric, kernels::reduce_generic, kernels::scale_avg_generic};
+      return {SimdLevel::kGeneric, kernels::reduce_generic, kernels::scale_avg_generic, nullptr};
   }
 }
 
@@ -60,9 +63,14 @@ void scale_avg(void* x, DataType dtype, size_t count, int divisor) {
   active_kernels().scale_avg(x, dtype, count, divisor);
 }
 
-void copy(void* dst0, void* dst1, const void* src, size_t bytes) {
+void copy(void* dst0, void* dst1, const void* src, size_t bytes, Store dst0_store) {
   if (bytes == 0) return;
   PYC_ASSERT(dst0 != nullptr && src != nullptr);
+  const auto streaming = active_kernels().copy_streaming;
+  if (dst0_store == Store::kStreaming && streaming != nullptr && dst0 != src) {
+    streaming(dst0, dst1 == src ? nullptr : dst1, src, bytes);
+    return;
+  }
   if (dst0 != src) std::memcpy(dst0, src, bytes);
   if (dst1 != nullptr && dst1 != src) std::memcpy(dst1, src, bytes);
 }

@@ -25,10 +25,12 @@ void scale_avg_generic(void* x, DataType dtype, size_t count, int divisor);
 // AVX2 + FMA + F16C (reduce_avx2.cc).
 void reduce_avx2(const ReduceArgs& args);
 void scale_avg_avx2(void* x, DataType dtype, size_t count, int divisor);
+void copy_streaming_avx2(void* dst0, void* dst1, const void* src, size_t bytes);
 
 // AVX-512 F/BW/VL (reduce_avx512.cc).
 void reduce_avx512(const ReduceArgs& args);
 void scale_avg_avx512(void* x, DataType dtype, size_t count, int divisor);
+void copy_streaming_avx512(void* dst0, void* dst1, const void* src, size_t bytes);
 #endif
 
 }  // namespace kernels

@@ -33,8 +33,15 @@ void reduce(const ReduceArgs& args);
 // toward zero as C does.
 void scale_avg(void* x, DataType dtype, size_t count, int divisor);
 
-// dst0 (and dst1 when not null) = src, `bytes` bytes; non-overlapping.
-void copy(void* dst0, void* dst1, const void* src, size_t bytes);
+// How copy() writes dst0. kStreaming bypasses the caches (non-temporal
+// stores, then a store fence): for a destination that is not read again soon,
+// such as the caller's buffer in a collective larger than the caches, where
+// it saves the read that an ordinary store makes of every line it writes.
+enum class Store { kCached, kStreaming };
+
+// dst0 (and dst1 when not null) = src, `bytes` bytes; non-overlapping. dst1
+// is always written through the caches (a slot that a peer reads next).
+void copy(void* dst0, void* dst1, const void* src, size_t bytes, Store dst0_store = Store::kCached);
 
 // Which implementation the dispatcher chose: "avx512", "avx2" or "generic".
 // PYCOLL_SIMD=generic|avx2|avx512 in the environment caps the choice (tests

@@ -166,6 +166,16 @@ struct Int64 : IntegerFormat<int64_t> {
   static Acc max(Acc a, Acc b) { return _mm256_blendv_epi8(b, a, _mm256_cmpgt_epi64(a, b)); }
 };
 
+// 32-byte registers for copy_streaming.
+struct Bytes32 {
+  using Reg = __m256i;
+  static constexpr size_t B = 32;
+  static Reg load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static void store(void* p, Reg r) { _mm256_storeu_si256(static_cast<__m256i*>(p), r); }
+  static void stream(void* p, Reg r) { _mm256_stream_si256(static_cast<__m256i*>(p), r); }
+  static void fence() { _mm_sfence(); }
+};
+
 }  // namespace
 
 void reduce_avx2(const ReduceArgs& args) {
@@ -187,6 +197,10 @@ void reduce_avx2(const ReduceArgs& args) {
     case DataType::kInt64:
       return simd::reduce_format<Int64>(args);
   }
+}
+
+void copy_streaming_avx2(void* dst0, void* dst1, const void* src, size_t bytes) {
+  simd::copy_streaming_loop<Bytes32>(dst0, dst1, src, bytes);
 }
 
 void scale_avg_avx2(void* x, DataType dtype, size_t count, int divisor) {

@@ -170,6 +170,16 @@ struct Int64 : IntegerFormat<int64_t> {
   static Acc max(Acc a, Acc b) { return _mm512_max_epi64(a, b); }
 };
 
+// 64-byte registers for copy_streaming.
+struct Bytes64 {
+  using Reg = __m512i;
+  static constexpr size_t B = 64;
+  static Reg load(const void* p) { return _mm512_loadu_si512(p); }
+  static void store(void* p, Reg r) { _mm512_storeu_si512(p, r); }
+  static void stream(void* p, Reg r) { _mm512_stream_si512(static_cast<__m512i*>(p), r); }
+  static void fence() { _mm_sfence(); }
+};
+
 }  // namespace
 
 void reduce_avx512(const ReduceArgs& args) {
@@ -191,6 +201,10 @@ void reduce_avx512(const ReduceArgs& args) {
     case DataType::kInt64:
       return simd::reduce_format<Int64>(args);
   }
+}
+
+void copy_streaming_avx512(void* dst0, void* dst1, const void* src, size_t bytes) {
+  simd::copy_streaming_loop<Bytes64>(dst0, dst1, src, bytes);
 }
 
 void scale_avg_avx512(void* x, DataType dtype, size_t count, int divisor) {

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 
 #include "reduce/kernels.h"
@@ -148,6 +149,43 @@ void reduce_format(const ReduceArgs& a) {
     case ReduceOp::kAvg:  // rejected by reduce() before it gets here
       return;
   }
+}
+
+// dst0 = src through non-temporal stores (and dst1 = src through ordinary
+// ones, when not null), reading src once; a store fence at the end orders the
+// streamed bytes before any later store, such as the flag that publishes them.
+// V is a register of V::B bytes: load (unaligned), store (unaligned), stream
+// (aligned: the bytes before dst0's first B-aligned address, and after its
+// last, go through memcpy).
+template <class V>
+void copy_streaming_loop(void* dst0, void* dst1, const void* src, size_t bytes) {
+  constexpr size_t B = V::B;
+  char* d0 = static_cast<char*>(dst0);
+  char* d1 = static_cast<char*>(dst1);
+  const char* s = static_cast<const char*>(src);
+  size_t i = (B - reinterpret_cast<uintptr_t>(d0) % B) % B;
+  if (i > bytes) i = bytes;
+  std::memcpy(d0, s, i);
+  if (d1 != nullptr) std::memcpy(d1, s, i);
+  for (; i + kUnroll * B <= bytes; i += kUnroll * B) {
+    typename V::Reg r[kUnroll];
+#pragma GCC unroll 4
+    for (size_t u = 0; u < kUnroll; ++u) r[u] = V::load(s + i + u * B);
+#pragma GCC unroll 4
+    for (size_t u = 0; u < kUnroll; ++u) V::stream(d0 + i + u * B, r[u]);
+    if (d1 != nullptr) {
+#pragma GCC unroll 4
+      for (size_t u = 0; u < kUnroll; ++u) V::store(d1 + i + u * B, r[u]);
+    }
+  }
+  for (; i + B <= bytes; i += B) {
+    const typename V::Reg r = V::load(s + i);
+    V::stream(d0 + i, r);
+    if (d1 != nullptr) V::store(d1 + i, r);
+  }
+  std::memcpy(d0 + i, s + i, bytes - i);
+  if (d1 != nullptr) std::memcpy(d1 + i, s + i, bytes - i);
+  V::fence();
 }
 
 // x[i] = x[i] / divisor for a floating format.

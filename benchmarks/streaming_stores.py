@@ -1,0 +1,82 @@
+"""Where streaming (non-temporal) stores into the caller's output pay: the evidence behind
+PYCOLL_STREAM_BYTES' default (csrc/comm/communicator.cc, output_store).
+
+For each world size, runs pycollectives-bench on all-reduce and all-gather, on plain buffers and
+on registered ones (-R 1), rounds interleaved: PYCOLL_STREAM_BYTES=0 (every copy into an output
+streamed) and PYCOLL_STREAM_BYTES=1024G (none), and writes the times and their ratio to
+docs/benchmarks.md between the `streaming_stores` markers.
+
+    python benchmarks/streaming_stores.py [--ranks 1,2,3,4] [--rounds 2] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+
+from _doc import cpu_model, median_times, size_label, write_section
+
+BEGIN, END = "<!-- streaming_stores:begin -->", "<!-- streaming_stores:end -->"
+COLLS = ("all_reduce", "all_gather")
+FLAGS = ["-b", "1M", "-e", "64M", "-f", "4", "--coll", ",".join(COLLS),
+         "-n", "10", "-w", "3", "--trials", "3", "-c", "1"]  # fmt: skip
+MODES = {"cached": {"PYCOLL_STREAM_BYTES": "1024G"}, "streamed": {"PYCOLL_STREAM_BYTES": "0"}}
+BUFFERS = {"plain": [], "registered": ["-R", "1"]}
+
+
+def table(nranks: int, rounds: int) -> list[str]:
+    """One world size: cached and streamed time and their ratio, per collective and buffer."""
+    kinds = [b for b in BUFFERS if nranks > 1 or b == "plain"]  # one rank has no windows
+    t = {kind: median_times(nranks, FLAGS + BUFFERS[kind], MODES, rounds) for kind in kinds}
+    cols = [(c, k) for c in COLLS for k in kinds]
+    head = "| size |" + "".join(f" {c} {k} cached us | streamed us | x |" for c, k in cols)
+    lines = [f"### {nranks} rank{'s' if nranks > 1 else ''}", "", head]
+    lines.append("|---:|" + "---:|---:|---:|" * len(cols))
+    for size in sorted({s for times in t.values() for (_, s, _) in times}):
+        cells = []
+        for c, k in cols:
+            a, b = t[k].get((c, size, "cached")), t[k].get((c, size, "streamed"))
+            cells.append(
+                " - | - | - |" if a is None or b is None else f" {a:.1f} | {b:.1f} | {a / b:.2f} |"
+            )
+        lines.append(f"| {size_label(size)} |" + "".join(cells))
+    return [*lines, ""]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", default="1,2,3,4")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    body = [
+        BEGIN,
+        "## Streaming stores into the output",
+        "",
+        f"- Command: `python benchmarks/streaming_stores.py --ranks {args.ranks} --rounds "
+        f"{args.rounds}`: per world size, `pycollectives-bench {' '.join(FLAGS)}` (and the same "
+        "with `-R 1`) under `PYCOLL_STREAM_BYTES=1024G` (cached: no copy streamed) and "
+        "`PYCOLL_STREAM_BYTES=0` (streamed: every copy into an output), rounds interleaved; "
+        "time = median over rounds of the bench's time (the median of 3 trials of the slowest "
+        "rank's mean); x = cached time / streamed time (> 1: streaming faster). Sizes are "
+        "nccl-tests' (all-reduce buffer, all-gather output). Single-copy all-reduce copies "
+        "nothing (it reduces in place and writes peers through the kernel), so plain all-reduce "
+        "changes only where the ring runs.",
+        f"- Machine: {cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}",
+        f"- Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+        "- Every row was checked (`-c 1`), 0 wrong elements.",
+        "",
+    ]
+    for n in (int(x) for x in args.ranks.split(",")):
+        body += table(n, args.rounds)
+    body.append(END)
+    text = "\n".join(body)
+    print(text)
+    if not args.no_write:
+        write_section(text + "\n", BEGIN, END)
+
+
+if __name__ == "__main__":
+    main()
