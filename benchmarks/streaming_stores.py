@@ -61,9 +61,10 @@ def main() -> None:
         "`PYCOLL_STREAM_BYTES=0` (streamed: every copy into an output), rounds interleaved; "
         "time = median over rounds of the bench's time (the median of 3 trials of the slowest "
         "rank's mean); x = cached time / streamed time (> 1: streaming faster). Sizes are "
-        "nccl-tests' (all-reduce buffer, all-gather output). Single-copy all-reduce copies "
-        "nothing (it reduces in place and writes peers through the kernel), so plain all-reduce "
-        "changes only where the ring runs.",
+        "nccl-tests' (all-reduce buffer, all-gather output). Plain all-reduce takes single copy "
+        "at all these sizes, which copies nothing into the output (it reduces in place and "
+        "writes the peers through the kernel): its columns measure the same code twice, i.e. "
+        "how far this shared machine drifts between runs.",
         f"- Machine: {cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}",
         f"- Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         "- Every row was checked (`-c 1`), 0 wrong elements.",

@@ -9,7 +9,9 @@ or let it spawn the local ranks itself::
     python -m pycollectives.bench --nproc 2 -b 1K -e 16M --compare gloo,mpi --json out.json
 
 Each size is timed ``--trials`` times; one trial is ``-n`` iterations timed together after a
-barrier. The reported time is the median over trials of (max over ranks of the time per
+barrier. ``--compare gloo`` runs gloo in the same ranks after pycollectives, or with
+``--interleave 1`` taking turns with it at each size, so that a drift of a shared machine weighs
+on both sides of a ratio alike; MPI runs as its own mpirun job after them. The reported time is the median over trials of (max over ranks of the time per
 iteration). With ``-c 1`` every row is then checked on a fresh call whose inputs are small
 integers, so the exact result is known in every dtype (tolerance 0).
 """
@@ -192,7 +194,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=_compare_arg,
         default=[],
         metavar="gloo[,mpi]",
-        help="also run the same sizes on torch.distributed gloo and/or MPI (mpi4py + mpirun)",
+        help="also run the same sizes on torch.distributed gloo (in the same ranks, after "
+        "pycollectives) and/or MPI (mpi4py, a separate mpirun job afterwards)",
+    )
+    p.add_argument(
+        "--interleave",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        help="1: pycollectives and gloo take turns at each size instead of one sweep after the "
+        "other (a slow drift of the machine then weighs on both; gloo's threads may slow the "
+        "microsecond sizes of pycollectives that follow them)",
     )
     p.add_argument(
         "--device",
@@ -255,58 +267,90 @@ def time_op(
     return statistics.median(runner.max_over_ranks(per_iter))
 
 
-def bench_collective(
-    runner: Runner, spec: CollSpec, args: argparse.Namespace, say: Callable[[str], None]
-) -> list[Row]:
-    """Benchmark one collective over all sizes, printing each row as it is measured."""
-    dname, tdtype, tname = DTYPES[args.datatype]
-    elsize = torch.empty(0, dtype=tdtype).element_size()
-    n, rank, op, root = runner.world_size, runner.rank, args.op, args.root
-    device = getattr(args, "cuda_device", None)  # "cuda:i", set by _rank_main for --device cuda
-    sync = torch.cuda.synchronize if device is not None else None
-    rows: list[Row] = []
-    reason = runner.unsupported(spec, dname, op)
-    say(f"# Collective: {spec.name}  backend: {runner.name}\n{column_header(spec)}")
-    seen: set[int] = set()
-    for nbytes in size_list(args.minbytes, args.maxbytes, args.stepfactor):
-        count, size = counts_for(spec, nbytes, elsize, n)
-        if count == 0 or size in seen:
-            continue  # too small for one element per rank, or a duplicate after rounding
-        seen.add(size)
+class _Sweep:
+    """One collective on one backend, measured one size at a time (so that backends can take
+    turns at each size, --interleave)."""
+
+    def __init__(self, runner: Runner, spec: CollSpec, args: argparse.Namespace) -> None:
+        self.runner, self.spec, self.args = runner, spec, args
+        self.dname, self.tdtype, self.tname = DTYPES[args.datatype]
+        self.device = getattr(args, "cuda_device", None)  # "cuda:i", set by _rank_main
+        self.sync = torch.cuda.synchronize if self.device is not None else None
+        self.reason = runner.unsupported(spec, self.dname, args.op)
+        self.rows: list[Row] = []
+        self.lines = [f"# Collective: {spec.name}  backend: {runner.name}\n{column_header(spec)}"]
+
+    def measure(self, count: int, size: int) -> str:
+        """Times (and with -c 1 checks) one size; records its row, returns its table line."""
+        runner, spec, args = self.runner, self.spec, self.args
+        n, rank, op, root = runner.world_size, runner.rank, args.op, args.root
         row = Row(
             backend=runner.name, collective=spec.name, nranks=n, size=size, count=count,
-            dtype=dname, op=op if spec.reduces else "none", root=root if spec.rooted else -1,
-            time_us=None, algbw=None, busbw=None, wrong=None, note=reason or "",
+            dtype=self.dname, op=op if spec.reduces else "none", root=root if spec.rooted else -1,
+            time_us=None, algbw=None, busbw=None, wrong=None, note=self.reason or "",
         )  # fmt: skip
-        if reason is None:
-            inp, out = runner.buffers(spec, count, tdtype, device)
+        if self.reason is None:
+            inp, out = runner.buffers(spec, count, self.tdtype, self.device)
             fill_check_inputs(spec, rank, n, count, op, root, inp, out)
             fn = runner.bind(spec.name, inp, out, op, root)
-            if runner.probe_first_call and not rows:
+            if runner.probe_first_call and not self.rows:
                 try:
                     fn()
                 except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
-                    reason = f"{runner.name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-                    row.note = reason
-            if reason is None:
-                t = time_op(runner, fn, args.iters, args.warmup_iters, args.trials, sync)
+                    self.reason = (
+                        f"{runner.name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    )
+                    row.note = self.reason
+            if self.reason is None:
+                t = time_op(runner, fn, args.iters, args.warmup_iters, args.trials, self.sync)
                 row.time_us = t * 1e6
                 row.algbw = size / t / 1e9 if t > 0 else 0.0
                 row.busbw = row.algbw * spec.busbw_factor(n)
                 if args.check:
                     fill_check_inputs(spec, rank, n, count, op, root, inp, out)
                     fn()
-                    want = expected_result(spec, rank, n, count, op, root, tdtype,
+                    want = expected_result(spec, rank, n, count, op, root, self.tdtype,
                                            check_nonroot=runner.check_nonroot_reduce)  # fmt: skip
                     row.wrong = runner.sum_over_ranks(
                         count_wrong(out if out is not None else inp, want)
                     )
-        line = format_row(row, tname)
-        if row.time_us is None and row.note and (len(rows) == 0 or rows[-1].note != row.note):
+        line = format_row(row, self.tname)
+        if row.time_us is None and row.note and (not self.rows or self.rows[-1].note != row.note):
             line += f"   # {row.note}"
-        say(line)
-        rows.append(row)
-    say(footer(rows))
+        self.rows.append(row)
+        self.lines.append(line)
+        return line
+
+
+def bench_collective(
+    runners: Sequence[Runner], spec: CollSpec, args: argparse.Namespace, say: Callable[[str], None]
+) -> list[Row]:
+    """Benchmark one collective over all sizes on every runner: one runner after the other,
+    each row printed as it is measured, or with --interleave 1 taking turns at each size
+    (the same tables, printed once the collective is done)."""
+    sweeps = [_Sweep(r, spec, args) for r in runners]
+    elsize = torch.empty(0, dtype=sweeps[0].tdtype).element_size()
+    sizes: dict[int, int] = {}  # size -> count, in order
+    for nbytes in size_list(args.minbytes, args.maxbytes, args.stepfactor):
+        count, size = counts_for(spec, nbytes, elsize, runners[0].world_size)
+        if count > 0:  # else too small for one element per rank; duplicates after rounding merge
+            sizes.setdefault(size, count)
+    rows: list[Row] = []
+    if args.interleave and len(sweeps) > 1:
+        for size, count in sizes.items():
+            for sweep in sweeps:
+                sweep.measure(count, size)
+        for sweep in sweeps:
+            say("\n".join(sweep.lines))
+            say(footer(sweep.rows))
+            rows += sweep.rows
+        return rows
+    for sweep in sweeps:  # one backend after the other, each row printed as it is measured
+        say(sweep.lines[0])
+        for size, count in sizes.items():
+            say(sweep.measure(count, size))
+        say(footer(sweep.rows))
+        rows += sweep.rows
     return rows
 
 
@@ -389,6 +433,7 @@ def _rank_main(args: argparse.Namespace) -> int:
 
     rows: list[Row] = []
     extra_meta: dict[str, str] = {}
+    runners: list[Runner] = []
     for backend in runners_todo:
         if backend == "pycoll":
             runner: Runner = PycollRunner(rank, world, store, args.timeout, args.registered)
@@ -407,8 +452,10 @@ def _rank_main(args: argparse.Namespace) -> int:
             extra_meta["mpi"] = mpi_version()
             extra_meta["mpi4py"] = __import__("mpi4py").__version__
         say(_run_header(runner, args, ranks_info))
-        for coll in args.coll:
-            rows += bench_collective(runner, SPECS[coll], args, say)
+        runners.append(runner)
+    for coll in args.coll:
+        rows += bench_collective(runners, SPECS[coll], args, say)
+    for runner in runners:
         runner.close()
 
     if store is not None:  # rank 0 serves the store: let it leave last

@@ -108,8 +108,11 @@ def test_bench_registered_buffers(tmp_path):
     assert json.loads(out_json.read_text())["metadata"]["versions"]["buffers"] == "registered"
 
 
-def test_bench_compare_gloo():
+@pytest.mark.parametrize("interleave", ["0", "1"])
+def test_bench_compare_gloo(interleave):
     p = run_bench(
+        "--interleave",
+        interleave,
         "--nproc",
         "2",
         "-b",
