@@ -9,11 +9,12 @@ or let it spawn the local ranks itself::
     python -m pycollectives.bench --nproc 2 -b 1K -e 16M --compare gloo,mpi --json out.json
 
 Each size is timed ``--trials`` times; one trial is ``-n`` iterations timed together after a
-barrier. ``--compare gloo`` runs gloo in the same ranks after pycollectives, or with
+barrier. The reported time is the median over trials of (max over ranks of the time per
+iteration). ``--compare gloo`` runs gloo in the same ranks after pycollectives, or with
 ``--interleave 1`` taking turns with it at each size, so that a drift of a shared machine weighs
-on both sides of a ratio alike; MPI runs as its own mpirun job after them. The reported time is the median over trials of (max over ranks of the time per
-iteration). With ``-c 1`` every row is then checked on a fresh call whose inputs are small
-integers, so the exact result is known in every dtype (tolerance 0).
+on both sides of a ratio alike; MPI runs as its own mpirun job after them. With ``-c 1`` every
+row is then checked on a fresh call whose inputs are small integers, so the exact result is known
+in every dtype (tolerance 0).
 """
 
 from __future__ import annotations

@@ -452,7 +452,8 @@ bool Communicator::cma(OpCtx& c, OpKind kind, size_t total) {
 Store Communicator::output_store(const OpSig& sig) const {
   // An output this large is out of the caches before the caller reads it, so
   // ordinary stores would only add a read of every line they write (docs/
-  // benchmarks.md, "Streaming stores"). Below, it stays where the caller reads it.
+  // benchmarks.md, "Streaming stores into the output"). Below, it stays where
+  // the caller reads it.
   const bool blocks = sig.kind == OpKind::kAllGather || sig.kind == OpKind::kAllToAll;
   const uint64_t bytes = sig.count * dtype_size(sig.dtype) * (blocks ? n_ : 1);
   return bytes >= stream_bytes_ ? Store::kStreaming : Store::kCached;
