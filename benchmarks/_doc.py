@@ -4,6 +4,8 @@ leaving the rest alone) and naming the machine's CPU."""
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import os
 import platform
@@ -74,6 +76,40 @@ def size_label(size: int) -> str:
         if size >= k:
             return f"{size // k} {unit}"
     return f"{size} B"
+
+
+def rounds_args(doc: str, ranks: str) -> argparse.Namespace:
+    """--ranks (default `ranks`), --rounds (2) and --no-write, for the scripts that compare two
+    settings of pycollectives over interleaved rounds."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--ranks", default=ranks)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--no-write", action="store_true")
+    return ap.parse_args()
+
+
+def emit_section(
+    begin: str, end: str, title: str, command: str, notes: list[str], tables: list[str], write: bool
+) -> None:
+    """Prints a section (title, the command's bullet, machine and date, `notes` as bullets, the
+    tables) and, if `write`, puts it between its markers in docs/benchmarks.md."""
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    body = [
+        begin,
+        f"## {title}",
+        "",
+        f"- Command: {command}",
+        f"- Machine: {cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}",
+        f"- Date: {when}",
+        *(f"- {note}" for note in notes),
+        "",
+        *tables,
+        end,
+    ]
+    text = "\n".join(body)
+    print(text)
+    if write:
+        write_section(text + "\n", begin, end)
 
 
 def write_section(section: str, begin: str, end: str, path: Path = DOC) -> None:

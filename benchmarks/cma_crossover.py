@@ -11,12 +11,7 @@ slots), and writes the times and their ratio to docs/benchmarks.md between the
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import os
-import platform
-
-from _doc import cpu_model, median_times, size_label, write_section
+from _doc import emit_section, median_times, rounds_args, size_label
 
 BEGIN, END = "<!-- cma_crossover:begin -->", "<!-- cma_crossover:end -->"
 COLLS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -52,36 +47,29 @@ def table(nranks: int, t: dict[tuple[str, int, str], float]) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ranks", default="2,3,4")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
-    body = [
+    args = rounds_args(__doc__, "2,3,4")
+    tables: list[str] = []
+    for n in (int(x) for x in args.ranks.split(",")):
+        tables += table(n, measure(n, args.rounds))
+    emit_section(
         BEGIN,
-        "## Single copy (CMA) against the slots, plain buffers",
-        "",
-        f"- Command: `python benchmarks/cma_crossover.py --ranks {args.ranks} --rounds "
+        END,
+        "Single copy (CMA) against the slots, plain buffers",
+        f"`python benchmarks/cma_crossover.py --ranks {args.ranks} --rounds "
         f"{args.rounds}`: per world size, `pycollectives-bench {' '.join(FLAGS)}` with "
         "`PYCOLL_ALGO=cma` (single copy at every size) and with `PYCOLL_CMA=0` (the slots: "
         "ring, or one-shot where it fits), rounds interleaved; time = median over rounds of the "
         "bench's time (itself the median of 3 trials of the slowest rank's mean); x = slots time "
         "/ cma time (> 1: single copy faster). Sizes are nccl-tests' (all-reduce buffer, "
         "reduce-scatter input, all-gather output).",
-        f"- Machine: {cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}",
-        f"- Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-        "- Every row was checked (`-c 1`), 0 wrong elements. The automatic choice "
-        "(docs/api.md, 'Single copy') takes CMA where these runs and the runs before them showed "
-        "it faster.",
-        "",
-    ]
-    for n in (int(x) for x in args.ranks.split(",")):
-        body += table(n, measure(n, args.rounds))
-    body.append(END)
-    text = "\n".join(body)
-    print(text)
-    if not args.no_write:
-        write_section(text + "\n", BEGIN, END)
+        [
+            "Every row was checked (`-c 1`), 0 wrong elements. The automatic choice "
+            "(docs/api.md, 'Single copy') takes CMA where these runs and the runs before them "
+            "showed it faster."
+        ],
+        tables,
+        not args.no_write,
+    )
 
 
 if __name__ == "__main__":

@@ -11,12 +11,7 @@ docs/benchmarks.md between the `streaming_stores` markers.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import os
-import platform
-
-from _doc import cpu_model, median_times, size_label, write_section
+from _doc import emit_section, median_times, rounds_args, size_label
 
 BEGIN, END = "<!-- streaming_stores:begin -->", "<!-- streaming_stores:end -->"
 COLLS = ("all_reduce", "all_gather")
@@ -46,16 +41,15 @@ def table(nranks: int, rounds: int) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ranks", default="1,2,3,4")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
-    body = [
+    args = rounds_args(__doc__, "1,2,3,4")
+    tables: list[str] = []
+    for n in (int(x) for x in args.ranks.split(",")):
+        tables += table(n, args.rounds)
+    emit_section(
         BEGIN,
-        "## Streaming stores into the output",
-        "",
-        f"- Command: `python benchmarks/streaming_stores.py --ranks {args.ranks} --rounds "
+        END,
+        "Streaming stores into the output",
+        f"`python benchmarks/streaming_stores.py --ranks {args.ranks} --rounds "
         f"{args.rounds}`: per world size, `pycollectives-bench {' '.join(FLAGS)}` (and the same "
         "with `-R 1`) under `PYCOLL_STREAM_BYTES=1024G` (cached: no copy streamed) and "
         "`PYCOLL_STREAM_BYTES=0` (streamed: every copy into an output), rounds interleaved; "
@@ -65,18 +59,10 @@ def main() -> None:
         "at all these sizes, which copies nothing into the output (it reduces in place and "
         "writes the peers through the kernel): its columns measure the same code twice, i.e. "
         "how far this shared machine drifts between runs.",
-        f"- Machine: {cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}",
-        f"- Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-        "- Every row was checked (`-c 1`), 0 wrong elements.",
-        "",
-    ]
-    for n in (int(x) for x in args.ranks.split(",")):
-        body += table(n, args.rounds)
-    body.append(END)
-    text = "\n".join(body)
-    print(text)
-    if not args.no_write:
-        write_section(text + "\n", BEGIN, END)
+        ["Every row was checked (`-c 1`), 0 wrong elements."],
+        tables,
+        not args.no_write,
+    )
 
 
 if __name__ == "__main__":
