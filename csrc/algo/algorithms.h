@@ -42,6 +42,11 @@ void direct_reduce_scatter(OpCtx& c, const DirectView& v, void* out, size_t coun
 // data[p]: rank p's output (nranks blocks of `count`); `in` may be this rank's block.
 void direct_all_gather(OpCtx& c, const DirectView& v, const void* in, size_t count);
 
+// dst = c.op over srcs[0..c.nranks) in rank order (the same bits on every rank
+// that folds the same sources), AVG as a sum divided once; count elements.
+// Shared by the one-shot, direct and single-copy paths (defined in oneshot.cc).
+void reduce_all(OpCtx& c, void* dst, const void* const* srcs, size_t count);
+
 // Raises this rank's `gathered[rank]` for operation c.tag.seq and waits for
 // every peer's: after it, no peer reads or writes this rank's buffers.
 void finish_gathered(OpCtx& c, Counter* const* gathered);

@@ -83,9 +83,7 @@ void reduce_pulled(OpCtx& c, const CmaView& v, size_t off, const char* own, char
     srcs[p] = tmp;
     tmp += v.chunk;
   }
-  const bool avg = c.op == ReduceOp::kAvg;
-  reduce(ReduceArgs{c.dtype, avg ? ReduceOp::kSum : c.op, dst, nullptr, srcs, n, count});
-  if (avg) scale_avg(dst, c.dtype, count, n);
+  reduce_all(c, dst, srcs, count);
   c.bytes_recv += (n - 1) * bytes;
 }
 

@@ -42,10 +42,7 @@ void direct_all_reduce(OpCtx& c, const DirectView& v, size_t count) {
   if (len > 0) {
     const void* srcs[kMaxDirectRanks];
     for (int p = 0; p < n; ++p) srcs[p] = v.data[p] + a * es;
-    const bool avg = c.op == ReduceOp::kAvg;
-    reduce(ReduceArgs{c.dtype, avg ? ReduceOp::kSum : c.op, v.data[r] + a * es, nullptr, srcs, n,
-                      len});
-    if (avg) scale_avg(v.data[r] + a * es, c.dtype, len, n);
+    reduce_all(c, v.data[r] + a * es, srcs, len);
   }
   publish(*v.reduced[r], seq);
 
@@ -77,9 +74,7 @@ void direct_reduce_scatter(OpCtx& c, const DirectView& v, void* out, size_t coun
   if (count > 0) {
     const void* srcs[kMaxDirectRanks];
     for (int p = 0; p < n; ++p) srcs[p] = v.data[p] + off;
-    const bool avg = c.op == ReduceOp::kAvg;
-    reduce(ReduceArgs{c.dtype, avg ? ReduceOp::kSum : c.op, out, nullptr, srcs, n, count});
-    if (avg) scale_avg(out, c.dtype, count, n);
+    reduce_all(c, out, srcs, count);
   }
   c.bytes_recv += (n - 1) * count * es;
   finish_gathered(c, v.gathered);

@@ -33,14 +33,13 @@ const void* wait_area(OpCtx& c, const OneShotAreas& a, int p, size_t bytes) {
   return a.payload[par][p];
 }
 
-// dst = reduction of srcs[0..n) in rank order (the same bits on every rank).
+}  // namespace
+
 void reduce_all(OpCtx& c, void* dst, const void* const* srcs, size_t count) {
   const bool avg = c.op == ReduceOp::kAvg;
   reduce(ReduceArgs{c.dtype, avg ? ReduceOp::kSum : c.op, dst, nullptr, srcs, c.nranks, count});
   if (avg) scale_avg(dst, c.dtype, count, c.nranks);
 }
-
-}  // namespace
 
 bool oneshot_fits(const OneShotAreas& a, int nranks, size_t bytes) {
   return nranks > 1 && nranks <= kMaxOneShotRanks && bytes <= a.bytes;

@@ -66,10 +66,11 @@ void scale_avg(void* x, DataType dtype, size_t count, int divisor) {
 void copy(void* dst0, void* dst1, const void* src, size_t bytes, Store dst0_store) {
   if (bytes == 0) return;
   PYC_ASSERT(dst0 != nullptr && src != nullptr);
-  const auto streaming = active_kernels().copy_streaming;
-  if (dst0_store == Store::kStreaming && streaming != nullptr && dst0 != src) {
-    streaming(dst0, dst1 == src ? nullptr : dst1, src, bytes);
-    return;
+  if (dst0_store == Store::kStreaming && dst0 != src) {
+    if (const auto streaming = active_kernels().copy_streaming) {  // null: memcpy below
+      streaming(dst0, dst1 == src ? nullptr : dst1, src, bytes);
+      return;
+    }
   }
   if (dst0 != src) std::memcpy(dst0, src, bytes);
   if (dst1 != nullptr && dst1 != src) std::memcpy(dst1, src, bytes);

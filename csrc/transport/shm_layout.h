@@ -45,7 +45,7 @@ struct SigEntry {
 struct alignas(64) RankCtl {
   Counter started;   // latest collective sequence number started
   Counter reduced;   // direct all-reduce: this rank's part of operation `value` is reduced
-  Counter gathered;  // direct all-reduce: this rank has read every peer's part
+  Counter gathered;  // direct and single-copy paths: this rank is done with every peer's buffers
   // Single copy (algo/cma.cc): the claim counter of this rank's part of the
   // operation, sequence number << 32 | next unclaimed chunk.
   alignas(64) std::atomic<uint64_t> cma_next;
