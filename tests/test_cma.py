@@ -1,10 +1,14 @@
 """Single-copy collectives on plain buffers (CMA, csrc/algo/cma.cc): every op,
 dtype and size exact when forced (PYCOLL_ALGO=cma), chunks taken over from
 ranks that do not run, the automatic choice by size, the slots when
-PYCOLL_CMA=0, and mismatched calls at CMA sizes."""
+PYCOLL_CMA=0, mismatched calls at CMA sizes, and a peer that dies while the
+others copy into and out of its process."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -192,3 +196,30 @@ def _mismatch(rank: int, world_size: int) -> str:
 def test_mismatched_counts_at_cma_sizes_raise_on_every_rank():
     for msg in run(_mismatch, 2, timeout=60):
         assert "count=100000" in msg and "count=100008" in msg, msg
+
+
+def _dies_mid_copy(rank: int, world_size: int) -> str | None:
+    comm = pc.init(timeout=60)
+    x = torch.ones(1 << 21)  # 8 MiB: single copy, ~30 chunks of copies per call
+    comm.all_reduce(x)
+    if rank == world_size - 1:  # dies while its peers read and write its buffer
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        while True:
+            comm.all_reduce(x)
+    try:
+        while True:
+            comm.all_reduce(x)
+    except pc.PeerFailure as e:
+        return str(e) if comm.single_copy else None
+    # Any other error (the kernel refusing a copy into a process that is gone)
+    # fails the test with its traceback.
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_peer_dying_mid_copy_raises_peer_failure(world_size):
+    last = world_size - 1
+    msgs = run(_dies_mid_copy, world_size, timeout=60, expect_exit={last: -signal.SIGKILL})
+    if msgs[0] is None:
+        pytest.skip("process_vm_readv between the ranks is not allowed here")
+    for msg in msgs[:last]:
+        assert f"rank {last} died" in msg, msg

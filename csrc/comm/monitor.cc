@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 #include "core/error.h"
 
@@ -55,6 +56,22 @@ void OpMonitor::check_slow() {
   }
 }
 
+void OpMonitor::peer_failed(int p) {
+  // A peer's death shows in its `alive` mutex once the kernel has released
+  // its robust futexes, which it does before the process's memory goes away
+  // (what made the copy fail); the grace covers any other order.
+  constexpr auto kGrace = std::chrono::milliseconds(100);
+  // Only that peer: another may be gone too by now, having raised this very
+  // error (the abort flag, checked first, then carries its report).
+  peer = p;
+  const auto until = std::chrono::steady_clock::now() + kGrace;
+  do {
+    check_fast();
+    check_peer(p);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  } while (std::chrono::steady_clock::now() < until);
+}
+
 void OpMonitor::timed_out() {
   std::ostringstream os;
   os << "pycollectives: rank " << c_.rank_ << ": " << op_name(sig_, seq_, collective_)
@@ -89,16 +106,18 @@ void OpMonitor::check_mismatch() {
 }
 
 void OpMonitor::check_peers() {
-  for (int p = 0; p < c_.n_; ++p) {
-    if (p == c_.rank_) continue;
-    std::string gone = c_.peer_gone(p);
-    if (gone.empty()) continue;
-    std::ostringstream os;
-    os << "pycollectives: rank " << p << " " << gone << " while rank " << c_.rank_ << " was in "
-       << op_name(sig_, seq_, collective_) << " (waiting for rank " << peer << ")";
-    c_.set_abort(AbortKind::kPeerFailure, os.str());
-    throw PeerFailure(os.str());
-  }
+  for (int p = 0; p < c_.n_; ++p)
+    if (p != c_.rank_) check_peer(p);
+}
+
+void OpMonitor::check_peer(int p) {
+  std::string gone = c_.peer_gone(p);
+  if (gone.empty()) return;
+  std::ostringstream os;
+  os << "pycollectives: rank " << p << " " << gone << " while rank " << c_.rank_ << " was in "
+     << op_name(sig_, seq_, collective_) << " (waiting for rank " << peer << ")";
+  c_.set_abort(AbortKind::kPeerFailure, os.str());
+  throw PeerFailure(os.str());
 }
 
 // ---- Communicator: abort state, liveness and mismatch reports ----

@@ -15,11 +15,13 @@ class OpMonitor final : public WaitMonitor {
   ~OpMonitor() override;  // hands the adapted spin budget back to the communicator
   void check_fast() override;
   void check_slow() override;
+  void peer_failed(int peer) override;
 
  private:
   [[noreturn]] void timed_out();
   void check_mismatch();
   void check_peers();
+  void check_peer(int p);  // throws PeerFailure if rank p died or closed
 
   Communicator& c_;
   OpSig sig_;

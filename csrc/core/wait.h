@@ -27,6 +27,11 @@ class WaitMonitor {
   virtual void check_fast() = 0;
   // Called about once a millisecond after the wait has started sleeping.
   virtual void check_slow() = 0;
+  // A copy into or out of rank `peer`'s process failed (the kernel refused
+  // it): throws as check_slow does when that is because the peer died or
+  // closed, giving its death a moment to show; returns otherwise, for the
+  // caller to raise the copy's own error.
+  virtual void peer_failed(int peer) = 0;
 };
 
 // True when counter `value` has reached `target` (wrap-around safe).
