@@ -5,7 +5,8 @@
 For each world size, runs `pycollectives-bench --compare gloo,mpi` (same sizes,
 same timing method: median over trials of the slowest rank's time) for
 all-reduce, reduce-scatter and all-gather from 16 B to 64 MiB (50 calls per
-trial up to 1 MiB, 10 from 4 MiB with gloo taking turns at each size; SIZE_RUNS), plus an 8-byte
+trial up to 1 MiB, 10 from 4 MiB with gloo and OpenMPI taking turns at each size in
+the same ranks; SIZE_RUNS), plus an 8-byte
 all-reduce latency run, then rewrites the CPU section of docs/benchmarks.md
 with the command, machine, date, every figure and the issue's targets checked
 against the ratios measured in this run.
@@ -23,7 +24,7 @@ COLLS = ["all_reduce", "reduce_scatter", "all_gather"]
 # Sizes and iterations per trial: a trial of 10 calls of a few microseconds is over in less
 # than a scheduler tick of this shared 2-core VM, so up to 1 MiB each trial times 50 calls.
 # From 4 MiB a sweep of one backend takes minutes, over which the machine drifts: there
-# pycollectives and gloo take turns at each size (--interleave 1).
+# pycollectives, gloo and OpenMPI take turns at each size, in the same ranks (--interleave 1).
 SIZE_RUNS = [
     ["-b", "16", "-e", "1M", "-f", "4", "-n", "50", "-w", "10"],
     ["-b", "4M", "-e", "64M", "-f", "4", "-n", "10", "-w", "3", "--interleave", "1"],
@@ -209,8 +210,8 @@ def main() -> None:
         f"--registered {args.registered}` "
         "(each world size: `pycollectives-bench --nproc N -b 16 -e 1M -f 4 -n 50 -w 10 --coll "
         f"{','.join(COLLS)} --trials {args.trials} -c 1 --compare gloo,mpi` and the same with "
-        "`-b 4M -e 64M -f 4 -n 10 -w 3 --interleave 1` (pycollectives and gloo taking turns at "
-        "each size)"
+        "`-b 4M -e 64M -f 4 -n 10 -w 3 --interleave 1` (pycollectives, gloo and OpenMPI "
+        "taking turns at each size, in the same ranks under mpirun)"
         + (", then the same with `-R 1 --compare mpi`" if args.registered else "")
         + "; 8-byte latency: three runs of `-b 8 -e 8 -n 2000 -w 200 --trials 9`, median)",
         "- Registered buffers (`-R 1`): pycollectives' buffers come from `comm.alloc_shared` "

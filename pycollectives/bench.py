@@ -10,9 +10,10 @@ or let it spawn the local ranks itself::
 
 Each size is timed ``--trials`` times; one trial is ``-n`` iterations timed together after a
 barrier. The reported time is the median over trials of (max over ranks of the time per
-iteration). ``--compare gloo`` runs gloo in the same ranks after pycollectives, or with
-``--interleave 1`` taking turns with it at each size, so that a drift of a shared machine weighs
-on both sides of a ratio alike; MPI runs as its own mpirun job after them. With ``-c 1`` every
+iteration). ``--compare gloo,mpi`` runs gloo in the same ranks after pycollectives and MPI as its
+own mpirun job after them. With ``--interleave 1`` they take turns at each size instead, in the
+same ranks (launched by mpirun when MPI is compared), so that a drift of a shared machine weighs
+on every side of a ratio alike. With ``-c 1`` every
 row is then checked on a fresh call whose inputs are small integers, so the exact result is known
 in every dtype (tolerance 0).
 """
@@ -69,6 +70,9 @@ from pycollectives._bench_util import (
 )
 
 _RESULT_ENV = "PYCOLL_BENCH_RESULT"  # set by the launcher: rank 0 writes its rows there
+# Set by the launcher of --interleave 1 --compare ...,mpi: the ranks run under mpirun and take
+# MPI's ranks, and MPI takes its turns in them beside pycollectives and gloo.
+_JOINT_ENV = "PYCOLL_BENCH_JOINT_MPI"
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -196,16 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="gloo[,mpi]",
         help="also run the same sizes on torch.distributed gloo (in the same ranks, after "
-        "pycollectives) and/or MPI (mpi4py, a separate mpirun job afterwards)",
+        "pycollectives) and/or MPI (mpi4py, a separate mpirun job afterwards; with --interleave 1 "
+        "all in the same ranks under mpirun)",
     )
     p.add_argument(
         "--interleave",
         type=int,
         choices=(0, 1),
         default=0,
-        help="1: pycollectives and gloo take turns at each size instead of one sweep after the "
-        "other (a slow drift of the machine then weighs on both; gloo's threads may slow the "
-        "microsecond sizes of pycollectives that follow them)",
+        help="1: pycollectives and its peers take turns at each size instead of one sweep after "
+        "the other, in the same ranks (run by mpirun when MPI is compared), so that a slow drift "
+        "of the machine weighs on all alike; a peer's threads may slow the microsecond sizes of "
+        "pycollectives that follow them",
     )
     p.add_argument(
         "--device",
@@ -392,13 +398,18 @@ def _run_header(runner: Runner, args: argparse.Namespace, ranks_info: list[str])
 
 def _rank_main(args: argparse.Namespace) -> int:
     """Body of one rank process (torchrun, the --nproc launcher, or mpirun for --backend mpi)."""
-    if args.backend == "mpi":
-        runners_todo: list[str] = ["mpi"]
+    joint = bool(os.environ.get(_JOINT_ENV))  # under mpirun, MPI beside the others
+    if args.backend == "mpi" or joint:
         mpi = MpiRunner()
-        rank, world, store = mpi.rank, mpi.world_size, None
+        rank, world = mpi.rank, mpi.world_size
     else:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.backend == "mpi":
+        runners_todo: list[str] = ["mpi"]
+        store = None
+    else:
         runners_todo = [args.backend] + [b for b in args.compare if b not in (args.backend, "mpi")]
+        runners_todo += ["mpi"] if joint else []
         store = _make_store(rank, world, args.timeout)
 
     def say(text: str) -> None:
@@ -609,11 +620,9 @@ def _mpi_argv(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def _run_mpi(
-    args: argparse.Namespace, nproc: int, deadline: float
-) -> tuple[dict, list[Row]] | None:
-    """Run the same benchmark under mpirun (--backend mpi) and return its metadata and rows."""
-    missing = [
+def _mpi_missing() -> list[str]:
+    """What running MPI needs and this machine lacks (empty: nothing)."""
+    return [
         w
         for w, ok in (
             ("mpi4py", find_spec("mpi4py") is not None),
@@ -621,15 +630,10 @@ def _run_mpi(
         )
         if not ok
     ]
-    if missing:
-        print(
-            f"# --compare mpi: {' and '.join(missing)} not found; skipping MPI "
-            "(apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py)",
-            flush=True,
-        )
-        return None
-    fd, path = tempfile.mkstemp(prefix="pycoll-bench-mpi-", suffix=".json")
-    os.close(fd)
+
+
+def _mpirun(argv: Sequence[str], nproc: int, deadline: float, extra_env: dict[str, str]) -> int:
+    """Runs the benchmark with `argv` as an mpirun job of nproc ranks; returns its status."""
     cmd = [
         "mpirun",
         "--allow-run-as-root",
@@ -639,19 +643,37 @@ def _run_mpi(
         sys.executable,
         "-m",
         "pycollectives.bench",
-        *_mpi_argv(args),
+        *argv,
     ]
-    env = _child_env(
-        {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", _RESULT_ENV: path}
-    )
+    env = _child_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
+    env.update(extra_env)
     proc = subprocess.Popen(cmd, env=env)
     try:
-        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         _stop([proc])
-        rc = 124
+        return 124
+    except KeyboardInterrupt:
+        _stop([proc])
+        return 130
+
+
+def _run_mpi(
+    args: argparse.Namespace, nproc: int, deadline: float
+) -> tuple[dict, list[Row]] | None:
+    """Run the same benchmark under mpirun (--backend mpi) and return its metadata and rows."""
+    if missing := _mpi_missing():
+        print(
+            f"# --compare mpi: {' and '.join(missing)} not found; skipping MPI "
+            "(apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py)",
+            flush=True,
+        )
+        return None
+    fd, path = tempfile.mkstemp(prefix="pycoll-bench-mpi-", suffix=".json")
+    os.close(fd)
+    rc = _mpirun(_mpi_argv(args), nproc, deadline, {_RESULT_ENV: path})
     try:
         if rc == 0 and os.path.getsize(path) > 0:
             return read_json(path)
@@ -668,10 +690,17 @@ def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.root >= nproc:
         build_parser().error(f"--root {args.root} is not a rank (--nproc {nproc})")
     deadline = time.monotonic() + args.timeout
+    # --interleave 1 with MPI: one mpirun job whose ranks run every backend in turn.
+    joint = args.interleave and "mpi" in args.compare and not _mpi_missing()
     fd, result_path = tempfile.mkstemp(prefix="pycoll-bench-", suffix=".json")
     os.close(fd)
     try:
-        rc = _run_ranks(argv, nproc, deadline, result_path)
+        if joint:
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+            env.update({_RESULT_ENV: result_path, _JOINT_ENV: "1"})
+            rc = _mpirun(argv, nproc, deadline, env)
+        else:
+            rc = _run_ranks(argv, nproc, deadline, result_path)
         if rc != 0:
             return rc
         meta, rows = read_json(result_path)
@@ -679,7 +708,7 @@ def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         os.unlink(result_path)
     meta["command"] = _command_line(argv)
     backends = list(meta.get("backends", []))
-    if "mpi" in args.compare and args.backend != "mpi":
+    if "mpi" in args.compare and args.backend != "mpi" and not joint:
         sys.stdout.flush()
         got = _run_mpi(args, nproc, deadline)
         if got is not None:
@@ -751,7 +780,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.backend == "mpi" and not _under_mpirun():
             return _launch_mpi(args)
-        if args.backend == "mpi" or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        in_job = os.environ.get(_JOINT_ENV) or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+        if args.backend == "mpi" or in_job:
             return _rank_main(args)
         return _launch(args, argv)
     except KeyboardInterrupt:

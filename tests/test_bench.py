@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -145,6 +147,28 @@ def test_bench_compare_gloo(interleave):
     assert len(head) == 2, p.stdout
     ratios = [ln.split()[-1] for ln in lines if re.match(r"^\s+\d+ \|", ln)]
     assert len(ratios) == 4 and all(float(r) > 0 for r in ratios), p.stdout
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mpi4py") is None or shutil.which("mpirun") is None,
+    reason="needs mpi4py and mpirun",
+)
+def test_bench_interleave_runs_mpi_in_the_same_ranks(tmp_path):
+    out_json = tmp_path / "joint.json"
+    flags = "--interleave 1 --nproc 2 -b 4K -e 64K -f 4 -n 2 -w 1 --trials 1 -c 1"
+    p = run_bench(*flags.split(), "--coll", "all_reduce,all_gather", "--compare", "gloo,mpi",
+                  "--json", str(out_json))  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    tables = parse_tables(p.stdout)
+    for backend in ("pycoll", "gloo", "mpi"):
+        for coll in ("all_reduce", "all_gather"):
+            rows = tables.get((backend, coll))
+            assert rows and len(rows) == 3 and all(f[-1] == "0" for f in rows), (backend, coll)
+    # Each backend's header lists its ranks' pids: one set of processes ran all three.
+    pids = re.findall(r"#\s+Rank\s+(\d+) Pid\s+(\d+)", p.stdout)
+    assert len(pids) == 6 and len(set(pids)) == 2, p.stdout
+    meta = json.loads(out_json.read_text())["metadata"]
+    assert meta["backends"] == ["pycoll", "gloo", "mpi"] and "mpi" in meta["versions"]
 
 
 def test_bench_bad_flags():
