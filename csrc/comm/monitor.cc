@@ -64,6 +64,7 @@ void OpMonitor::peer_failed(int p) {
   // Only that peer: another may be gone too by now, having raised this very
   // error (the abort flag, checked first, then carries its report).
   peer = p;
+  doing_ = "copying into or out of";
   const auto until = std::chrono::steady_clock::now() + kGrace;
   do {
     check_fast();
@@ -115,7 +116,7 @@ void OpMonitor::check_peer(int p) {
   if (gone.empty()) return;
   std::ostringstream os;
   os << "pycollectives: rank " << p << " " << gone << " while rank " << c_.rank_ << " was in "
-     << op_name(sig_, seq_, collective_) << " (waiting for rank " << peer << ")";
+     << op_name(sig_, seq_, collective_) << " (" << doing_ << " rank " << peer << ")";
   c_.set_abort(AbortKind::kPeerFailure, os.str());
   throw PeerFailure(os.str());
 }

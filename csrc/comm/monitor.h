@@ -28,6 +28,7 @@ class OpMonitor final : public WaitMonitor {
   uint32_t seq_;
   bool collective_;
   double timeout_s_;
+  const char* doing_ = "waiting for";  // what this rank did with `peer`, for the messages
   std::chrono::steady_clock::time_point start_, deadline_, next_liveness_;
 };
 
