@@ -73,6 +73,7 @@ _RESULT_ENV = "PYCOLL_BENCH_RESULT"  # set by the launcher: rank 0 writes its ro
 # Set by the launcher of --interleave 1 --compare ...,mpi: the ranks run under mpirun and take
 # MPI's ranks, and MPI takes its turns in them beside pycollectives and gloo.
 _JOINT_ENV = "PYCOLL_BENCH_JOINT_MPI"
+_CPU_ENV = "PYCOLL_BENCH_CPU"  # set by the launcher under --bind: the CPU this rank pins itself to
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -212,6 +213,16 @@ def build_parser() -> argparse.ArgumentParser:
         "the other, in the same ranks (run by mpirun when MPI is compared), so that a slow drift "
         "of the machine weighs on all alike; a peer's threads may slow the microsecond sizes of "
         "pycollectives that follow them",
+    )
+    p.add_argument(
+        "--bind",
+        choices=("auto", "core", "none"),
+        default="auto",
+        help="with --nproc: core pins rank r to the r-th usable CPU (round robin), none leaves "
+        "the ranks to the scheduler, auto (default) pins when there are at least as many CPUs as "
+        "ranks, as mpirun binds 2 ranks to cores by default; mpirun jobs (MPI) get the same "
+        "choice (--bind-to core or none). Unpinned ranks that wake each other may be stacked on "
+        "one CPU by the scheduler for a whole run",
     )
     p.add_argument(
         "--device",
@@ -431,6 +442,10 @@ def _rank_main(args: argparse.Namespace) -> int:
         )
 
     info = f"#  Rank {rank:2d} Pid {os.getpid():6d} on {socket.gethostname()}"
+    if (cpu := os.environ.get(_CPU_ENV)) is not None:
+        os.sched_setaffinity(0, {int(cpu)})
+    if hasattr(os, "sched_getaffinity"):
+        info += f" cpus {','.join(map(str, sorted(os.sched_getaffinity(0))))}"
     args.cuda_device = None
     if getattr(args, "device", "cpu") == "cuda":
         local = int(os.environ.get("LOCAL_RANK", rank))
@@ -541,8 +556,19 @@ def _stop(procs: Sequence[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _run_ranks(argv: Sequence[str], nproc: int, deadline: float, result_path: str) -> int:
-    """Spawn nproc ranks, wait for all; on a failure or the deadline stop the others."""
+def _rank_cpus(args: argparse.Namespace, nproc: int) -> list[int] | None:
+    """The CPU of each rank under --bind, or None when the ranks are not pinned."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not cpus or args.bind == "none" or (args.bind == "auto" and nproc > len(cpus)):
+        return None
+    return [cpus[r % len(cpus)] for r in range(nproc)]
+
+
+def _run_ranks(
+    argv: Sequence[str], nproc: int, deadline: float, result_path: str, cpus: list[int] | None
+) -> int:
+    """Spawn nproc ranks (rank r pinned to cpus[r] when given), wait for all; on a failure or the
+    deadline stop the others."""
     port = _free_port()
     cmd = [sys.executable, "-m", "pycollectives.bench", *argv]
     procs: list[subprocess.Popen] = []
@@ -557,6 +583,7 @@ def _run_ranks(argv: Sequence[str], nproc: int, deadline: float, result_path: st
                     "LOCAL_RANK": str(r),
                     "LOCAL_WORLD_SIZE": str(nproc),
                     _RESULT_ENV: result_path,
+                    **({_CPU_ENV: str(cpus[r])} if cpus else {}),
                 }
             )
             procs.append(subprocess.Popen(cmd, env=env))
@@ -632,12 +659,17 @@ def _mpi_missing() -> list[str]:
     ]
 
 
-def _mpirun(argv: Sequence[str], nproc: int, deadline: float, extra_env: dict[str, str]) -> int:
-    """Runs the benchmark with `argv` as an mpirun job of nproc ranks; returns its status."""
+def _mpirun(
+    argv: Sequence[str], nproc: int, deadline: float, extra_env: dict[str, str], bind: bool
+) -> int:
+    """Runs the benchmark with `argv` as an mpirun job of nproc ranks, bound to cores or not;
+    returns its status."""
     cmd = [
         "mpirun",
         "--allow-run-as-root",
         "--oversubscribe",
+        "--bind-to",
+        "core" if bind else "none",
         "-np",
         str(nproc),
         sys.executable,
@@ -673,7 +705,8 @@ def _run_mpi(
         return None
     fd, path = tempfile.mkstemp(prefix="pycoll-bench-mpi-", suffix=".json")
     os.close(fd)
-    rc = _mpirun(_mpi_argv(args), nproc, deadline, {_RESULT_ENV: path})
+    bind = _rank_cpus(args, nproc) is not None
+    rc = _mpirun(_mpi_argv(args), nproc, deadline, {_RESULT_ENV: path}, bind)
     try:
         if rc == 0 and os.path.getsize(path) > 0:
             return read_json(path)
@@ -692,15 +725,16 @@ def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     deadline = time.monotonic() + args.timeout
     # --interleave 1 with MPI: one mpirun job whose ranks run every backend in turn.
     joint = args.interleave and "mpi" in args.compare and not _mpi_missing()
+    cpus = _rank_cpus(args, nproc)
     fd, result_path = tempfile.mkstemp(prefix="pycoll-bench-", suffix=".json")
     os.close(fd)
     try:
         if joint:
             env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
             env.update({_RESULT_ENV: result_path, _JOINT_ENV: "1"})
-            rc = _mpirun(argv, nproc, deadline, env)
+            rc = _mpirun(argv, nproc, deadline, env, cpus is not None)
         else:
-            rc = _run_ranks(argv, nproc, deadline, result_path)
+            rc = _run_ranks(argv, nproc, deadline, result_path, cpus)
         if rc != 0:
             return rc
         meta, rows = read_json(result_path)

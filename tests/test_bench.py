@@ -171,6 +171,20 @@ def test_bench_interleave_runs_mpi_in_the_same_ranks(tmp_path):
     assert meta["backends"] == ["pycoll", "gloo", "mpi"] and "mpi" in meta["versions"]
 
 
+@pytest.mark.parametrize("bind", ["auto", "none"])
+def test_bench_binds_ranks_to_cpus(bind):
+    cpus = sorted(os.sched_getaffinity(0))
+    p = run_bench("--bind", bind, "--nproc", "2", "-b", "1K", "-e", "1K", "-n", "2", "-w", "1",
+                  "--trials", "1", "--coll", "all_reduce")  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = re.findall(r"#\s+Rank\s+(\d+) Pid\s+\d+ on \S+ cpus (\S+)", p.stdout)
+    if bind == "auto" and len(cpus) >= 2:  # one CPU each, as mpirun binds 2 ranks to cores
+        want = [("0", str(cpus[0])), ("1", str(cpus[1]))]
+    else:
+        want = [(r, ",".join(map(str, cpus))) for r in ("0", "1")]
+    assert got == want, p.stdout
+
+
 def test_bench_bad_flags():
     p = run_bench("-d", "float8", timeout=60)
     assert p.returncode == 2 and "invalid choice" in p.stderr
