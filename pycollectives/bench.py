@@ -13,9 +13,10 @@ barrier. The reported time is the median over trials of (max over ranks of the t
 iteration). ``--compare gloo,mpi`` runs gloo in the same ranks after pycollectives and MPI as its
 own mpirun job after them. With ``--interleave 1`` they take turns at each size instead, in the
 same ranks (launched by mpirun when MPI is compared), so that a drift of a shared machine weighs
-on every side of a ratio alike. With ``-c 1`` every
-row is then checked on a fresh call whose inputs are small integers, so the exact result is known
-in every dtype (tolerance 0).
+on every side of a ratio alike. Ranks spawned with ``--nproc`` are pinned one per CPU when there
+are enough CPUs (``--bind``, as mpirun binds 2 ranks to cores), and the mpirun jobs get the same
+choice. With ``-c 1`` every row is then checked on a fresh call whose inputs are small integers,
+so the exact result is known in every dtype (tolerance 0).
 """
 
 from __future__ import annotations
