@@ -70,6 +70,11 @@ def median_times(
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def ratio_cells(a: float | None, b: float | None) -> str:
+    """Table cells `a | b | a/b` (times in us), or dashes where either is missing."""
+    return " - | - | - |" if a is None or b is None else f" {a:.1f} | {b:.1f} | {a / b:.2f} |"
+
+
 def size_label(size: int) -> str:
     """1 MiB, 64 KiB, 12 B."""
     for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):

@@ -11,7 +11,7 @@ slots), and writes the times and their ratio to docs/benchmarks.md between the
 
 from __future__ import annotations
 
-from _doc import emit_section, median_times, rounds_args, size_label
+from _doc import emit_section, median_times, ratio_cells, rounds_args, size_label
 
 BEGIN, END = "<!-- cma_crossover:begin -->", "<!-- cma_crossover:end -->"
 COLLS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -35,13 +35,7 @@ def table(nranks: int, t: dict[tuple[str, int, str], float]) -> list[str]:
     head = "| size |" + "".join(f" {c} slots us | {c} cma us | x |" for c in COLLS)
     lines = [f"### {nranks} ranks", "", head, "|---:|" + "---:|---:|---:|" * len(COLLS)]
     for size in sizes:
-        cells = []
-        for c in COLLS:
-            s, m = t.get((c, size, "slots")), t.get((c, size, "cma"))
-            if s is None or m is None:
-                cells.append(" - | - | - |")
-            else:
-                cells.append(f" {s:.1f} | {m:.1f} | {s / m:.2f} |")
+        cells = [ratio_cells(t.get((c, size, "slots")), t.get((c, size, "cma"))) for c in COLLS]
         lines.append(f"| {size_label(size)} |" + "".join(cells))
     return [*lines, ""]
 

@@ -11,7 +11,7 @@ docs/benchmarks.md between the `streaming_stores` markers.
 
 from __future__ import annotations
 
-from _doc import emit_section, median_times, rounds_args, size_label
+from _doc import emit_section, median_times, ratio_cells, rounds_args, size_label
 
 BEGIN, END = "<!-- streaming_stores:begin -->", "<!-- streaming_stores:end -->"
 COLLS = ("all_reduce", "all_gather")
@@ -30,12 +30,8 @@ def table(nranks: int, rounds: int) -> list[str]:
     lines = [f"### {nranks} rank{'s' if nranks > 1 else ''}", "", head]
     lines.append("|---:|" + "---:|---:|---:|" * len(cols))
     for size in sorted({s for times in t.values() for (_, s, _) in times}):
-        cells = []
-        for c, k in cols:
-            a, b = t[k].get((c, size, "cached")), t[k].get((c, size, "streamed"))
-            cells.append(
-                " - | - | - |" if a is None or b is None else f" {a:.1f} | {b:.1f} | {a / b:.2f} |"
-            )
+        pairs = [(t[k].get((c, size, "cached")), t[k].get((c, size, "streamed"))) for c, k in cols]
+        cells = [ratio_cells(a, b) for a, b in pairs]
         lines.append(f"| {size_label(size)} |" + "".join(cells))
     return [*lines, ""]
 

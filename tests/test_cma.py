@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -198,10 +199,11 @@ def test_mismatched_counts_at_cma_sizes_raise_on_every_rank():
         assert "count=100000" in msg and "count=100008" in msg, msg
 
 
-def _dies_mid_copy(rank: int, world_size: int) -> str | None:
+def _dies_mid_copy(rank: int, world_size: int) -> tuple[str, float] | None:
     comm = pc.init(timeout=60)
     x = torch.ones(1 << 21)  # 8 MiB: single copy, ~30 chunks of copies per call
-    comm.all_reduce(x)
+    comm.all_reduce(x)  # every rank leaves it at about the same time
+    start = time.monotonic()
     if rank == world_size - 1:  # dies while its peers read and write its buffer
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
         while True:
@@ -210,7 +212,7 @@ def _dies_mid_copy(rank: int, world_size: int) -> str | None:
         while True:
             comm.all_reduce(x)
     except pc.PeerFailure as e:
-        return str(e) if comm.single_copy else None
+        return (str(e), time.monotonic() - start) if comm.single_copy else None
     # Any other error (the kernel refusing a copy into a process that is gone)
     # fails the test with its traceback.
 
@@ -221,5 +223,6 @@ def test_peer_dying_mid_copy_raises_peer_failure(world_size):
     msgs = run(_dies_mid_copy, world_size, timeout=60, expect_exit={last: -signal.SIGKILL})
     if msgs[0] is None:
         pytest.skip("process_vm_readv between the ranks is not allowed here")
-    for msg in msgs[:last]:
+    for msg, seconds in msgs[:last]:
         assert f"rank {last} died" in msg, msg
+        assert seconds < 0.3 + 2.0, (seconds, msg)  # within 2 s of the death

@@ -66,19 +66,6 @@ void share(OpCtx& c, const CmaView& v, Chunks chunks, Work work) {
   finish_gathered(c, v.gathered);
 }
 
-// Runs copy(), a kernel copy into or out of rank p's process. A copy refused
-// because the peer died meanwhile raises PeerFailure naming it (the monitor
-// tells), not the kernel's errno.
-template <class Copy>
-void checked(OpCtx& c, int p, Copy copy) {
-  try {
-    copy();
-  } catch (const Error&) {
-    c.mon->peer_failed(p);
-    throw;
-  }
-}
-
 // Reduces `count` elements (at most one chunk), `off` bytes into every rank's
 // addr buffer (this rank's at `own`), in rank order into `dst`.
 void reduce_pulled(OpCtx& c, const CmaView& v, size_t off, const char* own, char* dst,
@@ -92,7 +79,7 @@ void reduce_pulled(OpCtx& c, const CmaView& v, size_t off, const char* own, char
       srcs[p] = own;
       continue;
     }
-    checked(c, p, [&] { cma_read(v.pid[p], p, tmp, v.addr[p] + off, bytes); });
+    cma_read(v.pid[p], p, tmp, v.addr[p] + off, bytes, *c.mon);
     srcs[p] = tmp;
     tmp += v.chunk;
   }
@@ -102,7 +89,7 @@ void reduce_pulled(OpCtx& c, const CmaView& v, size_t off, const char* own, char
 
 // Writes `bytes` at `src` into rank p's output at out[p] + off.
 void write_out(OpCtx& c, const CmaView& v, int p, size_t off, const char* src, size_t bytes) {
-  checked(c, p, [&] { cma_write(v.pid[p], p, v.out[p] + off, src, bytes); });
+  cma_write(v.pid[p], p, v.out[p] + off, src, bytes, *c.mon);
   c.bytes_sent += bytes;
 }
 
@@ -167,7 +154,7 @@ void cma_all_gather(OpCtx& c, const CmaView& v, const void* in, void* out, size_
           if (blk != src) copy(blk, nullptr, src, len, c.out_store);
           push(c, v, src, p * bytes + at, len, -1);
         } else {
-          checked(c, p, [&] { cma_read(v.pid[p], p, blk, v.addr[p] + at, len); });
+          cma_read(v.pid[p], p, blk, v.addr[p] + at, len, *c.mon);
           c.bytes_recv += len;
           push(c, v, blk, p * bytes + at, len, in_place(p) ? p : -1);
         }

@@ -14,6 +14,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/wait.h"
+
 namespace pyc {
 
 // Lets processes of this user access this one when Yama's ptrace_scope is 1
@@ -22,11 +24,13 @@ void cma_allow_peers();
 // Whether the word at `addr` in process `pid` reads as `expect` and can be
 // written back.
 bool cma_probe(pid_t pid, uint64_t addr, uint64_t expect);
-// Copies `bytes` at `src` in process `pid` (rank `peer`) into `dst`; throws
-// naming the peer and the errno if the kernel refuses.
-void cma_read(pid_t pid, int peer, void* dst, uint64_t src, size_t bytes);
+// Copies `bytes` at `src` in process `pid` (rank `peer`) into `dst`. If the
+// kernel refuses, `mon` is told first (mon.peer_failed: a peer that died
+// meanwhile raises PeerFailure naming it); otherwise throws naming the peer
+// and the errno.
+void cma_read(pid_t pid, int peer, void* dst, uint64_t src, size_t bytes, WaitMonitor& mon);
 // Copies `bytes` at `src` here into `dst` in process `pid` (rank `peer`);
-// throws likewise.
-void cma_write(pid_t pid, int peer, uint64_t dst, const void* src, size_t bytes);
+// fails likewise.
+void cma_write(pid_t pid, int peer, uint64_t dst, const void* src, size_t bytes, WaitMonitor& mon);
 
 }  // namespace pyc
