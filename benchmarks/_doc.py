@@ -83,11 +83,13 @@ def size_label(size: int) -> str:
     return f"{size} B"
 
 
-def rounds_args(doc: str, ranks: str) -> argparse.Namespace:
+def rounds_args(doc: str, ranks: str, colls: str | None = None) -> argparse.Namespace:
     """--ranks (default `ranks`), --rounds (2) and --no-write, for the scripts that compare two
-    settings of pycollectives over interleaved rounds."""
+    settings of pycollectives over interleaved rounds; --coll (default `colls`) if given."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--ranks", default=ranks)
+    if colls is not None:
+        ap.add_argument("--coll", default=colls, help="comma-separated collectives")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-write", action="store_true")
     return ap.parse_args()

@@ -1,5 +1,5 @@
-"""Single-copy collectives on plain buffers (CMA, csrc/algo/cma.cc): every op,
-dtype and size exact when forced (PYCOLL_ALGO=cma), chunks taken over from
+"""Single-copy collectives on plain buffers (CMA, csrc/algo/cma.cc): every
+collective, op, dtype, size and root exact when forced (PYCOLL_ALGO=cma), chunks taken over from
 ranks that do not run, the automatic choice by size, the slots when
 PYCOLL_CMA=0, mismatched calls at CMA sizes, and a peer that dies while the
 others copy into and out of its process."""
@@ -78,6 +78,50 @@ def test_cma_forced_every_op_dtype_size(world_size):
         assert not bad, f"rank {r}: {bad}"
 
 
+def job_cma_forced_rooted_all_to_all(comm: pc.Communicator) -> list[str] | None:
+    """PYCOLL_ALGO=cma: broadcast and reduce from every root, and all-to-all, of
+    every size take the single-copy path, exact for every op and dtype; reduce
+    leaves the other ranks' buffers as they were."""
+    n, r, bad = comm.world_size, comm.rank, []
+    if not comm.single_copy:
+        return None
+    for count in (0, 1, 7, 1000, (1 << 18) + 3):
+        want_path = "cma" if count > 0 else "slots"
+        for dt in (torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.int64):
+            vals = [v.to(dt) for v in _vals(n, n * count)]
+            stacked = torch.stack([v.to(torch.float64) for v in vals])
+            for root in range(n):
+                x = vals[r].clone() if r == root else torch.zeros(n * count, dtype=dt)
+                if (p := _path(comm, "broadcast", x, root)) != want_path:
+                    bad.append(f"broadcast {count} {dt}: took the {p} path")
+                if not torch.equal(x, vals[root]):
+                    bad.append(f"broadcast {count} {dt} root {root}: wrong")
+            for op in pc.ReduceOp:
+                root = (count + op.value) % n
+                x = vals[r].clone()
+                if (p := _path(comm, "reduce", x, root, op)) != want_path:
+                    bad.append(f"reduce {count} {dt}: took the {p} path")
+                want = _reference(stacked, op, dt).to(dt) if r == root else vals[r]
+                if not torch.equal(x, want):
+                    bad.append(f"reduce {count} {dt} {op.name} root {root}: wrong")
+            out = torch.zeros(n * count, dtype=dt)
+            if (p := _path(comm, "all_to_all", out, vals[r])) != want_path:
+                bad.append(f"all_to_all {count} {dt}: took the {p} path")
+            want = torch.cat([vals[q][r * count : (r + 1) * count] for q in range(n)])
+            if not torch.equal(out, want):
+                bad.append(f"all_to_all {count} {dt}: wrong")
+    return bad
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_cma_forced_rooted_and_all_to_all(world_size):
+    for r, bad in enumerate(_forced(world_size, job_cma_forced_rooted_all_to_all)):
+        assert not bad, f"rank {r}: {bad}"
+
+
+_SHARED = ("all_reduce", "reduce_scatter", "all_gather", "reduce", "broadcast", "all_to_all")
+
+
 def job_cma_taken_over(comm: pc.Communicator) -> tuple[list[str], dict[str, int]] | None:
     """All ranks on one CPU: whichever rank runs claims the chunks of the ranks that
     are descheduled. Exact results, and how many chunks each rank took over."""
@@ -103,8 +147,21 @@ def job_cma_taken_over(comm: pc.Communicator) -> tuple[list[str], dict[str, int]
         comm.all_gather(out, vals[r][:count])
         if not torch.equal(out, torch.cat([v[:count] for v in vals])):
             bad.append(f"all_gather {it}: wrong")
+        root = it % n
+        x = vals[r].clone()
+        comm.reduce(x, root)
+        if not torch.equal(x, full if r == root else vals[r]):
+            bad.append(f"reduce {it}: wrong")
+        x = vals[r].clone()
+        comm.broadcast(x, root)
+        if not torch.equal(x, vals[root]):
+            bad.append(f"broadcast {it}: wrong")
+        out = torch.empty(n * count, dtype=torch.int32)
+        comm.all_to_all(out, vals[r])
+        if not torch.equal(out, torch.cat([v[r * count : (r + 1) * count] for v in vals])):
+            bad.append(f"all_to_all {it}: wrong")
     stats = comm.stats()
-    return bad, {c: stats[c]["taken_over"] for c in ("all_reduce", "reduce_scatter", "all_gather")}
+    return bad, {c: stats[c]["taken_over"] for c in _SHARED}
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -112,7 +169,7 @@ def test_cma_chunks_of_descheduled_ranks_are_taken_over(world_size):
     results = _forced(world_size, job_cma_taken_over)
     for r, (bad, _) in enumerate(results):
         assert not bad, f"rank {r}: {bad}"
-    for coll in ("all_reduce", "reduce_scatter", "all_gather"):
+    for coll in _SHARED:
         assert sum(taken[coll] for _, taken in results) > 0, (coll, results)
 
 
@@ -132,10 +189,28 @@ def job_cma_auto(comm: pc.Communicator) -> list[str]:
         # 32 KiB per rank: single copy beats the one-shot areas with 2 ranks only
         ("all_gather", 1 << 13, cma if n == 2 else "oneshot"),
         ("reduce_scatter", 1 << 20, cma),  # 4 MiB of input
+        ("broadcast", 1 << 20, cma),
+        ("broadcast", 1000, "oneshot"),
+        ("reduce", 1 << 20, cma if n == 2 else "slots"),
+        ("all_to_all", 1 << 18, cma),  # 1 MiB blocks
+        ("all_to_all", 1 << 12, "slots"),
     ]
     for coll, count, want in cases:
         x = data[r][:count].float()
-        if coll == "all_reduce":
+        if coll == "broadcast":
+            path = _path(comm, coll, x, n - 1)
+            ok = torch.equal(x, data[n - 1][:count].float())
+        elif coll == "reduce":
+            path = _path(comm, coll, x, 0)
+            ref = total[:count] if r == 0 else data[r][:count]
+            ok = torch.allclose(x.double(), ref, rtol=1e-5, atol=1e-5)
+        elif coll == "all_to_all":
+            out = torch.empty(n * count)
+            xs = data[r][: n * count].float()
+            path = _path(comm, coll, out, xs)
+            want_out = [d[r * count : (r + 1) * count].float() for d in data]
+            ok = torch.equal(out, torch.cat(want_out))
+        elif coll == "all_reduce":
             path = _path(comm, coll, x)
             ok = torch.allclose(x.double(), total[:count], rtol=1e-5, atol=1e-5)
         elif coll == "all_gather":

@@ -70,6 +70,13 @@ void cma_all_reduce(OpCtx& c, const CmaView& v, void* buf, size_t count);
 void cma_reduce_scatter(OpCtx& c, const CmaView& v, const void* in, void* out, size_t count);
 // out: nranks blocks of `count`; in (= addr[rank]) may be out's own block.
 void cma_all_gather(OpCtx& c, const CmaView& v, const void* in, void* out, size_t count);
+// buf (= addr[rank]): the result lands in the root's only.
+void cma_reduce(OpCtx& c, const CmaView& v, void* buf, size_t count, int root);
+// addr[p]: rank p's buffer.
+void cma_broadcast(OpCtx& c, const CmaView& v, size_t count, int root);
+// addr[p] and out[p]: rank p's input and output, nranks blocks of `count` each
+// (they do not overlap).
+void cma_all_to_all(OpCtx& c, const CmaView& v, size_t count);
 
 // One send or receive of a batch. `tag`: what a send's slots carry, or what a
 // receive expects from its sender.

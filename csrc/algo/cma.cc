@@ -19,6 +19,12 @@
 //   (through scratch and a write when p is a peer).
 // - All-gather (part p: rank p's input): the chunk goes into block p of every
 //   rank's output; a rank other than p reads it out of rank p first.
+// - Reduce (part p: the p-th n-th of the buffer): as all-reduce, but the
+//   result goes into the root's buffer only.
+// - Broadcast (part p: rank p's buffer; the root has none) and all-to-all
+//   (part p: rank p's output, block by block) copy each chunk from where it is
+//   to where it goes (relay): one copy when the claimer is either end, two
+//   through scratch when a third rank takes it over.
 //
 // Only the claimer touches a chunk's bytes, in every rank's buffers, so in
 // place operations need no more ordering than that. A rank that finds nothing
@@ -87,10 +93,15 @@ void reduce_pulled(OpCtx& c, const CmaView& v, size_t off, const char* own, char
   c.bytes_recv += (n - 1) * bytes;
 }
 
+// Writes `bytes` at `src` into rank p's process at address `dst`.
+void write_out_at(OpCtx& c, const CmaView& v, int p, uint64_t dst, const char* src, size_t bytes) {
+  cma_write(v.pid[p], p, dst, src, bytes, *c.mon);
+  c.bytes_sent += bytes;
+}
+
 // Writes `bytes` at `src` into rank p's output at out[p] + off.
 void write_out(OpCtx& c, const CmaView& v, int p, size_t off, const char* src, size_t bytes) {
-  cma_write(v.pid[p], p, v.out[p] + off, src, bytes, *c.mon);
-  c.bytes_sent += bytes;
+  write_out_at(c, v, p, v.out[p] + off, src, bytes);
 }
 
 // Writes `bytes` at `src` into every peer's output at out[p] + off, except
@@ -100,6 +111,23 @@ void push(OpCtx& c, const CmaView& v, const char* src, size_t off, size_t bytes,
     const int p = (c.rank + s) % c.nranks;
     if (p != skip) write_out(c, v, p, off, src, bytes);
   }
+}
+
+// Copies `bytes` at address `src` in rank `from`'s process to address `dst` in
+// rank `to`'s (either may be this rank).
+void relay(OpCtx& c, const CmaView& v, int from, uint64_t src, int to, uint64_t dst, size_t bytes) {
+  auto here = [](uint64_t a) { return reinterpret_cast<char*>(static_cast<uintptr_t>(a)); };
+  const int r = c.rank;
+  if (from == r && to == r) {
+    copy(here(dst), nullptr, here(src), bytes, c.out_store);
+    return;
+  }
+  char* via = to == r ? here(dst) : from == r ? here(src) : v.scratch;
+  if (from != r) {
+    cma_read(v.pid[from], from, via, src, bytes, *c.mon);
+    c.bytes_recv += bytes;
+  }
+  if (to != r) write_out_at(c, v, to, dst, via, bytes);
 }
 
 }  // namespace
@@ -116,6 +144,55 @@ void cma_all_reduce(OpCtx& c, const CmaView& v, void* buf, size_t count) {
         const size_t k = first(p) + i, at = k * step * es, len = std::min(step, count - k * step);
         reduce_pulled(c, v, at, b + at, b + at, len);
         push(c, v, b + at, at, len * es, -1);
+      });
+}
+
+void cma_reduce(OpCtx& c, const CmaView& v, void* buf, size_t count, int root) {
+  const int n = c.nranks, r = c.rank;
+  PYC_ASSERT(n <= kMaxDirectRanks);
+  const size_t es = c.esize(), step = v.chunk / es, chunks = (count + step - 1) / step;
+  char* b = static_cast<char*>(buf);
+  char* result = v.scratch + (n - 1) * v.chunk;  // the root's chunk, before it is written there
+  auto first = [&](int p) { return chunks * p / n; };
+  share(
+      c, v, [&](int p) { return first(p + 1) - first(p); },
+      [&](int p, size_t i) {
+        const size_t k = first(p) + i, at = k * step * es, len = std::min(step, count - k * step);
+        char* dst = r == root ? b + at : result;
+        reduce_pulled(c, v, at, b + at, dst, len);
+        if (r != root) write_out(c, v, root, at, dst, len * es);
+      });
+}
+
+void cma_broadcast(OpCtx& c, const CmaView& v, size_t count, int root) {
+  const int n = c.nranks;
+  PYC_ASSERT(n <= kMaxDirectRanks);
+  const size_t es = c.esize();
+  // At least two chunks per rank, so that every rank copies (the root too).
+  const size_t want = ((n - 1) * count * es / (2 * n) + 4095) / 4096 * 4096;
+  const size_t step = std::min(v.chunk, std::max<size_t>(16 << 10, want)) / es;
+  const size_t chunks = (count + step - 1) / step;
+  share(
+      c, v, [&](int p) { return p == root ? 0 : chunks; },
+      [&](int p, size_t i) {
+        const size_t at = i * step * es, len = std::min(step, count - i * step) * es;
+        relay(c, v, root, v.addr[root] + at, p, v.addr[p] + at, len);
+      });
+}
+
+void cma_all_to_all(OpCtx& c, const CmaView& v, size_t count) {
+  const int n = c.nranks;
+  PYC_ASSERT(n <= kMaxDirectRanks);
+  const size_t es = c.esize(), step = v.chunk / es, per_block = (count + step - 1) / step;
+  // Part p's chunks: block q = p, p + 1, ... of rank p's output (its own block
+  // first), per_block chunks each; block q comes from block p of rank q's input.
+  share(
+      c, v, [&](int) { return n * per_block; },
+      [&](int p, size_t i) {
+        const int q = static_cast<int>((p + i / per_block) % n);
+        const size_t k = i % per_block, at = k * step * es;
+        const size_t len = std::min(step, count - k * step) * es;
+        relay(c, v, q, v.addr[q] + p * count * es + at, p, v.out[p] + q * count * es + at, len);
       });
 }
 

@@ -416,12 +416,16 @@ bool Communicator::direct(OpCtx& c, const ShmWindow* win, size_t bytes, uint64_t
 
 namespace {
 
-// Whether the single-copy path beats the slots (and, for all-gather, the
-// one-shot areas) for a collective moving `total` bytes (nccl-tests' size:
-// the all-reduce buffer, the reduce-scatter input, the all-gather output) on
-// `n` ranks. Crossovers measured on a 2-core VM (docs/benchmarks.md, "Single
-// copy"): below them a system call per peer and chunk costs more than the
-// slots' pipelined copies; nothing was measured beyond 4 ranks.
+// Whether the single-copy path beats the slots (and, for all-gather and
+// broadcast, the one-shot areas) for a collective moving `total` bytes
+// (nccl-tests' size: the all-reduce, reduce and broadcast buffer, the
+// reduce-scatter input, the all-gather and all-to-all output) on `n` ranks.
+// Crossovers measured on a 2-core VM (docs/benchmarks.md, "Single copy"):
+// below them a system call per peer and chunk costs more than the slots'
+// pipelined copies; from 32 MiB, where the output is out of the caches, the
+// kernel's copy into it (ordinary stores) mostly loses to the slots' streaming
+// stores in the collectives that only copy; nothing was measured beyond 4
+// ranks.
 bool cma_wins(OpKind kind, int n, size_t total) {
   constexpr size_t KiB = 1024, MiB = 1024 * KiB;
   if (n > 4) return false;
@@ -436,6 +440,16 @@ bool cma_wins(OpKind kind, int n, size_t total) {
       return n == 2   ? total >= 64 * KiB && total < 32 * MiB
              : n == 3 ? total >= 256 * KiB
                       : total >= 1 * MiB;
+    case OpKind::kReduce:  // 3-4 ranks: gains and losses from run to run
+      return n == 2 && total >= 1 * MiB && total < 32 * MiB;
+    case OpKind::kBroadcast:
+      return n == 2   ? total >= 256 * KiB
+             : n == 3 ? total >= 256 * KiB && total < 32 * MiB
+                      : total >= 4 * MiB && total < 32 * MiB;
+    case OpKind::kAllToAll:
+      return n == 2   ? total >= 256 * KiB && total < 32 * MiB
+             : n == 3 ? total >= 2 * MiB && total < 32 * MiB
+                      : total >= 4 * MiB && total < 32 * MiB;
     default:
       return false;
   }
@@ -605,30 +619,55 @@ std::shared_ptr<Work> Communicator::broadcast(void* buf, size_t count, DataType 
                                               bool async, double timeout_s) {
   check_rank(root, "src", OpKind::kBroadcast);
   OpSig sig{OpKind::kBroadcast, dt, ReduceOp::kSum, root, count};
-  return collective(sig, timeout_s, async, [this, buf, count, root](OpCtx& c) {
-    if (oneshot(c, count * c.esize())) {
-      c.path = Path::kOneShot;
-      oneshot_broadcast(c, oneshot_, buf, count, root);
-      if (c.rank != root) saw_flags(c.tag.seq, root);
-    } else {
-      chain_broadcast(c, buf, count, root);
-    }
-  });
+  return collective(
+      sig, timeout_s, async,
+      [this, buf, count, root](OpCtx& c) {
+        const size_t bytes = count * c.esize();
+        if (cma(c, OpKind::kBroadcast, bytes)) {
+          c.path = Path::kCma;
+          cma_broadcast(c, cma_view(c.tag.seq), count, root);
+        } else if (oneshot(c, bytes)) {
+          c.path = Path::kOneShot;
+          oneshot_broadcast(c, oneshot_, buf, count, root);
+          if (c.rank != root) saw_flags(c.tag.seq, root);
+        } else {
+          chain_broadcast(c, buf, count, root);
+        }
+      },
+      0, buf, buf);
 }
 
 std::shared_ptr<Work> Communicator::reduce(void* buf, size_t count, DataType dt, ReduceOp op,
                                            int root, bool async, double timeout_s) {
   check_rank(root, "dst", OpKind::kReduce);
   OpSig sig{OpKind::kReduce, dt, op, root, count};
-  return collective(sig, timeout_s, async,
-                    [buf, count, root](OpCtx& c) { chain_reduce(c, buf, count, root); });
+  return collective(
+      sig, timeout_s, async,
+      [this, buf, count, root](OpCtx& c) {
+        if (cma(c, OpKind::kReduce, count * c.esize())) {
+          c.path = Path::kCma;
+          cma_reduce(c, cma_view(c.tag.seq), buf, count, root);
+        } else {
+          chain_reduce(c, buf, count, root);
+        }
+      },
+      0, buf, buf);
 }
 
 std::shared_ptr<Work> Communicator::all_to_all(void* out, const void* in, size_t count, DataType dt,
                                                bool async, double timeout_s) {
   OpSig sig{OpKind::kAllToAll, dt, ReduceOp::kSum, -1, count};
-  return collective(sig, timeout_s, async,
-                    [out, in, count](OpCtx& c) { pairwise_all_to_all(c, in, out, count); });
+  return collective(
+      sig, timeout_s, async,
+      [this, out, in, count](OpCtx& c) {
+        if (cma(c, OpKind::kAllToAll, count * c.esize() * n_)) {
+          c.path = Path::kCma;
+          cma_all_to_all(c, cma_view(c.tag.seq), count);
+        } else {
+          pairwise_all_to_all(c, in, out, count);
+        }
+      },
+      0, in, out);
 }
 
 std::shared_ptr<Work> Communicator::barrier(bool async, double timeout_s) {

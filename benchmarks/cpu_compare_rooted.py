@@ -1,0 +1,71 @@
+"""Broadcast, reduce and all-to-all: pycollectives against gloo and OpenMPI on local ranks, in one
+run.
+
+    python benchmarks/cpu_compare_rooted.py [--ranks 2,3,4] [--trials 3] [--no-write]
+
+For each world size, runs `pycollectives-bench --compare gloo,mpi` for the three collectives
+from 64 KiB to 64 MiB (as cpu_compare.py: 50 calls per trial up to 1 MiB, 10 from 4 MiB with
+gloo and OpenMPI taking turns at each size in the same ranks), then rewrites the section between
+the `cpu_compare_rooted` markers in docs/benchmarks.md. The issue sets no target for these
+collectives; the tables show where pycollectives stands against its peers on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from _doc import emit_section, run_bench
+from cpu_compare import table
+
+COLLS = ["broadcast", "reduce", "all_to_all"]
+SIZE_RUNS = [
+    ["-b", "64K", "-e", "1M", "-f", "4", "-n", "50", "-w", "10"],
+    ["-b", "4M", "-e", "64M", "-f", "4", "-n", "10", "-w", "3", "--interleave", "1"],
+]
+BEGIN, END = "<!-- cpu_compare_rooted:begin -->", "<!-- cpu_compare_rooted:end -->"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", default="2,3,4")
+    ap.add_argument("--trials", default="3")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    ranks = [int(x) for x in args.ranks.split(",")]
+    rows, meta = [], None
+    for n in ranks:
+        for sizes in SIZE_RUNS:
+            flags = [*sizes, "--coll", ",".join(COLLS), "--trials", args.trials, "-c", "1"]
+            data = run_bench(n, ["--compare", "gloo,mpi", *flags])
+            rows += data["rows"]
+            meta = meta or data["metadata"]
+    wrong = sum(r.get("wrong") or 0 for r in rows)
+    v = meta["versions"] if meta else {}
+    tables: list[str] = []
+    for coll in COLLS:
+        for n in ranks:
+            tables += [f"### {coll}, {n} ranks", "", *table(rows, coll, n), ""]
+    emit_section(
+        BEGIN,
+        END,
+        "CPU: broadcast, reduce and all-to-all against gloo and OpenMPI",
+        f"`python benchmarks/cpu_compare_rooted.py --ranks {args.ranks} --trials {args.trials}` "
+        "(each world size: `pycollectives-bench --nproc N -b 64K -e 1M -f 4 -n 50 -w 10 --coll "
+        f"{','.join(COLLS)} --trials {args.trials} -c 1 --compare gloo,mpi` and the same with "
+        "`-b 4M -e 64M -f 4 -n 10 -w 3 --interleave 1`; root 0; plain buffers)",
+        [
+            f"Software: pycollectives {v.get('pycollectives')} ({v.get('simd_level')}), torch "
+            f"{v.get('torch')} (gloo), {v.get('mpi', 'no MPI')}, mpi4py {v.get('mpi4py', '-')}; "
+            f"single copy (CMA): {v.get('single_copy', '?')}",
+            "float32, op sum (reduce); time = median over trials of the slowest rank's mean time "
+            "per call; busbw in GB/s (nccl-tests factors); ratio = peer time / pycollectives time "
+            "(> 1: pycollectives faster)",
+            f"Correctness: every pycollectives row was checked (`-c 1`): {wrong} wrong elements",
+        ],
+        tables,
+        not args.no_write,
+    )
+
+
+if __name__ == "__main__":
+    main()
