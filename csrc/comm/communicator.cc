@@ -438,8 +438,8 @@ bool cma_wins(OpKind kind, int n, size_t total) {
                       : total >= 1 * MiB && total < 8 * MiB;
     case OpKind::kAllGather:
       return n == 2   ? total >= 64 * KiB && total < 32 * MiB
-             : n == 3 ? total >= 256 * KiB
-                      : total >= 1 * MiB;
+             : n == 3 ? total >= 256 * KiB && total < 32 * MiB
+                      : total >= 1 * MiB && total < 32 * MiB;
     case OpKind::kReduce:  // 3-4 ranks: gains and losses from run to run
       return n == 2 && total >= 1 * MiB && total < 32 * MiB;
     case OpKind::kBroadcast:
