@@ -72,12 +72,6 @@ def job_cma_forced(comm: pc.Communicator) -> list[str] | None:
     return bad
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_cma_forced_every_op_dtype_size(world_size):
-    for r, bad in enumerate(_forced(world_size, job_cma_forced)):
-        assert not bad, f"rank {r}: {bad}"
-
-
 def job_cma_forced_rooted_all_to_all(comm: pc.Communicator) -> list[str] | None:
     """PYCOLL_ALGO=cma: broadcast and reduce from every root, and all-to-all, of
     every size take the single-copy path, exact for every op and dtype; reduce
@@ -113,9 +107,10 @@ def job_cma_forced_rooted_all_to_all(comm: pc.Communicator) -> list[str] | None:
     return bad
 
 
+@pytest.mark.parametrize("job", [job_cma_forced, job_cma_forced_rooted_all_to_all])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_cma_forced_rooted_and_all_to_all(world_size):
-    for r, bad in enumerate(_forced(world_size, job_cma_forced_rooted_all_to_all)):
+def test_cma_forced_every_collective_op_dtype_size(world_size, job):
+    for r, bad in enumerate(_forced(world_size, job)):
         assert not bad, f"rank {r}: {bad}"
 
 
