@@ -144,15 +144,13 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
         oneshot_.payload[par][r] = reinterpret_cast<char*>(h) + sizeof(OneShotHeader);
       }
   }
-  // More ranks than cores: spin briefly, then give the core to the peer.
-  cpu_set_t cpus;
-  if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) < n)
-    spin_polls_ = max_spin_polls_ = 16;
   known_started_.assign(n, 0);
   p2p_sent_.assign(n, 0);
   p2p_recvd_.assign(n, 0);
   RankCtl* me = layout_.rank_ctl(base, rank);
   me->pid = getpid();
+  if (sched_getaffinity(0, sizeof(me->cpus), &me->cpus) != 0)  // unknown: assume plenty
+    for (int c = 0; c < CPU_SETSIZE; ++c) CPU_SET(c, &me->cpus);
   // The probe word peers read in connect(): an address and a value no other
   // process holds there by chance.
   cma_token_ = std::chrono::steady_clock::now().time_since_epoch().count() ^
@@ -188,6 +186,13 @@ void Communicator::connect() {
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   if (creator_) seg_.unlink();  // every rank has it mapped: nothing stays in /dev/shm
+  // More ranks than the CPUs they may run on between them (not: than this
+  // rank's CPUs, which is one for every rank pinned to its own): spin
+  // briefly, then give the core to a peer.
+  cpu_set_t all;
+  CPU_ZERO(&all);
+  for (int p = 0; p < n_; ++p) CPU_OR(&all, &all, &layout_.rank_ctl(seg_.data(), p)->cpus);
+  if (CPU_COUNT(&all) < n_) spin_polls_ = max_spin_polls_ = 16;
   agree_cma(deadline);
 }
 

@@ -7,6 +7,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <climits>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -25,6 +27,14 @@ namespace {
 
 constexpr int kYieldRounds = 256;  // polls between sched_yield calls before sleeping
 constexpr int kMinSpinPolls = 4;
+constexpr std::chrono::nanoseconds kLate{2000};  // see wait_reached
+
+void adapt_spin(WaitMonitor& mon, bool longer) {
+  if (longer)
+    mon.spin_polls = std::min(mon.spin_polls * 2, mon.max_spin_polls);
+  else
+    mon.spin_polls = std::max(mon.spin_polls / 2, kMinSpinPolls);
+}
 constexpr long kSleepNs = 1000000;  // futex sleep slice: 1 ms
 
 // Shared (not private) futex: the word lives in memory mapped by several processes.
@@ -53,13 +63,21 @@ uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon) {
     }
     if ((i & 63) == 63) mon.check_fast();
   }
-  if (mon.spin_polls > kMinSpinPolls) mon.spin_polls /= 2;
+  // The spin ran out. Data that comes within a couple of microseconds of
+  // yielding was only late, and a longer spin would have caught it without a
+  // system call: spin longer next time. Data that takes longer needed this
+  // core (a peer on it ran) or a peer that was descheduled: spin less.
+  const auto yielded = std::chrono::steady_clock::now();
   for (int r = 0; r < kYieldRounds; ++r) {
     sched_yield();
     v = c.value.load(std::memory_order_acquire);
-    if (reached(v, target)) return v;
+    if (reached(v, target)) {
+      adapt_spin(mon, std::chrono::steady_clock::now() - yielded < kLate);
+      return v;
+    }
     mon.check_fast();
   }
+  adapt_spin(mon, false);
   const timespec slice{0, kSleepNs};
   for (;;) {
     c.sleepers.fetch_add(1, std::memory_order_seq_cst);

@@ -19,8 +19,9 @@ class WaitMonitor {
   // Short: a peer that shares our core (oversubscribed, or not yet spread out
   // by the scheduler) runs only once we yield, so every poll past a few
   // microseconds delays the very data we wait for.
-  // wait_reached adapts it: halved when a wait succeeded only after yielding
-  // (the peer needed our core), doubled back when data arrived while spinning.
+  // wait_reached adapts it: doubled when data arrived while spinning or within
+  // ~2 us of yielding (the peer was only late), halved when it took longer
+  // (the peer needed our core, or was descheduled).
   int spin_polls = 256;
   int max_spin_polls = 256;
   // Called every few spins; must be cheap (one load).

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <pthread.h>
+#include <sched.h>
 
 #include <atomic>
 #include <cstddef>
@@ -56,6 +57,7 @@ struct alignas(64) RankCtl {
   std::atomic<uint32_t> cma_state;
   uint64_t cma_addr;
   uint64_t cma_token;
+  cpu_set_t cpus;                     // the CPUs this rank may run on
   std::atomic<uint32_t> closed;       // set by close() before `alive` is released
   alignas(64) pthread_mutex_t alive;  // robust; held while the rank's communicator lives
   alignas(64) SigEntry sig[kSigHistory];
