@@ -25,6 +25,26 @@ def _env_int(name: str) -> int:
         raise ValueError(f"pycollectives: init: {name}={value!r} is not an integer") from None
 
 
+def _bind(rank: int, world_size: int) -> None:
+    """PYCOLL_BIND=core: pins the calling thread (and the threads it starts from now on: the
+    communicator's progress thread, torch's pools if not started yet) to one of the CPUs it may
+    run on, the local rank's (LOCAL_RANK, else `rank`), when the local ranks (LOCAL_WORLD_SIZE,
+    else `world_size`) fit one per CPU; otherwise leaves it unpinned, as mpirun's --bind-to core
+    does for more ranks than cores. Unset or `none`: nothing. Raises ValueError for another value."""
+    mode = os.environ.get("PYCOLL_BIND", "none") or "none"
+    if mode == "none":
+        return
+    if mode != "core":
+        raise ValueError(
+            f"pycollectives: rank {rank}: init: PYCOLL_BIND must be none or core, not {mode!r}"
+        )
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    nlocal = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    cpus = sorted(os.sched_getaffinity(0))
+    if nlocal <= len(cpus):
+        os.sched_setaffinity(0, {cpus[local % len(cpus)]})
+
+
 def init(
     rank: int | None = None,
     world_size: int | None = None,
@@ -41,8 +61,11 @@ def init(
     the default timeout of every operation. Every rank must call init the same
     number of times with the same prefix.
 
-    Raises ValueError for missing or inconsistent arguments, and
-    CollectiveTimeout if the other ranks do not arrive within `timeout`.
+    With PYCOLL_BIND=core in the environment, first pins this rank to one CPU
+    (see _bind: one rank per core, as mpirun binds).
+
+    Raises ValueError for missing or inconsistent arguments (or PYCOLL_BIND),
+    and CollectiveTimeout if the other ranks do not arrive within `timeout`.
     """
     seconds = to_seconds(timeout)
     if seconds < 0:
@@ -74,6 +97,7 @@ def init(
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"pycollectives: init: rank={rank!r} is out of range [0, {world_size})")
 
+    _bind(rank, world_size)
     generation = _inits.get(prefix, 0)
     _inits[prefix] = generation + 1
     key = f"{prefix}/{generation}/segment"
