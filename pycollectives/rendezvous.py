@@ -38,8 +38,8 @@ def _bind(rank: int, world_size: int) -> None:
         raise ValueError(
             f"pycollectives: rank {rank}: init: PYCOLL_BIND must be none or core, not {mode!r}"
         )
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    nlocal = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    local = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else rank
+    nlocal = _env_int("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ else world_size
     cpus = sorted(os.sched_getaffinity(0))
     if nlocal <= len(cpus):
         os.sched_setaffinity(0, {cpus[local % len(cpus)]})

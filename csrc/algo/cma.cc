@@ -130,45 +130,45 @@ void relay(OpCtx& c, const CmaView& v, int from, uint64_t src, int to, uint64_t 
   if (to != r) write_out_at(c, v, to, dst, via, bytes);
 }
 
-}  // namespace
-
-void cma_all_reduce(OpCtx& c, const CmaView& v, void* buf, size_t count) {
-  const int n = c.nranks;
-  PYC_ASSERT(n <= kMaxDirectRanks);
-  const size_t es = c.esize(), step = v.chunk / es, chunks = (count + step - 1) / step;
-  char* b = static_cast<char*>(buf);
-  auto first = [&](int p) { return chunks * p / n; };  // part p: chunks [first(p), first(p + 1))
-  share(
-      c, v, [&](int p) { return first(p + 1) - first(p); },
-      [&](int p, size_t i) {
-        const size_t k = first(p) + i, at = k * step * es, len = std::min(step, count - k * step);
-        reduce_pulled(c, v, at, b + at, b + at, len);
-        push(c, v, b + at, at, len * es, -1);
-      });
-}
-
-void cma_reduce(OpCtx& c, const CmaView& v, void* buf, size_t count, int root) {
+// All-reduce (root < 0) and reduce: part p is the p-th n-th of the buffer's
+// chunks; the claimer reduces a chunk of every rank's buffer and writes the
+// result into every rank's (all-reduce) or the root's only.
+void reduce_chunks(OpCtx& c, const CmaView& v, void* buf, size_t count, int root) {
   const int n = c.nranks, r = c.rank;
   PYC_ASSERT(n <= kMaxDirectRanks);
   const size_t es = c.esize(), step = v.chunk / es, chunks = (count + step - 1) / step;
   char* b = static_cast<char*>(buf);
   char* result = v.scratch + (n - 1) * v.chunk;  // the root's chunk, before it is written there
-  auto first = [&](int p) { return chunks * p / n; };
+  auto first = [&](int p) { return chunks * p / n; };  // part p: chunks [first(p), first(p + 1))
   share(
       c, v, [&](int p) { return first(p + 1) - first(p); },
       [&](int p, size_t i) {
         const size_t k = first(p) + i, at = k * step * es, len = std::min(step, count - k * step);
-        char* dst = r == root ? b + at : result;
+        char* dst = root < 0 || r == root ? b + at : result;
         reduce_pulled(c, v, at, b + at, dst, len);
-        if (r != root) write_out(c, v, root, at, dst, len * es);
+        if (root < 0)
+          push(c, v, dst, at, len * es, -1);
+        else if (r != root)
+          write_out(c, v, root, at, dst, len * es);
       });
+}
+
+}  // namespace
+
+void cma_all_reduce(OpCtx& c, const CmaView& v, void* buf, size_t count) {
+  reduce_chunks(c, v, buf, count, -1);
+}
+
+void cma_reduce(OpCtx& c, const CmaView& v, void* buf, size_t count, int root) {
+  reduce_chunks(c, v, buf, count, root);
 }
 
 void cma_broadcast(OpCtx& c, const CmaView& v, size_t count, int root) {
   const int n = c.nranks;
   PYC_ASSERT(n <= kMaxDirectRanks);
   const size_t es = c.esize();
-  // At least two chunks per rank, so that every rank copies (the root too).
+  // About two chunks per rank (of 16 KiB to v.chunk), so that every rank
+  // copies, the root too.
   const size_t want = ((n - 1) * count * es / (2 * n) + 4095) / 4096 * 4096;
   const size_t step = std::min(v.chunk, std::max<size_t>(16 << 10, want)) / es;
   const size_t chunks = (count + step - 1) / step;

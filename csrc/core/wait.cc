@@ -28,14 +28,15 @@ namespace {
 constexpr int kYieldRounds = 256;  // polls between sched_yield calls before sleeping
 constexpr int kMinSpinPolls = 4;
 constexpr std::chrono::nanoseconds kLate{2000};  // see wait_reached
+constexpr long kSleepNs = 1000000;               // futex sleep slice: 1 ms
 
+// Doubles or halves the spin budget, within [kMinSpinPolls, max_spin_polls].
 void adapt_spin(WaitMonitor& mon, bool longer) {
   if (longer)
     mon.spin_polls = std::min(mon.spin_polls * 2, mon.max_spin_polls);
   else
     mon.spin_polls = std::max(mon.spin_polls / 2, kMinSpinPolls);
 }
-constexpr long kSleepNs = 1000000;  // futex sleep slice: 1 ms
 
 // Shared (not private) futex: the word lives in memory mapped by several processes.
 long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {
@@ -58,7 +59,7 @@ uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon) {
     PYC_PAUSE();
     v = c.value.load(std::memory_order_acquire);
     if (reached(v, target)) {
-      if (mon.spin_polls < mon.max_spin_polls) mon.spin_polls *= 2;
+      adapt_spin(mon, true);
       return v;
     }
     if ((i & 63) == 63) mon.check_fast();
