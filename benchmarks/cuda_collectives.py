@@ -7,13 +7,16 @@ For each world size runs `pycollectives-bench --device cuda --compare gloo[,nccl
 for all-reduce, reduce-scatter and all-gather from 8 KiB to 1 GiB (8 KiB..512 MiB
 by factors of 4, then 1 GiB), with every row checked (-c 1). In the same run it
 measures the device-to-device copy bandwidth (torch copy_ of 256 MiB, CUDA
-events) and derives the roofline of each row: the bytes that the ring schedule
-makes each rank's kernels read and write,
-    all_reduce      S (6n - 4) / n        (S: the buffer)
-    reduce_scatter  S (3n - 1) / n        (S: the input, n blocks)
-    all_gather      S (3n - 1) / n        (S: the output, n blocks)
+events) and derives the roofline of each row: the fewest bytes each rank must
+read and write, whatever the algorithm (each input byte read once, each output
+byte written once),
+    all_reduce      2 S                  (S: the buffer; read S, write S)
+    reduce_scatter  S (n + 1) / n        (S: the input, n blocks; write one block)
+    all_gather      S (n + 1) / n        (S: the output, n blocks; read one block)
 times the number of ranks that share one GPU (they share its memory
 bandwidth), divided by the copy bandwidth (bytes read + written per second).
+The direct path moves exactly these bytes with 2 ranks; with n ranks its
+all-reduce and all-gather read each pushed part ceil((n - 1) / 2) times.
 Then it rewrites its section of docs/benchmarks.md (between the
 cuda_collectives markers) with the command, the device, the date, every figure
 and the targets (>= 80 % of the roofline from 64 MiB, >= 20x gloo) checked.
@@ -89,16 +92,44 @@ def nccl_setup() -> tuple[dict[str, str] | None, str]:
     return None, "; ".join(found) + " (NCCL >= 2.30 is needed for several ranks per GPU)"
 
 
-def bench(nranks: int, sizes: list[str], iters: list[str], backends: str, env: dict) -> dict:
-    """Runs one comparison; returns the bench's JSON (metadata and rows)."""
-    flags = ["--device", "cuda", "--coll", ",".join(COLLS), "--compare", backends, "-c", "1",
-             "--timeout", "600", *sizes, *iters]  # fmt: skip
-    return run_bench(nranks, flags, env)
+SIZES = ["-b", "8K", "-e", "512M", "-f", "4"]
+BIG = ["-b", "1G", "-e", "1G"]
+
+
+def bench(nranks: int, backend: str, env: dict, quick: bool) -> list[dict]:
+    """Rows of one backend (pycoll, gloo or nccl) from 8 KiB to 1 GiB; quick:
+    fewer iterations (the slow peers)."""
+    flags = ["--device", "cuda", "--coll", ",".join(COLLS), "--backend", backend, "-c", "1",
+             "--timeout", "900"]  # fmt: skip
+    it = (
+        ["-n", "3", "-w", "1", "--trials", "1"]
+        if quick
+        else ["-n", "20", "-w", "3", "--trials", "3"]
+    )
+    big = (
+        ["-n", "1", "-w", "1", "--trials", "1"]
+        if quick
+        else ["-n", "5", "-w", "1", "--trials", "3"]
+    )
+    rows = run_bench(nranks, flags + SIZES + it, env)["rows"]
+    return rows + run_bench(nranks, flags + BIG + big, env)["rows"]
+
+
+def nccl_attempt(nranks: int, env: dict) -> str:
+    """What NCCL does with `nranks` ranks on one GPU: one all-reduce of 1 MiB."""
+    flags = ["--device", "cuda", "--backend", "nccl", "-b", "1M", "-e", "1M", "-n", "1", "-w", "0",
+             "--trials", "1", "--timeout", "120"]  # fmt: skip
+    try:
+        rows = run_bench(nranks, flags, env)["rows"]
+    except subprocess.CalledProcessError as e:
+        return f"the {nranks}-rank NCCL run failed (exit {e.returncode})"
+    note = rows[0].get("note") if rows else "no rows"
+    return note or f"ran: {rows[0].get('time_us')} us"
 
 
 def traffic(coll: str, size: int, n: int) -> float:
-    """Bytes the ring schedule makes one rank's kernels read and write."""
-    return size * (6 * n - 4) / n if coll == "all_reduce" else size * (3 * n - 1) / n
+    """The fewest bytes one rank must read and write (see the module's docstring)."""
+    return 2 * size if coll == "all_reduce" else size * (n + 1) / n
 
 
 def fmt_size(b: int) -> str:
@@ -106,6 +137,10 @@ def fmt_size(b: int) -> str:
         if b >= k:
             return f"{b // k} {unit}"
     return f"{b} B"
+
+
+def cell(v: float | None) -> str:
+    return f"{v:.1f}" if v is not None else "n/a"
 
 
 def render(runs: dict[int, list[dict]], bw: float, device: str, command: str, nccl: str) -> str:
@@ -119,8 +154,10 @@ def render(runs: dict[int, list[dict]], bw: float, device: str, command: str, nc
         f"`{command}` on {device} ({ngpu} GPU visible), "
         f"{datetime.date.today().isoformat()}, torch {torch.__version__}.",
         f"Device-to-device copy bandwidth measured in the same run: {bw / 1e9:.0f} GB/s "
-        "(bytes read + written per second). Roofline: the bytes the ring makes each rank read "
-        "and write, times the ranks sharing the GPU, over that bandwidth (see the script).",
+        "(bytes read + written per second). Roofline: the fewest bytes each rank must read "
+        "and write, times the ranks sharing the GPU, over that bandwidth (see the script). "
+        "`pycoll`: the default (direct CUDA IPC) path; `ring`: the staging ring "
+        "(`PYCOLL_ALGO=ring`). Times: median over trials of the slowest rank's time per call.",
         f"NCCL: {nccl}.",
         "",
     ]
@@ -132,33 +169,37 @@ def render(runs: dict[int, list[dict]], bw: float, device: str, command: str, nc
             lines += [
                 f"### {coll}, {n} ranks ({share} per GPU)",
                 "",
-                "| size | pycoll us | busbw GB/s | roofline us | % of roofline | gloo us "
-                "| x gloo | nccl us | wrong |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+                "| size | pycoll us | busbw GB/s | roofline us | % of roofline | ring us "
+                "| gloo us | x gloo | nccl us | wrong |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             ]
             worst_roof, worst_gloo = None, None
+
+            def us(backend: str, size: int, by=by, coll=coll) -> float | None:
+                r = by.get((backend, coll, size))
+                return r["time_us"] if r and r.get("time_us") else None
+
             for size in sorted({s for b, c, s in by if c == coll}):
                 own = by.get(("pycoll", coll, size))
                 if own is None or not own.get("time_us"):
                     continue
-                gloo = by.get(("gloo", coll, size))
-                nc = by.get(("nccl", coll, size))
                 roof = share * traffic(coll, size, n) / bw * 1e6
                 frac = roof / own["time_us"]
-                xg = gloo["time_us"] / own["time_us"] if gloo and gloo.get("time_us") else None
+                gloo = us("gloo", size)
+                xg = gloo / own["time_us"] if gloo else None
                 if size >= 64 << 20:
                     worst_roof = frac if worst_roof is None else min(worst_roof, frac)
                 if xg is not None:
                     worst_gloo = xg if worst_gloo is None else min(worst_gloo, xg)
+                wrong = sum(
+                    int(r.get("wrong") or 0)
+                    for b in ("pycoll", "ring", "gloo", "nccl")
+                    if (r := by.get((b, coll, size)))
+                )
                 lines.append(
                     f"| {fmt_size(size)} | {own['time_us']:.1f} | {own['busbw']:.2f} | {roof:.1f} "
-                    f"| {100 * frac:.0f} | "
-                    + (f"{gloo['time_us']:.1f}" if gloo and gloo.get("time_us") else "n/a")
-                    + f" | {xg:.1f}" * (xg is not None)
-                    + " | n/a" * (xg is None)
-                    + " | "
-                    + (f"{nc['time_us']:.1f}" if nc and nc.get("time_us") else "n/a")
-                    + f" | {own.get('wrong', 'n/a')} |"
+                    f"| {100 * frac:.0f} | {cell(us('ring', size))} | {cell(gloo)} "
+                    f"| {cell(xg)} | {cell(us('nccl', size))} | {wrong} |"
                 )
             lines.append("")
             roof_ok = worst_roof is not None and worst_roof >= 0.8
@@ -179,7 +220,6 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="2,4", help="world sizes (default 2,4)")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
-    p.add_argument("--iters", type=int, default=10, help="-n of the bench (default 10)")
     args = p.parse_args()
     try:
         import torch
@@ -202,15 +242,18 @@ def main() -> int:
     bw = copy_bandwidth()
     print(f"# {device}: device-to-device copy {bw / 1e9:.0f} GB/s (read + write)", flush=True)
     nccl_env, nccl_note = nccl_setup()
-    backends = "gloo,nccl" if nccl_env is not None else "gloo"
-    nccl = ("compared, " if nccl_env else "not compared: ") + nccl_note
-    it = ["-n", str(args.iters), "-w", "2", "--trials", "3"]
-    big = ["-n", "3", "-w", "1", "--trials", "2"]
     runs: dict[int, list[dict]] = {}
     for n in [int(x) for x in args.ranks.split(",")]:
-        rows = bench(n, ["-b", "8K", "-e", "512M", "-f", "4"], it, backends, nccl_env or {})["rows"]
-        rows += bench(n, ["-b", "1G", "-e", "1G"], big, backends, nccl_env or {})["rows"]
+        rows = bench(n, "pycoll", {}, quick=False)
+        ring = bench(n, "pycoll", {"PYCOLL_ALGO": "ring"}, quick=False)
+        rows += [dict(r, backend="ring") for r in ring]
+        rows += bench(n, "gloo", {}, quick=True)
+        if nccl_env is not None:
+            rows += bench(n, "nccl", nccl_env, quick=True)
+        else:
+            nccl_note += f"; tried anyway with {n} ranks: " + nccl_attempt(n, {})
         runs[n] = rows
+    nccl = ("compared, " if nccl_env else "not compared: ") + nccl_note
     command = "python benchmarks/cuda_collectives.py " + " ".join(sys.argv[1:])
     section = render(runs, bw, device, command.strip(), nccl)
     write_section(section, BEGIN, END, Path(args.out))

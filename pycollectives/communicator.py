@@ -513,7 +513,8 @@ class Communicator:
         ``paths`` counts the calls by how they moved their bytes: ``"slots"``
         (ring, chain or pairwise schedules through the shared slots),
         ``"oneshot"`` (small messages through the one-shot areas),
-        ``"direct"`` (in place across symmetric windows, see `alloc_shared`) or
+        ``"direct"`` (in place across symmetric windows, see `alloc_shared`, or, for
+        CUDA buffers, across the peers' own buffers mapped with CUDA IPC) or
         ``"cma"`` (single copy between the peers' plain buffers, see `single_copy`).
         ``taken_over`` counts the single-copy chunks this rank did for another
         rank's part because that rank had not claimed them yet (it was

@@ -11,19 +11,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from spawn import RankPool  # noqa: E402
 
-_pools: dict[int, RankPool] = {}
+_pools: dict[tuple, RankPool] = {}
 
 
 @pytest.fixture(scope="session")
 def pool():
-    """pool(world_size) -> a healthy RankPool of that size (reused across tests)."""
+    """pool(world_size, env=None) -> a healthy RankPool of that size whose ranks
+    run with `env` added to their environment (reused across tests)."""
 
-    def get(world_size: int) -> RankPool:
-        p = _pools.get(world_size)
+    def get(world_size: int, env: dict[str, str] | None = None) -> RankPool:
+        key = (world_size, tuple(sorted((env or {}).items())))
+        p = _pools.get(key)
         if p is None or not p.healthy:
             if p is not None:
                 p.close()
-            p = _pools[world_size] = RankPool(world_size)
+            p = _pools[key] = RankPool(world_size, env)
         return p
 
     yield get

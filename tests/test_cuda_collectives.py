@@ -72,14 +72,118 @@ for _j in CUDA_JOBS:
     globals()[_j.__name__] = _j
 
 
+# The two ways a CUDA collective moves its bytes: the direct IPC path (the
+# default: kernels read and write the peers' own buffers) and the staging ring.
+PATHS = {"direct": None, "ring": {"PYCOLL_ALGO": "ring"}}
+
+
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("world_size", CUDA_WORLD_SIZES)
 @pytest.mark.parametrize("job", CUDA_JOBS, ids=lambda j: j.__name__[8:])
-def test_cuda_collective_exact(pool, job, world_size):
-    results = pool(world_size).run(job, timeout=400)
+def test_cuda_collective_exact(pool, job, world_size, path):
+    results = pool(world_size, PATHS[path]).run(job, timeout=400)
     bad = [f"rank {r}: {line}" for r, lines in enumerate(results) for line in lines]
     assert not bad, "\n".join(bad[:40])
+
+
+# ---- which path ran -------------------------------------------------------------------------
+
+_OPS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"]
+
+
+def _run_six(comm: pc.Communicator, dev: torch.device, alloc) -> list[str]:
+    """Runs the six collectives on int32 CUDA buffers made by alloc(numel)
+    (1000 elements per rank and block); returns what came out wrong."""
+    n, r, k = comm.world_size, comm.rank, 1000
+    bad = []
+
+    def filled(numel: int, value) -> torch.Tensor:
+        t = alloc(numel)
+        t.copy_(torch.as_tensor(value, dtype=torch.int32).expand(numel).to(dev))
+        return t
+
+    x = filled(k, r + 1)
+    comm.all_reduce(x)
+    if int((x != n * (n + 1) // 2).sum()):
+        bad.append("all_reduce wrong")
+    out = filled(k, -1)
+    comm.reduce_scatter(out, filled(k * n, r + 1))
+    if int((out != n * (n + 1) // 2).sum()):
+        bad.append("reduce_scatter wrong")
+    out = filled(k * n, -1)
+    comm.all_gather(out, filled(k, r))
+    if not torch.equal(out.cpu(), torch.arange(n, dtype=torch.int32).repeat_interleave(k)):
+        bad.append("all_gather wrong")
+    x = filled(k, r + 7)
+    comm.broadcast(x, n - 1)
+    if int((x != n - 1 + 7).sum()):
+        bad.append("broadcast wrong")
+    x = filled(k, r + 1)
+    comm.reduce(x, 0)
+    if r == 0 and int((x != n * (n + 1) // 2).sum()):
+        bad.append("reduce wrong")
+    src = torch.arange(n, dtype=torch.int32).repeat_interleave(k) + 10 * r
+    out = filled(k * n, -1)
+    comm.all_to_all(out, filled(k * n, src))
+    want = torch.arange(n, dtype=torch.int32).repeat_interleave(k) * 10 + r
+    if not torch.equal(out.cpu(), want):
+        bad.append("all_to_all wrong")
+    torch.cuda.synchronize(dev)
+    return bad
+
+
+def job_paths(comm: pc.Communicator, want: str, cupy_async_rank: int) -> list[str]:
+    """The six collectives are right and every rank took path `want`
+    ("direct" or "slots"); rank `cupy_async_rank` (if >= 0) passes CuPy
+    arrays from a stream-ordered pool (cudaMallocAsync), which CUDA IPC cannot
+    export, and the others CuPy arrays from cudaMalloc."""
+    dev = _device(comm)
+    torch.cuda.set_device(dev)
+    before = {op: comm.stats().get(op, {}).get("paths", {}).get(want, 0) for op in _OPS}
+    if cupy_async_rank < 0:
+        bad = _run_six(comm, dev, lambda numel: torch.empty(numel, dtype=torch.int32, device=dev))
+    else:
+        import cupy
+
+        pool = cupy.cuda.MemoryAsyncPool() if comm.rank == cupy_async_rank else None
+        plain = cupy.cuda.MemoryPool()
+        with cupy.cuda.Device(dev.index), cupy.cuda.using_allocator((pool or plain).malloc):
+            bad = _run_six(
+                comm,
+                dev,
+                lambda numel: torch.as_tensor(cupy.empty(numel, dtype=cupy.int32), device=dev),
+            )
+    after = comm.stats()
+    for op in _OPS:
+        got = after.get(op, {}).get("paths", {})
+        if got.get(want, 0) - before[op] != 1:
+            bad.append(f"{op}: expected one call on the {want} path, counters {got}")
+    return bad
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    "case",
+    ["direct", "ring_forced", "expandable_segments", "one_rank_async_pool"],
+)
+def test_cuda_path_taken(pool, world_size, case):
+    """Direct by default; the staging ring when forced, or when any rank's
+    buffers cannot be exported (every rank must then take it, or they hang)."""
+    env, want, async_rank = None, "direct", -1
+    if case == "ring_forced":
+        env, want = PATHS["ring"], "slots"
+    elif case == "expandable_segments":
+        env, want = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "slots"
+    elif case == "one_rank_async_pool":
+        pytest.importorskip("cupy")
+        want, async_rank = "slots", world_size - 1
+    results = pool(world_size, env).run(job_paths, want, async_rank, timeout=240)
+    bad = [f"rank {r}: {line}" for r, lines in enumerate(results) for line in lines]
+    assert not bad, "\n".join(bad)
 
 
 # ---- stream semantics ---------------------------------------------------------------------
@@ -206,9 +310,10 @@ def job_cuda_device_errors(comm: pc.Communicator) -> list[str]:
             "input",
             lambda: comm.all_gather(torch.zeros(2 * comm.world_size, device=dev), torch.zeros(2)),
         ),
+        # A CPU output first: the CPU path, so the error names the CUDA input.
         (
             "reduce_scatter",
-            "output",
+            "input",
             lambda: comm.reduce_scatter(
                 torch.zeros(2), torch.zeros(2 * comm.world_size, device=dev)
             ),

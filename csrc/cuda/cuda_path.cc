@@ -17,6 +17,9 @@
 #include "core/env.h"
 #include "cuda/check.h"
 #include "cuda/cuda_transport.h"
+#include "cuda/ipc_algos.h"
+#include "cuda/ipc_direct.h"
+#include "cuda/kernels.h"
 #include "transport/shm_segment.h"
 
 namespace pyc {
@@ -32,12 +35,14 @@ size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 // What each rank tells the others at the first CUDA collective.
 struct PeerInfo {
-  cudaIpcMemHandle_t mem;  // this rank's staging buffer (its incoming FIFOs)
-  char uuid[16];           // its device (ordinals differ between processes)
-  char ctl_name[64];       // rank 0: the name of the control segment
+  cudaIpcMemHandle_t mem;                  // this rank's staging buffer (its incoming FIFOs)
+  cudaIpcEventHandle_t ready_ev, done_ev;  // the direct path's events
+  char uuid[16];                           // its device (ordinals differ between processes)
+  char ctl_name[64];                       // rank 0: the name of the control segment
   uint64_t slot_bytes;
   uint32_t nslots;
   int32_t pid;
+  uint32_t direct;  // 1: this rank may take the direct path
 };
 
 // The host segment of the CUDA FIFOs' control words, created by rank 0.
@@ -45,10 +50,12 @@ struct CtlHeader {
   alignas(64) std::atomic<uint32_t> attached;  // ranks that mapped it
 };
 
+// Layout: the header, the n(n-1) FIFO control blocks, their slot headers, the
+// n records of the direct path.
 size_t ctl_bytes(int n, uint32_t nslots) {
   const size_t pairs = static_cast<size_t>(n) * static_cast<size_t>(n - 1);
   return round_up(sizeof(CtlHeader), kAlign) + pairs * sizeof(FifoCtl) +
-         pairs * nslots * sizeof(SlotHeader);
+         pairs * nslots * sizeof(SlotHeader) + static_cast<size_t>(n) * sizeof(DirectCtl);
 }
 
 // Index of the FIFO src -> dst among all n(n-1), as ShmLayout::pair.
@@ -116,7 +123,8 @@ bool CudaWork::is_completed() { return work->is_completed(); }
 
 class CudaPath : public std::enable_shared_from_this<CudaPath> {
  public:
-  using Algo = std::function<void(OpCtx&)>;
+  // An operation's body, run by the progress engine.
+  using OpFn = std::function<void(OpCtx&, CudaPath&)>;
 
   CudaPath(Communicator& comm, int device);
   ~CudaPath();
@@ -132,12 +140,17 @@ class CudaPath : public std::enable_shared_from_this<CudaPath> {
   void check_peer(int peer, const char* what, OpKind kind) const;
   // Records the issue event on the caller's stream and queues the operation
   // (a collective, or point-to-point with p2p_peer >= 0).
-  std::shared_ptr<CudaWork> issue(const OpSig& sig, const CudaCall& call, int p2p_peer, Algo algo);
+  std::shared_ptr<CudaWork> issue(const OpSig& sig, const CudaCall& call, int p2p_peer, OpFn fn);
   int rank() const { return comm_.rank_; }
   int nranks() const { return comm_.n_; }
+  // Runs the operation on the direct path (cuda/ipc_direct.h) with `kernels`;
+  // false when this communicator has none or some rank could not export its
+  // buffers: then the caller runs the staging path. Every rank returns the same.
+  bool direct(OpCtx& c, const void* in, size_t in_bytes, void* out, size_t out_bytes,
+              const std::function<void(const IpcView&)>& kernels);
 
  private:
-  void run(OpCtx& c, CudaWork& w, bool collective, const Algo& algo);
+  void run(OpCtx& c, CudaWork& w, bool collective, const OpFn& fn);
   // Allocates the staging memory, exchanges the IPC handles with a CPU
   // all-gather inside the first CUDA collective (every rank reaches it at the
   // same sequence number) and maps the peers' buffers.
@@ -148,7 +161,8 @@ class CudaPath : public std::enable_shared_from_this<CudaPath> {
   cudaStream_t stream_ = nullptr;
   std::shared_ptr<EventPool> pool_;
   std::unique_ptr<CudaExec> exec_;
-  std::unique_ptr<CudaLinks> links_;  // set by setup(), on the engine's thread
+  std::unique_ptr<CudaLinks> links_;   // set by setup(), on the engine's thread
+  std::unique_ptr<IpcDirect> direct_;  // set by setup() when every rank may take it
   std::atomic<bool> collective_issued_{false};
   void* staging_ = nullptr;
   std::vector<void*> peer_base_;
@@ -169,6 +183,7 @@ CudaPath::~CudaPath() {
   const bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
   if (cudaSetDevice(device_) == cudaSuccess) {
     if (stream_) (void)cudaStreamSynchronize(stream_);  // no kernel of ours still runs
+    direct_.reset();
     links_.reset();
     for (void* p : peer_base_)
       if (p) (void)cudaIpcCloseMemHandle(p);
@@ -241,7 +256,7 @@ void CudaPath::check_peer(int peer, const char* what, OpKind kind) const {
 }
 
 std::shared_ptr<CudaWork> CudaPath::issue(const OpSig& sig, const CudaCall& call, int p2p_peer,
-                                          Algo algo) {
+                                          OpFn fn) {
   auto w = std::make_shared<CudaWork>();
   w->device = device_;
   {
@@ -252,8 +267,8 @@ std::shared_ptr<CudaWork> CudaPath::issue(const OpSig& sig, const CudaCall& call
         cudaEventRecord(w->issue_event->get(), reinterpret_cast<cudaStream_t>(call.stream)));
   }
   auto self = shared_from_this();  // queued operations keep the path alive
-  Communicator::Body body = [self, w, collective = p2p_peer < 0, algo = std::move(algo)](OpCtx& c) {
-    self->run(c, *w, collective, algo);
+  Communicator::Body body = [self, w, collective = p2p_peer < 0, fn = std::move(fn)](OpCtx& c) {
+    self->run(c, *w, collective, fn);
   };
   if (p2p_peer >= 0) {
     w->work = comm_.point_to_point(sig, p2p_peer, call.timeout_s, true, std::move(body));
@@ -264,7 +279,7 @@ std::shared_ptr<CudaWork> CudaPath::issue(const OpSig& sig, const CudaCall& call
   return w;
 }
 
-void CudaPath::run(OpCtx& c, CudaWork& w, bool collective, const Algo& algo) {
+void CudaPath::run(OpCtx& c, CudaWork& w, bool collective, const OpFn& fn) {
   try {
     // The engine's own thread: set, never restored (restoring device 0 would
     // create a context there in a process that does not use it).
@@ -283,7 +298,7 @@ void CudaPath::run(OpCtx& c, CudaWork& w, bool collective, const Algo& algo) {
     exec_->begin();
     c.exec = exec_.get();
     c.links = links_.get();
-    algo(c);
+    fn(c, *this);
     PYC_CUDA_CHECK(cudaEventRecord(w.final_event->get(), stream_));
     w.set_recorded();
     links_->drain(*c.mon);
@@ -327,6 +342,14 @@ void CudaPath::setup(OpCtx& c) {
                          << __LINE__ << "; lower PYCOLL_CUDA_SLOT_BYTES / PYCOLL_CUDA_NSLOTS");
   }
   PYC_CUDA_CHECK(cudaIpcGetMemHandle(&mine.mem, staging_));
+  // The direct path: on unless the staging ring is forced, for as many ranks
+  // as one reduction kernel takes sources.
+  if (comm_.algo_ != Algo::kRing && n <= cuda::kMaxSrcs) {
+    direct_ = std::make_unique<IpcDirect>(r, n, stream_);
+    mine.ready_ev = direct_->ready_handle();
+    mine.done_ev = direct_->done_handle();
+    mine.direct = 1;
+  }
   const size_t cbytes = ctl_bytes(n, mine.nslots);
   if (r == 0) {
     const std::string name = ShmSegment::unique_name();
@@ -406,6 +429,28 @@ void CudaPath::setup(OpCtx& c) {
                      static_cast<char*>(staging_) + in_index(p, r) * fifo_bytes};
   }
   links_ = std::make_unique<CudaLinks>(comm_, r, n, ns, mine.slot_bytes, *exec_, out, in);
+
+  bool every_rank_direct = true;
+  for (const PeerInfo& p : all) every_rank_direct = every_rank_direct && p.direct == 1;
+  if (every_rank_direct) {
+    std::vector<cudaIpcEventHandle_t> ready(n), done(n);
+    for (int p = 0; p < n; ++p) {
+      ready[p] = all[p].ready_ev;
+      done[p] = all[p].done_ev;
+    }
+    auto* ctls = reinterpret_cast<DirectCtl*>(hdrs + static_cast<size_t>(n) * (n - 1) * ns);
+    direct_->connect(ctls, ready, done);
+  } else {
+    direct_.reset();
+  }
+}
+
+bool CudaPath::direct(OpCtx& c, const void* in, size_t in_bytes, void* out, size_t out_bytes,
+                      const std::function<void(const IpcView&)>& kernels) {
+  if (!direct_ || (in_bytes == 0 && out_bytes == 0)) return false;
+  if (!direct_->run(in, in_bytes, out, out_bytes, *c.mon, kernels)) return false;
+  c.path = Path::kDirect;
+  return true;
 }
 
 // ---- operations ----
@@ -415,8 +460,11 @@ std::shared_ptr<CudaWork> cuda_all_reduce(Communicator& comm, void* buf, size_t 
   auto path = CudaPath::get(comm, call, OpKind::kAllReduce);
   path->check_buffer(buf, count * dtype_size(dt), OpKind::kAllReduce, "tensor");
   OpSig sig{OpKind::kAllReduce, dt, op, -1, count};
-  return path->issue(sig, call, -1,
-                     [buf, count](OpCtx& c) { ring_all_reduce(c, buf, buf, count); });
+  return path->issue(sig, call, -1, [buf, count](OpCtx& c, CudaPath& p) {
+    const size_t b = count * c.esize();
+    if (!p.direct(c, buf, b, buf, b, [&](const IpcView& v) { ipc_all_reduce(c, v, count); }))
+      ring_all_reduce(c, buf, buf, count);
+  });
 }
 
 std::shared_ptr<CudaWork> cuda_reduce_scatter(Communicator& comm, void* out, const void* in,
@@ -427,8 +475,12 @@ std::shared_ptr<CudaWork> cuda_reduce_scatter(Communicator& comm, void* out, con
   path->check_buffer(out, bytes, OpKind::kReduceScatter, "output");
   path->check_buffer(in, bytes * path->nranks(), OpKind::kReduceScatter, "input");
   OpSig sig{OpKind::kReduceScatter, dt, op, -1, count};
-  return path->issue(sig, call, -1,
-                     [out, in, count](OpCtx& c) { ring_reduce_scatter(c, in, out, count); });
+  return path->issue(sig, call, -1, [out, in, count](OpCtx& c, CudaPath& p) {
+    const size_t b = count * c.esize();
+    if (!p.direct(c, in, b * c.nranks, out, b,
+                  [&](const IpcView& v) { ipc_reduce_scatter(c, v, count); }))
+      ring_reduce_scatter(c, in, out, count);
+  });
 }
 
 std::shared_ptr<CudaWork> cuda_all_gather(Communicator& comm, void* out, const void* in,
@@ -438,8 +490,12 @@ std::shared_ptr<CudaWork> cuda_all_gather(Communicator& comm, void* out, const v
   path->check_buffer(out, bytes * path->nranks(), OpKind::kAllGather, "output");
   path->check_buffer(in, bytes, OpKind::kAllGather, "input");
   OpSig sig{OpKind::kAllGather, dt, ReduceOp::kSum, -1, count};
-  return path->issue(sig, call, -1,
-                     [out, in, count](OpCtx& c) { ring_all_gather(c, in, out, count); });
+  return path->issue(sig, call, -1, [out, in, count](OpCtx& c, CudaPath& p) {
+    const size_t b = count * c.esize();
+    if (!p.direct(c, in, b, out, b * c.nranks,
+                  [&](const IpcView& v) { ipc_all_gather(c, v, count); }))
+      ring_all_gather(c, in, out, count);
+  });
 }
 
 std::shared_ptr<CudaWork> cuda_broadcast(Communicator& comm, void* buf, size_t count, DataType dt,
@@ -448,8 +504,11 @@ std::shared_ptr<CudaWork> cuda_broadcast(Communicator& comm, void* buf, size_t c
   path->check_rank(root, "src", OpKind::kBroadcast);
   path->check_buffer(buf, count * dtype_size(dt), OpKind::kBroadcast, "tensor");
   OpSig sig{OpKind::kBroadcast, dt, ReduceOp::kSum, root, count};
-  return path->issue(sig, call, -1,
-                     [buf, count, root](OpCtx& c) { chain_broadcast(c, buf, count, root); });
+  return path->issue(sig, call, -1, [buf, count, root](OpCtx& c, CudaPath& p) {
+    const size_t b = count * c.esize();
+    if (!p.direct(c, buf, b, buf, b, [&](const IpcView& v) { ipc_broadcast(c, v, count, root); }))
+      chain_broadcast(c, buf, count, root);
+  });
 }
 
 std::shared_ptr<CudaWork> cuda_reduce(Communicator& comm, void* buf, size_t count, DataType dt,
@@ -458,8 +517,11 @@ std::shared_ptr<CudaWork> cuda_reduce(Communicator& comm, void* buf, size_t coun
   path->check_rank(root, "dst", OpKind::kReduce);
   path->check_buffer(buf, count * dtype_size(dt), OpKind::kReduce, "tensor");
   OpSig sig{OpKind::kReduce, dt, op, root, count};
-  return path->issue(sig, call, -1,
-                     [buf, count, root](OpCtx& c) { chain_reduce(c, buf, count, root); });
+  return path->issue(sig, call, -1, [buf, count, root](OpCtx& c, CudaPath& p) {
+    const size_t b = count * c.esize();
+    if (!p.direct(c, buf, b, buf, b, [&](const IpcView& v) { ipc_reduce(c, v, count, root); }))
+      chain_reduce(c, buf, count, root);
+  });
 }
 
 std::shared_ptr<CudaWork> cuda_all_to_all(Communicator& comm, void* out, const void* in,
@@ -469,8 +531,11 @@ std::shared_ptr<CudaWork> cuda_all_to_all(Communicator& comm, void* out, const v
   path->check_buffer(out, bytes, OpKind::kAllToAll, "output");
   path->check_buffer(in, bytes, OpKind::kAllToAll, "input");
   OpSig sig{OpKind::kAllToAll, dt, ReduceOp::kSum, -1, count};
-  return path->issue(sig, call, -1,
-                     [out, in, count](OpCtx& c) { pairwise_all_to_all(c, in, out, count); });
+  return path->issue(sig, call, -1, [out, in, count](OpCtx& c, CudaPath& p) {
+    const size_t b = count * c.esize() * c.nranks;
+    if (!p.direct(c, in, b, out, b, [&](const IpcView& v) { ipc_all_to_all(c, v, count); }))
+      pairwise_all_to_all(c, in, out, count);
+  });
 }
 
 std::shared_ptr<CudaWork> cuda_send(Communicator& comm, const void* buf, size_t count, DataType dt,
@@ -480,7 +545,7 @@ std::shared_ptr<CudaWork> cuda_send(Communicator& comm, const void* buf, size_t 
   path->check_buffer(buf, count * dtype_size(dt), OpKind::kSend, "tensor");
   OpSig sig{OpKind::kSend, dt, ReduceOp::kSum, peer, count};
   return path->issue(sig, call, peer,
-                     [buf, count, peer](OpCtx& c) { p2p_send(c, buf, count, peer); });
+                     [buf, count, peer](OpCtx& c, CudaPath&) { p2p_send(c, buf, count, peer); });
 }
 
 std::shared_ptr<CudaWork> cuda_recv(Communicator& comm, void* buf, size_t count, DataType dt,
@@ -490,7 +555,7 @@ std::shared_ptr<CudaWork> cuda_recv(Communicator& comm, void* buf, size_t count,
   path->check_buffer(buf, count * dtype_size(dt), OpKind::kRecv, "tensor");
   OpSig sig{OpKind::kRecv, dt, ReduceOp::kSum, peer, count};
   const int me = path->rank();
-  return path->issue(sig, call, peer, [buf, count, peer, dt, me](OpCtx& c) {
+  return path->issue(sig, call, peer, [buf, count, peer, dt, me](OpCtx& c, CudaPath&) {
     OpSig expect{OpKind::kSend, dt, ReduceOp::kSum, me, count};  // as Communicator::recv
     p2p_recv(c, buf, count, peer, SlotTag{c.tag.seq, expect.word0(), expect.word1()});
   });

@@ -1,0 +1,112 @@
+// Collectives over buffers that every rank can address (see ipc_algos.h).
+#include "cuda/ipc_algos.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "core/error.h"
+#include "cuda/kernels.h"
+
+namespace pyc {
+namespace {
+
+// Rank i's part [*b, *e) of count elements: equal parts whose bounds are
+// multiples of 256 bytes, so that every part keeps the buffers' alignment.
+void part(const OpCtx& c, size_t count, int i, size_t* b, size_t* e) {
+  const size_t grain = std::max<size_t>(1, 256 / c.esize());
+  const size_t per = (count + c.nranks - 1) / c.nranks;
+  const size_t step = (per + grain - 1) / grain * grain;
+  *b = std::min(count, static_cast<size_t>(i) * step);
+  *e = std::min(count, *b + step);
+}
+
+// Copies `bytes` from src to every destination, two per kernel.
+void fan_out(KernelExec& x, const char* src, size_t bytes, const std::vector<char*>& dsts) {
+  for (size_t i = 0; i < dsts.size(); i += 2)
+    x.copy(dsts[i], i + 1 < dsts.size() ? dsts[i + 1] : nullptr, src, bytes);
+}
+
+// dst = op(srcs[0][off..], ..., srcs[n-1][off..]) over `count` elements (and
+// the same into dst1 unless null); AVG divides dst afterwards (then dst1 must be null).
+void reduce_into(OpCtx& c, const std::vector<const char*>& bufs, size_t off, size_t count,
+                 char* dst, char* dst1) {
+  const char* srcs[cuda::kMaxSrcs];
+  PYC_ASSERT(bufs.size() <= static_cast<size_t>(cuda::kMaxSrcs));
+  for (size_t p = 0; p < bufs.size(); ++p) srcs[p] = bufs[p] + off;
+  const bool avg = c.op == ReduceOp::kAvg;
+  PYC_ASSERT(!avg || dst1 == nullptr);
+  ReduceArgs a{c.dtype,
+               avg ? ReduceOp::kSum : c.op,
+               dst,
+               dst1,
+               reinterpret_cast<const void* const*>(srcs),
+               static_cast<int>(bufs.size()),
+               count};
+  c.exec->reduce(a);
+  if (avg) c.exec->scale_avg(dst, c.dtype, count, c.nranks);
+}
+
+std::vector<const char*> as_const(const std::vector<char*>& v) { return {v.begin(), v.end()}; }
+
+}  // namespace
+
+void ipc_all_reduce(OpCtx& c, const IpcView& v, size_t count) {
+  const int r = c.rank, n = c.nranks;
+  size_t b, e;
+  part(c, count, r, &b, &e);
+  if (b == e) return;
+  const size_t off = b * c.esize(), bytes = (e - b) * c.esize();
+  char* mine = v.out[r] + off;
+  // The first peer is written by the reduction itself unless AVG must divide first.
+  const bool avg = c.op == ReduceOp::kAvg;
+  char* first = avg ? nullptr : v.out[(r + 1) % n] + off;
+  reduce_into(c, as_const(v.out), off, e - b, mine, first);
+  std::vector<char*> rest;
+  for (int k = avg ? 1 : 2; k < n; ++k) rest.push_back(v.out[(r + k) % n] + off);
+  fan_out(*c.exec, mine, bytes, rest);
+  c.bytes_recv += (n - 1) * bytes;
+  c.bytes_sent += (n - 1) * bytes;
+}
+
+void ipc_reduce_scatter(OpCtx& c, const IpcView& v, size_t count) {
+  const size_t bytes = count * c.esize();
+  reduce_into(c, v.in, c.rank * bytes, count, v.out[c.rank], nullptr);
+  c.bytes_recv += (c.nranks - 1) * bytes;
+}
+
+void ipc_all_gather(OpCtx& c, const IpcView& v, size_t count) {
+  const size_t bytes = count * c.esize();
+  std::vector<char*> dsts;
+  for (int k = 0; k < c.nranks; ++k)
+    dsts.push_back(v.out[(c.rank + k) % c.nranks] + c.rank * bytes);
+  fan_out(*c.exec, v.in[c.rank], bytes, dsts);
+  c.bytes_sent += (c.nranks - 1) * bytes;
+}
+
+void ipc_broadcast(OpCtx& c, const IpcView& v, size_t count, int root) {
+  if (c.rank == root) return;
+  const size_t bytes = count * c.esize();
+  c.exec->copy(v.out[c.rank], nullptr, v.out[root], bytes);
+  c.bytes_recv += bytes;
+}
+
+void ipc_reduce(OpCtx& c, const IpcView& v, size_t count, int root) {
+  size_t b, e;
+  part(c, count, c.rank, &b, &e);
+  if (b == e) return;
+  const size_t off = b * c.esize();
+  reduce_into(c, as_const(v.out), off, e - b, v.out[root] + off, nullptr);
+  c.bytes_recv += (c.nranks - 1) * (e - b) * c.esize();
+  if (c.rank != root) c.bytes_sent += (e - b) * c.esize();
+}
+
+void ipc_all_to_all(OpCtx& c, const IpcView& v, size_t count) {
+  const size_t bytes = count * c.esize();
+  for (int k = 0; k < c.nranks; ++k) {
+    const int p = (c.rank + k) % c.nranks;
+    c.exec->copy(v.out[p] + c.rank * bytes, nullptr, v.in[c.rank] + p * bytes, bytes);
+  }
+  c.bytes_sent += (c.nranks - 1) * bytes;
+}
+
+}  // namespace pyc

@@ -1,0 +1,164 @@
+// The direct CUDA IPC path (see ipc_direct.h).
+#include "cuda/ipc_direct.h"
+
+#include <cuda.h>  // CUdeviceptr, CUresult: types only, the driver is reached through the runtime
+
+#include <cstring>
+
+#include "core/error.h"
+#include "cuda/check.h"
+
+namespace pyc {
+namespace {
+
+// Peer allocations kept mapped per peer before the cache is emptied (after
+// the stream is synchronised, so that no queued kernel still uses them).
+constexpr size_t kMaxMapped = 256;
+
+using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+
+// cuMemGetAddressRange, looked up once through the runtime (the extension
+// links no libcuda); null if the driver does not provide it.
+GetAddressRange address_range_fn() {
+  static const GetAddressRange fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      p = nullptr;
+    }
+    return reinterpret_cast<GetAddressRange>(p);
+  }();
+  return fn;
+}
+
+std::string key(const cudaIpcMemHandle_t& h) {
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+}  // namespace
+
+IpcDirect::IpcDirect(int rank, int nranks, cudaStream_t stream)
+    : rank_(rank), n_(nranks), stream_(stream), mapped_(nranks) {
+  const unsigned flags = cudaEventDisableTiming | cudaEventInterprocess;
+  PYC_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, flags));
+  PYC_CUDA_CHECK(cudaEventCreateWithFlags(&done_, flags));
+  PYC_CUDA_CHECK(cudaIpcGetEventHandle(&ready_handle_, ready_));
+  PYC_CUDA_CHECK(cudaIpcGetEventHandle(&done_handle_, done_));
+}
+
+IpcDirect::~IpcDirect() {
+  for (auto& peer : mapped_)
+    for (auto& [k, base] : peer) (void)cudaIpcCloseMemHandle(base);
+  for (auto* v : {&peer_ready_, &peer_done_})
+    for (cudaEvent_t ev : *v)
+      if (ev) (void)cudaEventDestroy(ev);
+  if (ready_) (void)cudaEventDestroy(ready_);
+  if (done_) (void)cudaEventDestroy(done_);
+  (void)cudaGetLastError();
+}
+
+void IpcDirect::connect(DirectCtl* ctls, const std::vector<cudaIpcEventHandle_t>& ready,
+                        const std::vector<cudaIpcEventHandle_t>& done) {
+  ctls_ = ctls;
+  peer_ready_.assign(n_, nullptr);
+  peer_done_.assign(n_, nullptr);
+  for (int p = 0; p < n_; ++p) {
+    if (p == rank_) continue;
+    PYC_CUDA_CHECK(cudaIpcOpenEventHandle(&peer_ready_[p], ready[p]));
+    PYC_CUDA_CHECK(cudaIpcOpenEventHandle(&peer_done_[p], done[p]));
+  }
+}
+
+bool IpcDirect::export_buffer(const void* p, cudaIpcMemHandle_t* h, uint64_t* off) {
+  const GetAddressRange range = address_range_fn();
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (range == nullptr || range(&base, &size, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS)
+    return false;
+  // Not cached: a freed and reallocated allocation at the same address gets a
+  // new handle, and a stale one would map the old memory.
+  if (cudaIpcGetMemHandle(h, reinterpret_cast<void*>(base)) != cudaSuccess) {
+    (void)cudaGetLastError();  // e.g. memory of a stream-ordered pool
+    return false;
+  }
+  *off = reinterpret_cast<uintptr_t>(p) - static_cast<uintptr_t>(base);
+  return true;
+}
+
+char* IpcDirect::map(int peer, const cudaIpcMemHandle_t& h) {
+  auto& cache = mapped_[peer];
+  const std::string k = key(h);
+  if (auto it = cache.find(k); it != cache.end()) return it->second;
+  if (cache.size() >= kMaxMapped) {
+    PYC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    for (auto& [old, base] : cache) PYC_CUDA_CHECK(cudaIpcCloseMemHandle(base));
+    cache.clear();
+  }
+  void* base = nullptr;
+  PYC_CUDA_CHECK(cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess));
+  cache.emplace(k, static_cast<char*>(base));
+  return static_cast<char*>(base);
+}
+
+bool IpcDirect::run(const void* in, size_t in_bytes, void* out, size_t out_bytes, WaitMonitor& mon,
+                    const std::function<void(const IpcView&)>& kernels) {
+  PYC_ASSERT(ctls_ != nullptr);
+  const uint32_t seq = ++seq_;
+  DirectCtl& me = ctls_[rank_];
+
+  // 1. Export, record `ready` after the caller's work, publish.
+  bool ok = true;
+  if (in_bytes > 0) ok = export_buffer(in, &me.in_mem, &me.in_off);
+  if (ok && out_bytes > 0) {
+    if (out == in) {
+      me.out_mem = me.in_mem;
+      me.out_off = me.in_off;
+    } else {
+      ok = export_buffer(out, &me.out_mem, &me.out_off);
+    }
+  }
+  me.ok = ok ? 1 : 0;
+  PYC_CUDA_CHECK(cudaEventRecord(ready_, stream_));
+  publish(me.ready, seq);  // release: the record and the event are visible first
+
+  // 2. Every peer ready: map, wait for their work on the GPU, launch.
+  bool all_ok = ok;
+  for (int p = 0; p < n_; ++p) {
+    if (p == rank_) continue;
+    mon.peer = p;
+    wait_reached(ctls_[p].ready, seq, mon);
+    all_ok = all_ok && ctls_[p].ok != 0;
+  }
+  if (all_ok) {
+    IpcView v;
+    v.in.assign(n_, nullptr);
+    v.out.assign(n_, nullptr);
+    v.in[rank_] = static_cast<const char*>(in);
+    v.out[rank_] = static_cast<char*>(out);
+    for (int p = 0; p < n_; ++p) {
+      if (p == rank_) continue;
+      const DirectCtl& c = ctls_[p];
+      if (in_bytes > 0) v.in[p] = map(p, c.in_mem) + c.in_off;
+      if (out_bytes > 0) v.out[p] = map(p, c.out_mem) + c.out_off;
+      PYC_CUDA_CHECK(cudaStreamWaitEvent(stream_, peer_ready_[p], 0));
+    }
+    kernels(v);
+  }
+
+  // 3. Done: no peer's kernel touches our buffers once our stream passes their `done`.
+  PYC_CUDA_CHECK(cudaEventRecord(done_, stream_));
+  publish(me.done, seq);
+  for (int p = 0; p < n_; ++p) {
+    if (p == rank_) continue;
+    mon.peer = p;
+    wait_reached(ctls_[p].done, seq, mon);
+    if (all_ok) PYC_CUDA_CHECK(cudaStreamWaitEvent(stream_, peer_done_[p], 0));
+  }
+  mon.peer = -1;
+  return all_ok;
+}
+
+}  // namespace pyc
