@@ -35,10 +35,9 @@ size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 // What each rank tells the others at the first CUDA collective.
 struct PeerInfo {
-  cudaIpcMemHandle_t mem;                  // this rank's staging buffer (its incoming FIFOs)
-  cudaIpcEventHandle_t ready_ev, done_ev;  // the direct path's events
-  char uuid[16];                           // its device (ordinals differ between processes)
-  char ctl_name[64];                       // rank 0: the name of the control segment
+  cudaIpcMemHandle_t mem;  // this rank's staging buffer (its incoming FIFOs)
+  char uuid[16];           // its device (ordinals differ between processes)
+  char ctl_name[64];       // rank 0: the name of the control segment
   uint64_t slot_bytes;
   uint32_t nslots;
   int32_t pid;
@@ -72,10 +71,11 @@ std::string device_name(int d) { return "cuda:" + std::to_string(d); }
 
 // ---- CudaWork ----
 
-void CudaWork::set_recorded() {
+void CudaWork::set_recorded(bool host_only) {
   {
     std::lock_guard<std::mutex> lk(m_);
     recorded_ = true;
+    host_only_ = host_only;
   }
   cv_.notify_all();
 }
@@ -89,7 +89,7 @@ void CudaWork::set_failed() {
 }
 
 bool CudaWork::wait_stream(uintptr_t stream, double timeout_s) {
-  bool recorded;
+  bool recorded, host_only;
   {
     using Clock = std::chrono::steady_clock;
     const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
@@ -103,12 +103,13 @@ bool CudaWork::wait_stream(uintptr_t stream, double timeout_s) {
       cv_.wait_for(lk, std::chrono::milliseconds(1));
     }
     recorded = recorded_;
+    host_only = host_only_;
   }
   // Failed before its last kernel was enqueued: Work::wait rethrows (the
   // engine finishes the Work right after the body throws). An error found
   // later (while draining) is rethrown once the Work has completed.
   if (!recorded || work->is_completed()) work->wait(-1);
-  if (!recorded) return true;
+  if (!recorded || host_only) return true;  // host_only: complete, nothing to wait for
   DeviceGuard g(device);
   PYC_CUDA_CHECK(
       cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), final_event->get(), 0));
@@ -148,6 +149,9 @@ class CudaPath : public std::enable_shared_from_this<CudaPath> {
   // buffers: then the caller runs the staging path. Every rank returns the same.
   bool direct(OpCtx& c, const void* in, size_t in_bytes, void* out, size_t out_bytes,
               const std::function<void(const IpcView&)>& kernels);
+  // Makes the stream wait for the caller's earlier work (the staging path's
+  // first step; a no-op once done for this operation).
+  void after_issue();
 
  private:
   void run(OpCtx& c, CudaWork& w, bool collective, const OpFn& fn);
@@ -163,6 +167,11 @@ class CudaPath : public std::enable_shared_from_this<CudaPath> {
   std::unique_ptr<CudaExec> exec_;
   std::unique_ptr<CudaLinks> links_;   // set by setup(), on the engine's thread
   std::unique_ptr<IpcDirect> direct_;  // set by setup() when every rank may take it
+  // Of the operation being run (engine thread): the caller's issue event not
+  // yet waited for (null: none, or done), and whether the operation completed
+  // on the host (the direct path), so that no stream has to wait for it.
+  cudaEvent_t issue_ = nullptr;
+  bool host_only_ = false;
   std::atomic<bool> collective_issued_{false};
   void* staging_ = nullptr;
   std::vector<void*> peer_base_;
@@ -261,10 +270,18 @@ std::shared_ptr<CudaWork> CudaPath::issue(const OpSig& sig, const CudaCall& call
   w->device = device_;
   {
     DeviceGuard g(device_);
-    w->issue_event = pool_->get();
+    // Only a stream with work still queued gets an event: recording one on an
+    // idle stream would give the GPU work in this process's context.
+    auto* caller = reinterpret_cast<cudaStream_t>(call.stream);
+    const cudaError_t busy = cudaStreamQuery(caller);
+    if (busy == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      w->issue_event = pool_->get();
+      PYC_CUDA_CHECK(cudaEventRecord(w->issue_event->get(), caller));
+    } else {
+      PYC_CUDA_CHECK(busy);
+    }
     w->final_event = pool_->get();
-    PYC_CUDA_CHECK(
-        cudaEventRecord(w->issue_event->get(), reinterpret_cast<cudaStream_t>(call.stream)));
   }
   auto self = shared_from_this();  // queued operations keep the path alive
   Communicator::Body body = [self, w, collective = p2p_peer < 0, fn = std::move(fn)](OpCtx& c) {
@@ -294,13 +311,19 @@ void CudaPath::run(OpCtx& c, CudaWork& w, bool collective, const OpFn& fn) {
                                   "first CUDA collective failed)");
       setup(c);
     }
-    PYC_CUDA_CHECK(cudaStreamWaitEvent(stream_, w.issue_event->get(), 0));
+    issue_ = w.issue_event ? w.issue_event->get() : nullptr;
+    host_only_ = false;
     exec_->begin();
     c.exec = exec_.get();
     c.links = links_.get();
     fn(c, *this);
-    PYC_CUDA_CHECK(cudaEventRecord(w.final_event->get(), stream_));
-    w.set_recorded();
+    if (host_only_) {
+      w.set_recorded(true);
+    } else {
+      after_issue();  // an operation that launched nothing still orders after the caller
+      PYC_CUDA_CHECK(cudaEventRecord(w.final_event->get(), stream_));
+      w.set_recorded(false);
+    }
     links_->drain(*c.mon);
     if (ctl_linked_ && ctl_.data() &&
         static_cast<CtlHeader*>(ctl_.data())->attached.load() == static_cast<uint32_t>(nranks())) {
@@ -344,12 +367,7 @@ void CudaPath::setup(OpCtx& c) {
   PYC_CUDA_CHECK(cudaIpcGetMemHandle(&mine.mem, staging_));
   // The direct path: on unless the staging ring is forced, for as many ranks
   // as one reduction kernel takes sources.
-  if (comm_.algo_ != Algo::kRing && n <= cuda::kMaxSrcs) {
-    direct_ = std::make_unique<IpcDirect>(r, n, stream_);
-    mine.ready_ev = direct_->ready_handle();
-    mine.done_ev = direct_->done_handle();
-    mine.direct = 1;
-  }
+  mine.direct = comm_.algo_ != Algo::kRing && n <= cuda::kMaxSrcs ? 1 : 0;
   const size_t cbytes = ctl_bytes(n, mine.nslots);
   if (r == 0) {
     const std::string name = ShmSegment::unique_name();
@@ -430,27 +448,31 @@ void CudaPath::setup(OpCtx& c) {
   }
   links_ = std::make_unique<CudaLinks>(comm_, r, n, ns, mine.slot_bytes, *exec_, out, in);
 
-  bool every_rank_direct = true;
-  for (const PeerInfo& p : all) every_rank_direct = every_rank_direct && p.direct == 1;
+  bool every_rank_direct = true, one_device = true;
+  for (const PeerInfo& p : all) {
+    every_rank_direct = every_rank_direct && p.direct == 1;
+    one_device = one_device && std::memcmp(p.uuid, mine.uuid, sizeof(mine.uuid)) == 0;
+  }
   if (every_rank_direct) {
-    std::vector<cudaIpcEventHandle_t> ready(n), done(n);
-    for (int p = 0; p < n; ++p) {
-      ready[p] = all[p].ready_ev;
-      done[p] = all[p].done_ev;
-    }
-    auto* ctls = reinterpret_cast<DirectCtl*>(hdrs + static_cast<size_t>(n) * (n - 1) * ns);
-    direct_->connect(ctls, ready, done);
-  } else {
-    direct_.reset();
+    direct_ = std::make_unique<IpcDirect>(r, n, stream_, one_device);
+    direct_->connect(reinterpret_cast<DirectCtl*>(hdrs + static_cast<size_t>(n) * (n - 1) * ns));
   }
 }
 
 bool CudaPath::direct(OpCtx& c, const void* in, size_t in_bytes, void* out, size_t out_bytes,
                       const std::function<void(const IpcView&)>& kernels) {
   if (!direct_ || (in_bytes == 0 && out_bytes == 0)) return false;
-  if (!direct_->run(in, in_bytes, out, out_bytes, *c.mon, kernels)) return false;
+  const bool ok = direct_->run(in, in_bytes, out, out_bytes, issue_, *c.mon, kernels);
+  issue_ = nullptr;  // waited for, on the host or by the stream
+  if (!ok) return false;
   c.path = Path::kDirect;
+  host_only_ = true;
   return true;
+}
+
+void CudaPath::after_issue() {
+  if (issue_ != nullptr) PYC_CUDA_CHECK(cudaStreamWaitEvent(stream_, issue_, 0));
+  issue_ = nullptr;
 }
 
 // ---- operations ----
@@ -462,8 +484,10 @@ std::shared_ptr<CudaWork> cuda_all_reduce(Communicator& comm, void* buf, size_t 
   OpSig sig{OpKind::kAllReduce, dt, op, -1, count};
   return path->issue(sig, call, -1, [buf, count](OpCtx& c, CudaPath& p) {
     const size_t b = count * c.esize();
-    if (!p.direct(c, buf, b, buf, b, [&](const IpcView& v) { ipc_all_reduce(c, v, count); }))
+    if (!p.direct(c, buf, b, buf, b, [&](const IpcView& v) { ipc_all_reduce(c, v, count); })) {
+      p.after_issue();
       ring_all_reduce(c, buf, buf, count);
+    }
   });
 }
 
@@ -478,8 +502,10 @@ std::shared_ptr<CudaWork> cuda_reduce_scatter(Communicator& comm, void* out, con
   return path->issue(sig, call, -1, [out, in, count](OpCtx& c, CudaPath& p) {
     const size_t b = count * c.esize();
     if (!p.direct(c, in, b * c.nranks, out, b,
-                  [&](const IpcView& v) { ipc_reduce_scatter(c, v, count); }))
+                  [&](const IpcView& v) { ipc_reduce_scatter(c, v, count); })) {
+      p.after_issue();
       ring_reduce_scatter(c, in, out, count);
+    }
   });
 }
 
@@ -493,8 +519,10 @@ std::shared_ptr<CudaWork> cuda_all_gather(Communicator& comm, void* out, const v
   return path->issue(sig, call, -1, [out, in, count](OpCtx& c, CudaPath& p) {
     const size_t b = count * c.esize();
     if (!p.direct(c, in, b, out, b * c.nranks,
-                  [&](const IpcView& v) { ipc_all_gather(c, v, count); }))
+                  [&](const IpcView& v) { ipc_all_gather(c, v, count); })) {
+      p.after_issue();
       ring_all_gather(c, in, out, count);
+    }
   });
 }
 
@@ -506,8 +534,10 @@ std::shared_ptr<CudaWork> cuda_broadcast(Communicator& comm, void* buf, size_t c
   OpSig sig{OpKind::kBroadcast, dt, ReduceOp::kSum, root, count};
   return path->issue(sig, call, -1, [buf, count, root](OpCtx& c, CudaPath& p) {
     const size_t b = count * c.esize();
-    if (!p.direct(c, buf, b, buf, b, [&](const IpcView& v) { ipc_broadcast(c, v, count, root); }))
+    if (!p.direct(c, buf, b, buf, b, [&](const IpcView& v) { ipc_broadcast(c, v, count, root); })) {
+      p.after_issue();
       chain_broadcast(c, buf, count, root);
+    }
   });
 }
 
@@ -519,8 +549,10 @@ std::shared_ptr<CudaWork> cuda_reduce(Communicator& comm, void* buf, size_t coun
   OpSig sig{OpKind::kReduce, dt, op, root, count};
   return path->issue(sig, call, -1, [buf, count, root](OpCtx& c, CudaPath& p) {
     const size_t b = count * c.esize();
-    if (!p.direct(c, buf, b, buf, b, [&](const IpcView& v) { ipc_reduce(c, v, count, root); }))
+    if (!p.direct(c, buf, b, buf, b, [&](const IpcView& v) { ipc_reduce(c, v, count, root); })) {
+      p.after_issue();
       chain_reduce(c, buf, count, root);
+    }
   });
 }
 
@@ -533,8 +565,10 @@ std::shared_ptr<CudaWork> cuda_all_to_all(Communicator& comm, void* out, const v
   OpSig sig{OpKind::kAllToAll, dt, ReduceOp::kSum, -1, count};
   return path->issue(sig, call, -1, [out, in, count](OpCtx& c, CudaPath& p) {
     const size_t b = count * c.esize() * c.nranks;
-    if (!p.direct(c, in, b, out, b, [&](const IpcView& v) { ipc_all_to_all(c, v, count); }))
+    if (!p.direct(c, in, b, out, b, [&](const IpcView& v) { ipc_all_to_all(c, v, count); })) {
+      p.after_issue();
       pairwise_all_to_all(c, in, out, count);
+    }
   });
 }
 
@@ -544,8 +578,10 @@ std::shared_ptr<CudaWork> cuda_send(Communicator& comm, const void* buf, size_t 
   path->check_peer(peer, "dst", OpKind::kSend);
   path->check_buffer(buf, count * dtype_size(dt), OpKind::kSend, "tensor");
   OpSig sig{OpKind::kSend, dt, ReduceOp::kSum, peer, count};
-  return path->issue(sig, call, peer,
-                     [buf, count, peer](OpCtx& c, CudaPath&) { p2p_send(c, buf, count, peer); });
+  return path->issue(sig, call, peer, [buf, count, peer](OpCtx& c, CudaPath& p) {
+    p.after_issue();
+    p2p_send(c, buf, count, peer);
+  });
 }
 
 std::shared_ptr<CudaWork> cuda_recv(Communicator& comm, void* buf, size_t count, DataType dt,
@@ -555,7 +591,8 @@ std::shared_ptr<CudaWork> cuda_recv(Communicator& comm, void* buf, size_t count,
   path->check_buffer(buf, count * dtype_size(dt), OpKind::kRecv, "tensor");
   OpSig sig{OpKind::kRecv, dt, ReduceOp::kSum, peer, count};
   const int me = path->rank();
-  return path->issue(sig, call, peer, [buf, count, peer, dt, me](OpCtx& c, CudaPath&) {
+  return path->issue(sig, call, peer, [buf, count, peer, dt, me](OpCtx& c, CudaPath& p) {
+    p.after_issue();
     OpSig expect{OpKind::kSend, dt, ReduceOp::kSum, me, count};  // as Communicator::recv
     p2p_recv(c, buf, count, peer, SlotTag{c.tag.seq, expect.word0(), expect.word1()});
   });

@@ -49,17 +49,20 @@ class CudaWork {
   bool is_completed();
 
   // Used by the CUDA path.
-  void set_recorded();
+  // host_only: the operation completed on the host (every kernel of it has
+  // finished): wait_stream needs no stream wait.
+  void set_recorded(bool host_only);
   void set_failed();
   std::shared_ptr<Work> work;
-  std::shared_ptr<CudaEvent> issue_event;  // recorded on the caller's stream at issue
+  // Recorded on the caller's stream at issue; null when that stream was idle.
+  std::shared_ptr<CudaEvent> issue_event;
   std::shared_ptr<CudaEvent> final_event;  // recorded after the operation's last kernel
   int device = -1;
 
  private:
   std::mutex m_;
   std::condition_variable cv_;
-  bool recorded_ = false, failed_ = false;
+  bool recorded_ = false, failed_ = false, host_only_ = false;
 };
 
 // Each validates its arguments on the calling thread (errors name the rank,

@@ -11,13 +11,29 @@ namespace pyc {
 namespace {
 
 // Rank i's part [*b, *e) of count elements: equal parts whose bounds are
-// multiples of 256 bytes, so that every part keeps the buffers' alignment.
-void part(const OpCtx& c, size_t count, int i, size_t* b, size_t* e) {
+// multiples of 256 bytes, so that every part keeps the buffers' alignment;
+// with one worker, rank 0's part is everything.
+void part(const OpCtx& c, const IpcView& v, size_t count, int i, size_t* b, size_t* e) {
+  if (v.one_worker) {
+    *b = i == 0 ? 0 : count;
+    *e = count;
+    return;
+  }
   const size_t grain = std::max<size_t>(1, 256 / c.esize());
   const size_t per = (count + c.nranks - 1) / c.nranks;
   const size_t step = (per + grain - 1) / grain * grain;
   *b = std::min(count, static_cast<size_t>(i) * step);
   *e = std::min(count, *b + step);
+}
+
+// The ranks whose share of a block-wise operation this rank does.
+std::vector<int> shares(const OpCtx& c, const IpcView& v) {
+  std::vector<int> w;
+  if (!v.one_worker)
+    w.push_back(c.rank);
+  else if (c.rank == 0)
+    for (int p = 0; p < c.nranks; ++p) w.push_back(p);
+  return w;
 }
 
 // Copies `bytes` from src to every destination, two per kernel.
@@ -53,7 +69,7 @@ std::vector<const char*> as_const(const std::vector<char*>& v) { return {v.begin
 void ipc_all_reduce(OpCtx& c, const IpcView& v, size_t count) {
   const int r = c.rank, n = c.nranks;
   size_t b, e;
-  part(c, count, r, &b, &e);
+  part(c, v, count, r, &b, &e);
   if (b == e) return;
   const size_t off = b * c.esize(), bytes = (e - b) * c.esize();
   char* mine = v.out[r] + off;
@@ -70,29 +86,34 @@ void ipc_all_reduce(OpCtx& c, const IpcView& v, size_t count) {
 
 void ipc_reduce_scatter(OpCtx& c, const IpcView& v, size_t count) {
   const size_t bytes = count * c.esize();
-  reduce_into(c, v.in, c.rank * bytes, count, v.out[c.rank], nullptr);
-  c.bytes_recv += (c.nranks - 1) * bytes;
+  for (int w : shares(c, v)) {
+    reduce_into(c, v.in, w * bytes, count, v.out[w], nullptr);
+    c.bytes_recv += (c.nranks - 1) * bytes;
+  }
 }
 
 void ipc_all_gather(OpCtx& c, const IpcView& v, size_t count) {
   const size_t bytes = count * c.esize();
-  std::vector<char*> dsts;
-  for (int k = 0; k < c.nranks; ++k)
-    dsts.push_back(v.out[(c.rank + k) % c.nranks] + c.rank * bytes);
-  fan_out(*c.exec, v.in[c.rank], bytes, dsts);
-  c.bytes_sent += (c.nranks - 1) * bytes;
+  for (int w : shares(c, v)) {
+    std::vector<char*> dsts;
+    for (int k = 0; k < c.nranks; ++k) dsts.push_back(v.out[(w + k) % c.nranks] + w * bytes);
+    fan_out(*c.exec, v.in[w], bytes, dsts);
+    c.bytes_sent += (c.nranks - 1) * bytes;
+  }
 }
 
 void ipc_broadcast(OpCtx& c, const IpcView& v, size_t count, int root) {
-  if (c.rank == root) return;
   const size_t bytes = count * c.esize();
-  c.exec->copy(v.out[c.rank], nullptr, v.out[root], bytes);
-  c.bytes_recv += bytes;
+  for (int w : shares(c, v)) {
+    if (w == root) continue;
+    c.exec->copy(v.out[w], nullptr, v.out[root], bytes);
+    c.bytes_recv += bytes;
+  }
 }
 
 void ipc_reduce(OpCtx& c, const IpcView& v, size_t count, int root) {
   size_t b, e;
-  part(c, count, c.rank, &b, &e);
+  part(c, v, count, c.rank, &b, &e);
   if (b == e) return;
   const size_t off = b * c.esize();
   reduce_into(c, as_const(v.out), off, e - b, v.out[root] + off, nullptr);
@@ -102,11 +123,13 @@ void ipc_reduce(OpCtx& c, const IpcView& v, size_t count, int root) {
 
 void ipc_all_to_all(OpCtx& c, const IpcView& v, size_t count) {
   const size_t bytes = count * c.esize();
-  for (int k = 0; k < c.nranks; ++k) {
-    const int p = (c.rank + k) % c.nranks;
-    c.exec->copy(v.out[p] + c.rank * bytes, nullptr, v.in[c.rank] + p * bytes, bytes);
+  for (int w : shares(c, v)) {
+    for (int k = 0; k < c.nranks; ++k) {
+      const int p = (w + k) % c.nranks;
+      c.exec->copy(v.out[p] + w * bytes, nullptr, v.in[w] + p * bytes, bytes);
+    }
+    c.bytes_sent += (c.nranks - 1) * bytes;
   }
-  c.bytes_sent += (c.nranks - 1) * bytes;
 }
 
 }  // namespace pyc

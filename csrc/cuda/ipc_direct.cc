@@ -2,6 +2,7 @@
 #include "cuda/ipc_direct.h"
 
 #include <cuda.h>  // CUdeviceptr, CUresult: types only, the driver is reached through the runtime
+#include <sched.h>
 
 #include <cstring>
 
@@ -14,6 +15,8 @@ namespace {
 // Peer allocations kept mapped per peer before the cache is emptied (after
 // the stream is synchronised, so that no queued kernel still uses them).
 constexpr size_t kMaxMapped = 256;
+// Event polls (each ~1 us) before a wait starts yielding its core.
+constexpr long kSpinPolls = 1024;
 
 using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
@@ -40,36 +43,29 @@ std::string key(const cudaIpcMemHandle_t& h) {
 
 }  // namespace
 
-IpcDirect::IpcDirect(int rank, int nranks, cudaStream_t stream)
-    : rank_(rank), n_(nranks), stream_(stream), mapped_(nranks) {
-  const unsigned flags = cudaEventDisableTiming | cudaEventInterprocess;
-  PYC_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, flags));
-  PYC_CUDA_CHECK(cudaEventCreateWithFlags(&done_, flags));
-  PYC_CUDA_CHECK(cudaIpcGetEventHandle(&ready_handle_, ready_));
-  PYC_CUDA_CHECK(cudaIpcGetEventHandle(&done_handle_, done_));
+void wait_event_host(cudaEvent_t ev, WaitMonitor& mon) {
+  for (long i = 0;; ++i) {
+    const cudaError_t e = cudaEventQuery(ev);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) PYC_CUDA_CHECK(e);
+    (void)cudaGetLastError();  // "not ready" is no error: keep it out of later checks
+    if ((i & 15) == 15) mon.check_fast();
+    if (i < kSpinPolls) continue;
+    mon.check_slow();  // rate-limited by the monitor's clock checks below
+    sched_yield();
+  }
+}
+
+IpcDirect::IpcDirect(int rank, int nranks, cudaStream_t stream, bool one_worker)
+    : rank_(rank), n_(nranks), stream_(stream), one_worker_(one_worker), mapped_(nranks) {
+  PYC_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
 }
 
 IpcDirect::~IpcDirect() {
   for (auto& peer : mapped_)
     for (auto& [k, base] : peer) (void)cudaIpcCloseMemHandle(base);
-  for (auto* v : {&peer_ready_, &peer_done_})
-    for (cudaEvent_t ev : *v)
-      if (ev) (void)cudaEventDestroy(ev);
-  if (ready_) (void)cudaEventDestroy(ready_);
   if (done_) (void)cudaEventDestroy(done_);
   (void)cudaGetLastError();
-}
-
-void IpcDirect::connect(DirectCtl* ctls, const std::vector<cudaIpcEventHandle_t>& ready,
-                        const std::vector<cudaIpcEventHandle_t>& done) {
-  ctls_ = ctls;
-  peer_ready_.assign(n_, nullptr);
-  peer_done_.assign(n_, nullptr);
-  for (int p = 0; p < n_; ++p) {
-    if (p == rank_) continue;
-    PYC_CUDA_CHECK(cudaIpcOpenEventHandle(&peer_ready_[p], ready[p]));
-    PYC_CUDA_CHECK(cudaIpcOpenEventHandle(&peer_done_[p], done[p]));
-  }
 }
 
 bool IpcDirect::export_buffer(const void* p, cudaIpcMemHandle_t* h, uint64_t* off) {
@@ -103,13 +99,14 @@ char* IpcDirect::map(int peer, const cudaIpcMemHandle_t& h) {
   return static_cast<char*>(base);
 }
 
-bool IpcDirect::run(const void* in, size_t in_bytes, void* out, size_t out_bytes, WaitMonitor& mon,
-                    const std::function<void(const IpcView&)>& kernels) {
+bool IpcDirect::run(const void* in, size_t in_bytes, void* out, size_t out_bytes, cudaEvent_t issue,
+                    WaitMonitor& mon, const std::function<void(const IpcView&)>& kernels) {
   PYC_ASSERT(ctls_ != nullptr);
   const uint32_t seq = ++seq_;
   DirectCtl& me = ctls_[rank_];
+  const bool worker = !one_worker_ || rank_ == 0;
 
-  // 1. Export, record `ready` after the caller's work, publish.
+  // 1. Export; ready once the caller's earlier work has completed.
   bool ok = true;
   if (in_bytes > 0) ok = export_buffer(in, &me.in_mem, &me.in_off);
   if (ok && out_bytes > 0) {
@@ -121,10 +118,16 @@ bool IpcDirect::run(const void* in, size_t in_bytes, void* out, size_t out_bytes
     }
   }
   me.ok = ok ? 1 : 0;
-  PYC_CUDA_CHECK(cudaEventRecord(ready_, stream_));
-  publish(me.ready, seq);  // release: the record and the event are visible first
+  if (issue != nullptr) {
+    mon.peer = -1;
+    if (one_worker_ && worker)
+      PYC_CUDA_CHECK(cudaStreamWaitEvent(stream_, issue, 0));  // only our kernels touch our buffer
+    else
+      wait_event_host(issue, mon);
+  }
+  publish(me.ready, seq);  // release: the record is visible first
 
-  // 2. Every peer ready: map, wait for their work on the GPU, launch.
+  // 2. Every peer ready: a worker maps, launches and waits for its kernels.
   bool all_ok = ok;
   for (int p = 0; p < n_; ++p) {
     if (p == rank_) continue;
@@ -132,30 +135,31 @@ bool IpcDirect::run(const void* in, size_t in_bytes, void* out, size_t out_bytes
     wait_reached(ctls_[p].ready, seq, mon);
     all_ok = all_ok && ctls_[p].ok != 0;
   }
-  if (all_ok) {
+  if (all_ok && worker) {
     IpcView v;
     v.in.assign(n_, nullptr);
     v.out.assign(n_, nullptr);
     v.in[rank_] = static_cast<const char*>(in);
     v.out[rank_] = static_cast<char*>(out);
+    v.one_worker = one_worker_;
     for (int p = 0; p < n_; ++p) {
       if (p == rank_) continue;
       const DirectCtl& c = ctls_[p];
       if (in_bytes > 0) v.in[p] = map(p, c.in_mem) + c.in_off;
       if (out_bytes > 0) v.out[p] = map(p, c.out_mem) + c.out_off;
-      PYC_CUDA_CHECK(cudaStreamWaitEvent(stream_, peer_ready_[p], 0));
     }
     kernels(v);
+    PYC_CUDA_CHECK(cudaEventRecord(done_, stream_));
+    mon.peer = -1;
+    wait_event_host(done_, mon);
   }
 
-  // 3. Done: no peer's kernel touches our buffers once our stream passes their `done`.
-  PYC_CUDA_CHECK(cudaEventRecord(done_, stream_));
+  // 3. Done everywhere: every kernel of the operation has completed.
   publish(me.done, seq);
   for (int p = 0; p < n_; ++p) {
     if (p == rank_) continue;
     mon.peer = p;
     wait_reached(ctls_[p].done, seq, mon);
-    if (all_ok) PYC_CUDA_CHECK(cudaStreamWaitEvent(stream_, peer_done_[p], 0));
   }
   mon.peer = -1;
   return all_ok;

@@ -1,25 +1,29 @@
-// The direct CUDA IPC path: every rank's kernels address the callers' own
-// buffers on every rank, mapped with CUDA IPC, so that a collective is one or
-// two kernels per rank with no staging copy. Synchronisation between the
-// ranks is host flags plus inter-process events, never a kernel that waits:
+// The direct CUDA IPC path: kernels address the callers' own buffers on every
+// rank, mapped with CUDA IPC, so that a collective is one or two kernels with
+// no staging copy. The ranks synchronise through host flags only, after the
+// host has seen the GPU work complete; no kernel waits, and no stream waits
+// for another process's work:
 //
-//   1. export the call's buffers (cudaIpcGetMemHandle of their allocation),
-//      record this rank's `ready` event on the communicator's stream (after
-//      the caller's work), publish the handles and the `ready` flag;
-//   2. wait (host) for every peer's `ready` flag; map their buffers (cached);
-//      make the stream wait for every peer's `ready` event; launch the kernels;
-//   3. record this rank's `done` event, publish the `done` flag, wait (host)
-//      for every peer's, make the stream wait for their `done` events.
+//   1. export the call's buffers (cudaIpcGetMemHandle of their allocation);
+//      once the caller's earlier work on its stream has completed (a host
+//      poll of the issue event; a worker that only touches its own buffer
+//      through its own stream waits on the stream instead), publish the
+//      handles and the `ready` flag;
+//   2. wait (host) for every peer's `ready` flag; a worker maps the peers'
+//      buffers (cached), launches its kernels and polls their completion;
+//   3. publish the `done` flag and wait (host) for every peer's.
 //
-// After step 3 no rank's kernel touches this rank's buffers any more, so the
-// caller's later work on its stream is safe. The host never waits for the
-// GPU, and the GPU waits only on events (the hardware's own inter-process
-// synchronisation), so ranks that time-slice one GPU cannot deadlock.
+// After step 3 every kernel of the operation has completed, so the operation
+// is complete on the host and no rank's stream has to wait for anything.
 //
-// Reuse of the two events is safe because of the flags: a rank records
-// `ready` for operation k+1 only after every peer published `done` for k,
-// which each does after its stream-wait on our `ready` of k (and likewise for
-// `done`, through the `ready` flags of k+1).
+// Who works: when every rank drives the same GPU, rank 0 alone (one worker)
+// runs every rank's part. Kernels of different processes time-slice one GPU,
+// and switching between the ranks' contexts costs far more than a small
+// collective: on an H100, a 2-rank all-reduce of 8 B took 290-330 us and a
+// 4-rank one 600-900 us while every rank's context had GPU work (even only
+// event records) in each operation, and 52-66 us once only rank 0's did. So
+// the other ranks enqueue nothing at all. Across GPUs every rank does its own
+// part (see ipc_algos.h), in parallel.
 //
 // If any rank cannot export its buffers (memory not from cudaMalloc: a
 // stream-ordered pool, expandable segments), every rank sees that at step 2,
@@ -39,8 +43,8 @@ namespace pyc {
 
 // One rank's record in the CUDA control segment (host shared memory).
 struct alignas(64) DirectCtl {
-  Counter ready;            // direct operations whose buffers are below and `ready` event recorded
-  Counter done;             // direct operations whose `done` event is recorded
+  Counter ready;            // direct operations whose buffers are below and ready
+  Counter done;             // direct operations whose kernels (on this rank) have completed
   alignas(64) uint32_t ok;  // 1: the buffers below were exported
   uint32_t pad;
   uint64_t in_off, out_off;  // offsets of the buffers in their allocations
@@ -52,31 +56,35 @@ struct alignas(64) DirectCtl {
 struct IpcView {
   std::vector<const char*> in;
   std::vector<char*> out;
+  bool one_worker = false;  // rank 0 does every rank's part
 };
+
+// Blocks until `ev` has completed, polling it from the host (spin, then
+// yield); the monitor bounds the wait (timeout, dead peers, abort). Throws
+// pyc::Error for an error of the work it marks.
+void wait_event_host(cudaEvent_t ev, WaitMonitor& mon);
 
 class IpcDirect {
  public:
-  // Creates this rank's two inter-process events (on the current device).
-  IpcDirect(int rank, int nranks, cudaStream_t stream);
-  ~IpcDirect();  // unmaps the peers' buffers, closes the events; never throws
+  // one_worker: every rank drives the same GPU (decided alike on every rank).
+  IpcDirect(int rank, int nranks, cudaStream_t stream, bool one_worker);
+  ~IpcDirect();  // unmaps the peers' buffers; never throws
   IpcDirect(const IpcDirect&) = delete;
   IpcDirect& operator=(const IpcDirect&) = delete;
 
-  cudaIpcEventHandle_t ready_handle() const { return ready_handle_; }
-  cudaIpcEventHandle_t done_handle() const { return done_handle_; }
-  // Attaches the control records (nranks of them) and opens the peers' events
-  // (their handles from the setup exchange, indexed by rank).
-  void connect(DirectCtl* ctls, const std::vector<cudaIpcEventHandle_t>& ready,
-               const std::vector<cudaIpcEventHandle_t>& done);
+  // Attaches the control records (nranks of them, in host shared memory).
+  void connect(DirectCtl* ctls) { ctls_ = ctls; }
+  bool one_worker() const { return one_worker_; }
 
-  // Runs steps 1-3 around `kernels`, which enqueues the operation's kernels on
-  // the stream given the view. in_bytes / out_bytes: the call's input and
-  // output sizes on this rank (in == out for in-place operations). Returns
-  // false, having launched nothing, when some rank could not export; throws
-  // pyc::Error for a CUDA failure and whatever the monitor throws (timeout,
-  // dead peer, abort).
-  bool run(const void* in, size_t in_bytes, void* out, size_t out_bytes, WaitMonitor& mon,
-           const std::function<void(const IpcView&)>& kernels);
+  // Runs steps 1-3; `kernels` enqueues this rank's kernels on the stream
+  // given the view (called on workers only). in_bytes / out_bytes: the call's
+  // input and output sizes on this rank (in == out for in-place operations).
+  // issue: the event that marks the caller's earlier work, or null when its
+  // stream was idle. Returns false, having launched nothing, when some rank
+  // could not export; throws pyc::Error for a CUDA failure and whatever the
+  // monitor throws (timeout, dead peer, abort).
+  bool run(const void* in, size_t in_bytes, void* out, size_t out_bytes, cudaEvent_t issue,
+           WaitMonitor& mon, const std::function<void(const IpcView&)>& kernels);
 
  private:
   // Fills the handle and offset of `p`'s allocation; false when it cannot be exported.
@@ -86,9 +94,8 @@ class IpcDirect {
 
   int rank_, n_;
   cudaStream_t stream_;
-  cudaEvent_t ready_ = nullptr, done_ = nullptr;
-  cudaIpcEventHandle_t ready_handle_{}, done_handle_{};
-  std::vector<cudaEvent_t> peer_ready_, peer_done_;
+  bool one_worker_;
+  cudaEvent_t done_ = nullptr;  // marks this rank's kernels of the operation
   DirectCtl* ctls_ = nullptr;
   uint32_t seq_ = 0;
   // Per peer: the allocations mapped so far, by handle bytes.
