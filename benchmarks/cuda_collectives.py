@@ -3,9 +3,11 @@ it allows several ranks per GPU), 2 and 4 ranks on one GPU, with a roofline.
 
     python benchmarks/cuda_collectives.py [--ranks 2,4] [--out docs/benchmarks.md]
 
-For each world size runs `pycollectives-bench --device cuda --compare gloo[,nccl]`
-for all-reduce, reduce-scatter and all-gather from 8 KiB to 1 GiB (8 KiB..512 MiB
-by factors of 4, then 1 GiB), with every row checked (-c 1). In the same run it
+For each world size runs `pycollectives-bench --device cuda` for all-reduce,
+reduce-scatter and all-gather: pycollectives' default (direct) path and its
+staging ring (PYCOLL_ALGO=ring) from 16 KiB to 1 GiB by factors of 4, gloo on
+the same CUDA tensors at 64 KiB, 4 MiB and 256 MiB (it is ~1000x slower at
+large sizes), every row checked (-c 1). In the same run it
 measures the device-to-device copy bandwidth (torch copy_ of 256 MiB, CUDA
 events) and derives the roofline of each row: the fewest bytes each rank must
 read and write, whatever the algorithm (each input byte read once, each output
@@ -17,9 +19,12 @@ times the number of ranks that share one GPU (they share its memory
 bandwidth), divided by the copy bandwidth (bytes read + written per second).
 The direct path moves exactly these bytes with 2 ranks; with n ranks its
 all-reduce and all-gather read each pushed part ceil((n - 1) / 2) times.
-Then it rewrites its section of docs/benchmarks.md (between the
-cuda_collectives markers) with the command, the device, the date, every figure
-and the targets (>= 80 % of the roofline from 64 MiB, >= 20x gloo) checked.
+Then it saves every run (--save, JSON: the machine, the copy bandwidth, each
+bench's metadata and rows) and rewrites its section of docs/benchmarks.md
+(between the cuda_collectives markers) with the commands, the device, the
+date, every figure and the targets (>= 80 % of the roofline from 64 MiB,
+>= 20x gloo) checked. `--render FILE` rewrites the section from a saved file
+(no GPU needed).
 
 NCCL: compared when torch's NCCL (or the one of an installed nvidia-nccl-cu12/
 cu13 wheel, preloaded) is >= 2.30, with NCCL_MULTI_RANK_GPU_ENABLE=1; otherwise
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -92,27 +98,27 @@ def nccl_setup() -> tuple[dict[str, str] | None, str]:
     return None, "; ".join(found) + " (NCCL >= 2.30 is needed for several ranks per GPU)"
 
 
-SIZES = ["-b", "8K", "-e", "512M", "-f", "4"]
-BIG = ["-b", "1G", "-e", "1G"]
+SIZES = ["-b", "16K", "-e", "1G", "-f", "4"]
+PEER_SIZES = ["-b", "64K", "-e", "256M", "-f", "64"]
 
 
-def bench(nranks: int, backend: str, env: dict, quick: bool) -> list[dict]:
-    """Rows of one backend (pycoll, gloo or nccl) from 8 KiB to 1 GiB; quick:
-    fewer iterations (the slow peers)."""
+def bench(nranks: int, backend: str, env: dict, label: str) -> dict:
+    """One bench run (its JSON: metadata and rows, the rows' backend set to `label`)."""
     flags = ["--device", "cuda", "--coll", ",".join(COLLS), "--backend", backend, "-c", "1",
-             "--timeout", "900"]  # fmt: skip
-    it = (
-        ["-n", "3", "-w", "1", "--trials", "1"]
-        if quick
-        else ["-n", "20", "-w", "3", "--trials", "3"]
-    )
-    big = (
-        ["-n", "1", "-w", "1", "--trials", "1"]
-        if quick
-        else ["-n", "5", "-w", "1", "--trials", "3"]
-    )
-    rows = run_bench(nranks, flags + SIZES + it, env)["rows"]
-    return rows + run_bench(nranks, flags + BIG + big, env)["rows"]
+             "--timeout", "600"]  # fmt: skip
+    if backend == "pycoll":
+        flags += [*SIZES, "-n", "10", "-w", "2", "--trials", "3"]
+    else:
+        flags += [*PEER_SIZES, "-n", "2", "-w", "1", "--trials", "1"]
+    data = run_bench(nranks, flags, env)
+    data["rows"] = [dict(r, backend=label) for r in data["rows"]]
+    if env:
+        data["metadata"]["command"] = (
+            " ".join(f"{k}={v}" for k, v in env.items())
+            + " "
+            + (data["metadata"].get("command", ""))
+        )
+    return data
 
 
 def nccl_attempt(nranks: int, env: dict) -> str:
@@ -122,7 +128,7 @@ def nccl_attempt(nranks: int, env: dict) -> str:
     try:
         rows = run_bench(nranks, flags, env)["rows"]
     except subprocess.CalledProcessError as e:
-        return f"the {nranks}-rank NCCL run failed (exit {e.returncode})"
+        return f"the {nranks}-rank NCCL run failed (exit {e.returncode}; its error is in the log)"
     note = rows[0].get("note") if rows else "no rows"
     return note or f"ran: {rows[0].get('time_us')} us"
 
@@ -143,24 +149,29 @@ def cell(v: float | None) -> str:
     return f"{v:.1f}" if v is not None else "n/a"
 
 
-def render(runs: dict[int, list[dict]], bw: float, device: str, command: str, nccl: str) -> str:
-    import torch
-
-    ngpu = max(1, torch.cuda.device_count())
+def render(saved: dict) -> str:
+    """The docs section for a saved measurement (see main)."""
+    ngpu, bw = saved["ngpu"], saved["copy_bw"]
     lines = [
         BEGIN,
         "## CUDA collectives (pycollectives vs gloo vs NCCL, ranks sharing one GPU)",
         "",
-        f"`{command}` on {device} ({ngpu} GPU visible), "
-        f"{datetime.date.today().isoformat()}, torch {torch.__version__}.",
-        f"Device-to-device copy bandwidth measured in the same run: {bw / 1e9:.0f} GB/s "
-        "(bytes read + written per second). Roofline: the fewest bytes each rank must read "
+        f"{saved['device']} ({ngpu} GPU visible), {saved['date']}, torch {saved['torch']}.",
+        f"Device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s (bytes read + written per "
+        f"second; {saved['copy_bw_note']}). Roofline: the fewest bytes each rank must read "
         "and write, times the ranks sharing the GPU, over that bandwidth (see the script). "
         "`pycoll`: the default (direct CUDA IPC) path; `ring`: the staging ring "
         "(`PYCOLL_ALGO=ring`). Times: median over trials of the slowest rank's time per call.",
-        f"NCCL: {nccl}.",
+        f"NCCL: {saved['nccl']}.",
+        "",
+        "Commands:",
+        "",
+        *[f"- `{r['metadata'].get('command', '?')}`" for r in saved["runs"]],
         "",
     ]
+    runs: dict[int, list[dict]] = {}
+    for r in saved["runs"]:
+        runs.setdefault(r["metadata"]["nranks"], []).extend(r["rows"])
     verdicts = []
     for n, rows in sorted(runs.items()):
         share = max(1, -(-n // ngpu))
@@ -208,9 +219,12 @@ def render(runs: dict[int, list[dict]], bw: float, device: str, command: str, nc
                 f"- {coll}, {n} ranks: from 64 MiB, at least "
                 + (f"{100 * worst_roof:.0f} %" if worst_roof is not None else "n/a")
                 + f" of the roofline ({'met' if roof_ok else 'NOT met'}, target 80 %); "
-                + "at least "
-                + (f"{worst_gloo:.1f}x" if worst_gloo is not None else "n/a")
-                + f" gloo over all sizes ({'met' if gloo_ok else 'NOT met'}, target 20x)"
+                + (
+                    f"at least {worst_gloo:.1f}x gloo at every size measured "
+                    f"({'met' if gloo_ok else 'NOT met'}, target 20x)"
+                    if worst_gloo is not None
+                    else "gloo not measured"
+                )
             )
     lines += ["### Targets", "", *verdicts, "", END]
     return "\n".join(lines)
@@ -220,7 +234,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="2,4", help="world sizes (default 2,4)")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    p.add_argument(
+        "--save",
+        default=os.path.join(os.environ.get("OUT", "."), "cuda_collectives.json"),
+        help="where the runs are saved (default $OUT/cuda_collectives.json, else ./)",
+    )
+    p.add_argument("--render", metavar="FILE", help="only rewrite the section from a saved file")
     args = p.parse_args()
+    if args.render:
+        return write(json.loads(Path(args.render).read_text()), Path(args.out))
     try:
         import torch
 
@@ -238,25 +260,36 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    device = torch.cuda.get_device_name(0)
-    bw = copy_bandwidth()
-    print(f"# {device}: device-to-device copy {bw / 1e9:.0f} GB/s (read + write)", flush=True)
+    saved = {
+        "device": torch.cuda.get_device_name(0),
+        "ngpu": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "copy_bw": copy_bandwidth(),
+        "copy_bw_note": "torch copy_ of 256 MiB, CUDA events, in the same run",
+        "runs": [],
+    }
+    print(
+        f"# {saved['device']}: device-to-device copy {saved['copy_bw'] / 1e9:.0f} GB/s", flush=True
+    )
     nccl_env, nccl_note = nccl_setup()
-    runs: dict[int, list[dict]] = {}
+    prefix = "compared, " if nccl_env else "not compared: "
     for n in [int(x) for x in args.ranks.split(",")]:
-        rows = bench(n, "pycoll", {}, quick=False)
-        ring = bench(n, "pycoll", {"PYCOLL_ALGO": "ring"}, quick=False)
-        rows += [dict(r, backend="ring") for r in ring]
-        rows += bench(n, "gloo", {}, quick=True)
+        saved["runs"].append(bench(n, "pycoll", {}, "pycoll"))
+        saved["runs"].append(bench(n, "pycoll", {"PYCOLL_ALGO": "ring"}, "ring"))
+        saved["runs"].append(bench(n, "gloo", {}, "gloo"))
         if nccl_env is not None:
-            rows += bench(n, "nccl", nccl_env, quick=True)
+            saved["runs"].append(bench(n, "nccl", nccl_env, "nccl"))
         else:
             nccl_note += f"; tried anyway with {n} ranks: " + nccl_attempt(n, {})
-        runs[n] = rows
-    nccl = ("compared, " if nccl_env else "not compared: ") + nccl_note
-    command = "python benchmarks/cuda_collectives.py " + " ".join(sys.argv[1:])
-    section = render(runs, bw, device, command.strip(), nccl)
-    write_section(section, BEGIN, END, Path(args.out))
+        saved["nccl"] = prefix + nccl_note
+        Path(args.save).write_text(json.dumps(saved, indent=1))  # kept if a later n fails
+    return write(saved, Path(args.out))
+
+
+def write(saved: dict, out: Path) -> int:
+    section = render(saved)
+    write_section(section, BEGIN, END, out)
     print(section)
     return 0
 

@@ -20,6 +20,11 @@
 # `test`, `bench` and `sanitize` build first when the extension there is missing or has no
 # CUDA (a fresh machine), so each can run alone in its own call.
 #
+# A build made elsewhere can be carried instead (the device tool's `carry`): on a machine with
+# nvcc and the device's Python (3.12 there), `PYCOLL_CUDA=1 python3.12 setup.py build_ext
+# --inplace`, then carry pycollectives/_C.cpython-312-x86_64-linux-gnu.so; the steps find it
+# (PYTHONPATH is the repository) and skip the build, which saves minutes of device time.
+#
 # Every step runs under its own timeout (GPU_SESSION_{BUILD,TEST,BENCH}_TIMEOUT
 # seconds) and the script goes on past a failing step; it prints each step's
 # exit code at the end and exits non-zero if any failed. Everything printed is
@@ -33,10 +38,11 @@ OUT=${OUT:-/tmp/gpu_session_out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/session.log") 2>&1
 export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
 BUILD_TIMEOUT=${GPU_SESSION_BUILD_TIMEOUT:-240}
 TEST_TIMEOUT=${GPU_SESSION_TEST_TIMEOUT:-300}
-BENCH_TIMEOUT=${GPU_SESSION_BENCH_TIMEOUT:-180}
+BENCH_TIMEOUT=${GPU_SESSION_BENCH_TIMEOUT:-420}
 
 if ! command -v nvcc >/dev/null; then
   for d in "${CUDA_HOME:-}" /usr/local/cuda /usr/local/cuda-13.0; do

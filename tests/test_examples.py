@@ -36,3 +36,28 @@ def test_windows_example_under_torchrun():
     assert want in lines, p.stdout
     plain = next((ln for ln in lines if ln.startswith("world 3: plain tensors:")), "")
     assert plain and "direct" not in plain, p.stdout
+
+
+def _cuda_ok() -> bool:
+    import torch
+
+    from pycollectives import _C
+
+    return bool(_C.cuda_built()) and torch.cuda.is_available()
+
+
+def test_cuda_example():
+    """Under torchrun on a GPU: right results through the direct path; without
+    one: exit status 2 and the reason, before any rendezvous."""
+    script = str(ROOT / "examples" / "cuda_allreduce.py")
+    if not _cuda_ok():
+        p = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert "needs a GPU" in p.stderr, p.stderr
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "all_reduce 3.0" in p.stdout, p.stdout
+    assert "all_gather [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]" in p.stdout, p.stdout
+    assert "'direct': 1" in p.stdout, p.stdout

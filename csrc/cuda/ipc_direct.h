@@ -21,7 +21,7 @@
 // and switching between the ranks' contexts costs far more than a small
 // collective: on an H100, a 2-rank all-reduce of 8 B took 290-330 us and a
 // 4-rank one 600-900 us while every rank's context had GPU work (even only
-// event records) in each operation, and 52-66 us once only rank 0's did. So
+// event records) in each operation, and mostly 52-66 us once only rank 0's did. So
 // the other ranks enqueue nothing at all. Across GPUs every rank does its own
 // part (see ipc_algos.h), in parallel.
 //
