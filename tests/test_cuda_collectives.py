@@ -210,7 +210,8 @@ def job_issue_waits_for_caller_stream(comm: pc.Communicator) -> list[str]:
 
 def job_wait_orders_current_stream(comm: pc.Communicator) -> list[str]:
     """After Work.wait(), work queued on the current stream sees the result
-    (wait() blocks the host only until the last kernel is enqueued)."""
+    (wait() blocks the host until the operation is complete on the direct
+    path, only until its last kernel is enqueued on the staging ring)."""
     dev, n, r = _device(comm), comm.world_size, comm.rank
     torch.cuda.set_device(dev)
     bad = []
@@ -257,14 +258,15 @@ def job_overlaps_other_stream(comm: pc.Communicator) -> list[str]:
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("world_size", CUDA_WORLD_SIZES)
 @pytest.mark.parametrize(
     "job",
     [job_issue_waits_for_caller_stream, job_wait_orders_current_stream, job_overlaps_other_stream],
     ids=lambda j: j.__name__[4:],
 )
-def test_cuda_stream_semantics(pool, job, world_size):
-    results = pool(world_size).run(job, timeout=240)
+def test_cuda_stream_semantics(pool, job, world_size, path):
+    results = pool(world_size, PATHS[path]).run(job, timeout=240)
     bad = [f"rank {r}: {line}" for r, lines in enumerate(results) for line in lines]
     assert not bad, "\n".join(bad)
 

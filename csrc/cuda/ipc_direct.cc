@@ -51,7 +51,7 @@ void wait_event_host(cudaEvent_t ev, WaitMonitor& mon) {
     (void)cudaGetLastError();  // "not ready" is no error: keep it out of later checks
     if ((i & 15) == 15) mon.check_fast();
     if (i < kSpinPolls) continue;
-    mon.check_slow();  // rate-limited by the monitor's clock checks below
+    mon.check_slow();  // timeout, dead peers, mismatch, abort, Ctrl-C
     sched_yield();
   }
 }
