@@ -1,13 +1,15 @@
-"""Broadcast, reduce and all-to-all: pycollectives against gloo and OpenMPI on local ranks, in one
-run.
+"""Broadcast, reduce, all-to-all and sendrecv: pycollectives against gloo and OpenMPI on local
+ranks, in one run.
 
     python benchmarks/cpu_compare_rooted.py [--ranks 2,3,4] [--trials 3] [--no-write]
 
-For each world size, runs `pycollectives-bench --compare gloo,mpi` for the three collectives
+For each world size, runs `pycollectives-bench --compare gloo,mpi` for the four operations
 from 64 KiB to 64 MiB (as cpu_compare.py: 50 calls per trial up to 1 MiB, 10 from 4 MiB with
 gloo and OpenMPI taking turns at each size in the same ranks), then rewrites the section between
 the `cpu_compare_rooted` markers in docs/benchmarks.md. The issue sets no target for these
-collectives; the tables show where pycollectives stands against its peers on them.
+collectives; the tables show where pycollectives stands against its peers on them. sendrecv is
+nccl-tests' sendrecv_perf: every rank sends to the next and receives from the previous at once
+(pycollectives' batch_p2p, torch's batch_isend_irecv, MPI_Sendrecv).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import argparse
 from _doc import emit_section, run_bench
 from cpu_compare import table
 
-COLLS = ["broadcast", "reduce", "all_to_all"]
+COLLS = ["broadcast", "reduce", "all_to_all", "sendrecv"]
 SIZE_RUNS = [
     ["-b", "64K", "-e", "1M", "-f", "4", "-n", "50", "-w", "10"],
     ["-b", "4M", "-e", "64M", "-f", "4", "-n", "10", "-w", "3", "--interleave", "1"],
@@ -48,7 +50,7 @@ def main() -> None:
     emit_section(
         BEGIN,
         END,
-        "CPU: broadcast, reduce and all-to-all against gloo and OpenMPI",
+        "CPU: broadcast, reduce, all-to-all and sendrecv against gloo and OpenMPI",
         f"`python benchmarks/cpu_compare_rooted.py --ranks {args.ranks} --trials {args.trials}` "
         "(each world size: `pycollectives-bench --nproc N -b 64K -e 1M -f 4 -n 50 -w 10 --coll "
         f"{','.join(COLLS)} --trials {args.trials} -c 1 --compare gloo,mpi` and the same with "

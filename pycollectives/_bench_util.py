@@ -53,6 +53,8 @@ SPECS: dict[str, CollSpec] = {
         CollSpec("broadcast", False, True, False, True, "one"),
         CollSpec("reduce", True, True, False, True, "one"),
         CollSpec("all_to_all", False, False, True, False, "n-1/n"),
+        # nccl-tests' sendrecv_perf: every rank sends to the next and receives from the previous.
+        CollSpec("sendrecv", False, False, False, False, "one"),
     )
 }
 COLLECTIVES: tuple[str, ...] = tuple(SPECS)
@@ -202,6 +204,8 @@ def expected_result(
         return torch.cat([pattern(q, nranks, 0, c, "sum") for q in range(nranks)]).to(dtype)
     if name == "all_to_all":
         return torch.cat([pattern(q, nranks, rank * c, c, "sum") for q in range(nranks)]).to(dtype)
+    if name == "sendrecv":
+        return pattern((rank - 1) % nranks, nranks, 0, c, "sum").to(dtype)
     raise ValueError(name)
 
 
@@ -491,6 +495,8 @@ class Runner:
             return empty(count, dtype, device), empty(n * count, dtype, device)
         if spec.name == "reduce_scatter":
             return empty(n * count, dtype, device), empty(count, dtype, device)
+        if spec.name == "sendrecv":
+            return empty(count, dtype, device), empty(count, dtype, device)
         return empty(n * count, dtype, device), empty(n * count, dtype, device)  # all_to_all
 
     def empty(self, numel: int, dtype: torch.dtype, device: str | None) -> torch.Tensor:
@@ -523,9 +529,16 @@ class PycollRunner(Runner):
     name = "pycoll"
 
     def __init__(
-        self, rank: int, world_size: int, store: object, timeout: float, registered: int = 0
+        self,
+        rank: int,
+        world_size: int,
+        store: object,
+        timeout: float,
+        registered: int = 0,
+        cuda: bool = False,
     ) -> None:
         super().__init__(rank, world_size)
+        self.cuda = cuda
         import torch.distributed as dist
 
         import pycollectives as pc
@@ -541,9 +554,16 @@ class PycollRunner(Runner):
         )
         self.ops = {o: getattr(pc.ReduceOp, o.upper()) for o in OPS}
 
+    def unsupported(self, spec, dtype, op):  # noqa: D102
+        if spec.name == "sendrecv" and self.cuda:
+            return "pycollectives' batch_p2p takes CPU buffers only"
+        return None
+
     def bind(self, coll, inp, out, op, root):  # noqa: D102
         c, o = self.comm, self.ops[op]
+        nxt, prv = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         return {
+            "sendrecv": lambda: c.batch_p2p([("send", inp, nxt), ("recv", out, prv)]),
             "all_reduce": lambda: c.all_reduce(inp, o),
             "reduce_scatter": lambda: c.reduce_scatter(out, inp, o),
             "all_gather": lambda: c.all_gather(out, inp),
@@ -618,7 +638,15 @@ class GlooRunner(Runner):
         d, o = self.dist, self.ops[op]
         reduce_scatter = getattr(d, "reduce_scatter_single", None) or d.reduce_scatter_tensor
         all_gather = getattr(d, "all_gather_single", None) or d.all_gather_into_tensor
+        nxt, prv = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+
+        def sendrecv() -> None:
+            ops = [d.P2POp(d.isend, inp, nxt), d.P2POp(d.irecv, out, prv)]
+            for w in d.batch_isend_irecv(ops):
+                w.wait()
+
         return {
+            "sendrecv": sendrecv,
             "all_reduce": lambda: d.all_reduce(inp, o),
             "reduce_scatter": lambda: reduce_scatter(out, inp, o),
             "all_gather": lambda: all_gather(out, inp),
@@ -699,7 +727,9 @@ class MpiRunner(Runner):
             if self.rank == root:
                 return lambda: c.Reduce(inplace, a, o, root)
             return lambda: c.Reduce(a, None, o, root)
+        nxt, prv = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         return {
+            "sendrecv": lambda: c.Sendrecv(a, nxt, 0, b, prv, 0),
             "all_reduce": lambda: c.Allreduce(inplace, a, o),
             "reduce_scatter": lambda: c.Reduce_scatter_block(a, b, o),
             "all_gather": lambda: c.Allgather(a, b),

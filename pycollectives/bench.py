@@ -464,7 +464,10 @@ def _rank_main(args: argparse.Namespace) -> int:
     runners: list[Runner] = []
     for backend in runners_todo:
         if backend == "pycoll":
-            runner: Runner = PycollRunner(rank, world, store, args.timeout, args.registered)
+            cuda = args.cuda_device is not None
+            runner: Runner = PycollRunner(
+                rank, world, store, args.timeout, args.registered, cuda=cuda
+            )
             extra_meta["pycollectives"] = pycoll_version()
             extra_meta["simd_level"] = (
                 runner.pc.simd_level() if hasattr(runner.pc, "simd_level") else "?"
