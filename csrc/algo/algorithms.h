@@ -87,6 +87,14 @@ struct P2POp {
   DataType dtype = DataType::kFloat32;
   int peer = 0;  // may be this rank: sends to self pair with receives from self in order
   SlotTag tag;
+  // Single copy (decided alike by both ends): the send posts only the buffer's
+  // address through its slots; the receive reads the bytes straight out of the
+  // sender's process (process `pid`, transport/cma.h) and raises `cma_done`
+  // (the pair's counter) to the message's sequence number, which the send
+  // waits for before its buffer may change.
+  bool cma = false;
+  int pid = 0;
+  Counter* cma_done = nullptr;
 };
 // Runs every op of the batch concurrently, chunk by chunk (see batch_p2p.cc).
 void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops);

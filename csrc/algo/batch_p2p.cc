@@ -2,23 +2,69 @@
 // torch's batch_isend_irecv): chunk k of every send goes out before chunk k of
 // every receive is taken in, for k = 0, 1, ...
 //
+// Several messages between the same two ranks share one slot FIFO, so an
+// iteration is split into steps: step g of iteration k sends chunk k of the
+// g-th message (still active in iteration k) to each peer, then receives chunk
+// k of the g-th message from each peer. At most one chunk per FIFO per step.
+//
 // Why this cannot deadlock when every send is matched by a receive of the same
-// size on its peer (and the pairs' ops are listed in the same order): a rank
-// blocked in iteration k waits either to send chunk k, which needs the
-// receiver to have consumed chunk k - nslots (so the receiver is in an
-// iteration < k), or to receive chunk k from a sender that has not sent it
-// yet; that sender, in iteration <= k, is itself blocked in a send (sends come
-// first in an iteration). Following the waits, iterations never increase and
+// size on its peer (and the pairs' ops are listed in the same order, so both
+// ends number a pair's messages alike): a rank blocked in step s waits either
+// to send, which needs the receiver to have consumed a chunk of an earlier
+// step (one chunk per FIFO per step, and the FIFO holds at least one), so the
+// receiver is in an earlier step, or to receive a chunk from a sender that has
+// not sent it yet; that sender, in a step <= s, is itself blocked in a send
+// (sends come first in a step). Following the waits, steps never increase and
 // strictly decrease at every send, so the chain cannot close into a cycle.
+//
+// A single-copy message (P2POp::cma) is one chunk in iteration 0: the send
+// posts a descriptor (its buffer's address and size) through the slots, the
+// receive reads the bytes out of the sender's process and acknowledges them
+// through the pair's cma_done counter. The senders wait for those
+// acknowledgements only after their last iteration, so nothing waits on a
+// rank that is waiting for them and the argument above still holds.
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "algo/algorithms.h"
 #include "algo/prims.h"
 #include "core/error.h"
 #include "reduce/reduce.h"
+#include "transport/cma.h"
 
 namespace pyc {
+namespace {
+
+// What a single-copy send posts in its slot.
+struct CmaDesc {
+  uint64_t addr;   // the send buffer, in the sender's process
+  uint64_t bytes;  // its size
+};
+
+void cma_post(OpCtx& c, const P2POp& op, size_t bytes) {
+  SendConn& out = c.links->send_to(op.peer);
+  auto* d = static_cast<CmaDesc*>(out.acquire(*c.mon));
+  d->addr = reinterpret_cast<uintptr_t>(op.buf);
+  d->bytes = bytes;
+  out.post(op.tag, sizeof(CmaDesc));
+}
+
+void cma_take(OpCtx& c, const P2POp& op, size_t bytes) {
+  RecvConn& in = c.links->recv_from(op.peer);
+  c.mon->peer = op.peer;
+  const RecvSlot s = in.wait(*c.mon);
+  if (!(s.tag == op.tag)) c.links->tag_mismatch(op.peer, s.tag, op.tag);
+  CmaDesc d;
+  PYC_ASSERT(s.bytes == sizeof(d));
+  std::memcpy(&d, s.data, sizeof(d));
+  PYC_ASSERT(d.bytes == bytes);  // the tag carries the count and dtype
+  in.release();
+  cma_read(op.pid, op.peer, op.buf, d.addr, bytes, *c.mon);
+  publish(*op.cma_done, op.tag.seq);
+}
+
+}  // namespace
 
 void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops) {
   // A send to this rank pairs with the next receive from this rank, in order.
@@ -49,23 +95,54 @@ void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops) {
     ctx.back().tag = op.tag;
     ctx.back().bytes_sent = ctx.back().bytes_recv = 0;
     prims.emplace_back(ctx.back(), op.send ? op.peer : -1, op.send ? -1 : op.peer);
-    chunk[i] = prims.back().chunk_elems();
+    chunk[i] = op.cma ? std::max<size_t>(op.count, 1) : prims.back().chunk_elems();
     rounds = std::max(rounds, (op.count + chunk[i] - 1) / chunk[i]);
   }
   for (size_t k = 0; k < rounds; ++k) {
-    for (int sends = 1; sends >= 0; --sends) {
-      for (size_t i = 0; i < remote.size(); ++i) {
-        const P2POp& op = *remote[i];
-        const size_t off = k * chunk[i];
-        if (op.send != static_cast<bool>(sends) || off >= op.count) continue;
-        const size_t len = std::min(chunk[i], op.count - off);
-        char* p = static_cast<char*>(op.buf) + off * dtype_size(op.dtype);
-        if (op.send)
-          prims[i].send(p, len);
-        else
-          prims[i].recv(p, len);
+    // The ops active in iteration k, per peer and direction, in list order.
+    std::vector<std::vector<size_t>> to(c.nranks), from(c.nranks);
+    size_t steps = 0;
+    for (size_t i = 0; i < remote.size(); ++i) {
+      const P2POp& op = *remote[i];
+      if (k * chunk[i] >= op.count) continue;
+      auto& list = op.send ? to[op.peer] : from[op.peer];
+      list.push_back(i);
+      steps = std::max(steps, list.size());
+    }
+    for (size_t g = 0; g < steps; ++g) {
+      for (const auto* lists : {&to, &from}) {  // sends first
+        for (const auto& list : *lists) {
+          if (g >= list.size()) continue;
+          const size_t i = list[g];
+          const P2POp& op = *remote[i];
+          if (op.cma) {
+            c.path = Path::kCma;
+            const size_t bytes = op.count * dtype_size(op.dtype);
+            if (op.send) {
+              cma_post(ctx[i], op, bytes);
+              ctx[i].bytes_sent += bytes;
+            } else {
+              cma_take(ctx[i], op, bytes);
+              ctx[i].bytes_recv += bytes;
+            }
+            continue;
+          }
+          const size_t off = k * chunk[i];
+          const size_t len = std::min(chunk[i], op.count - off);
+          char* p = static_cast<char*>(op.buf) + off * dtype_size(op.dtype);
+          if (op.send)
+            prims[i].send(p, len);
+          else
+            prims[i].recv(p, len);
+        }
       }
     }
+  }
+  // The single-copy sends' buffers stay untouched until their receivers have read them.
+  for (const P2POp* op : remote) {
+    if (!op->cma || !op->send || op->count == 0) continue;
+    c.mon->peer = op->peer;
+    wait_reached(*op->cma_done, op->tag.seq, *c.mon);
   }
   for (const OpCtx& x : ctx) {
     c.bytes_sent += x.bytes_sent;

@@ -478,6 +478,10 @@ Store Communicator::output_store(const OpSig& sig) const {
   return bytes >= stream_bytes_ ? Store::kStreaming : Store::kCached;
 }
 
+// batch_p2p messages from this size on are read by the receiver straight out
+// of the sender's buffer (single copy) instead of crossing the slots.
+constexpr size_t kP2PCmaMinBytes = 64 << 10;
+
 CmaView Communicator::cma_view(uint32_t seq) {
   constexpr size_t kChunk = 256 << 10;  // a chunk of every rank stays in L2 while it is reduced
   if (!cma_scratch_) {
@@ -759,6 +763,16 @@ std::shared_ptr<Work> Communicator::batch_p2p(std::vector<P2PItem> items, bool a
           // sender's, whose root is this rank.
           OpSig s{OpKind::kSend, it.dtype, ReduceOp::kSum, it.send ? it.peer : rank_, it.count};
           op.tag = SlotTag{seq, s.word0(), s.word1()};
+          // Both ends decide alike (the sizes of a pair's messages match, or
+          // the tags tell): single copy from kP2PCmaMinBytes on, every
+          // non-empty message with PYCOLL_ALGO=cma.
+          const size_t bytes = it.count * dtype_size(it.dtype);
+          op.cma = cma_ && bytes > 0 && (algo_ == Algo::kCma || bytes >= kP2PCmaMinBytes);
+          if (op.cma) {
+            op.pid = layout_.rank_ctl(seg_.data(), it.peer)->pid;
+            op.cma_done = it.send ? &layout_.fifo_ctl(seg_.data(), rank_, it.peer)->cma_done
+                                  : &layout_.fifo_ctl(seg_.data(), it.peer, rank_)->cma_done;
+          }
           if (first == 0) first = seq;
         }
         return first;

@@ -64,8 +64,9 @@ struct alignas(64) RankCtl {
 };
 
 struct alignas(64) FifoCtl {
-  Counter tail;  // slots posted by the sender
-  Counter head;  // slots released by the receiver
+  Counter tail;      // slots posted by the sender
+  Counter head;      // slots released by the receiver
+  Counter cma_done;  // the latest single-copy message of this pair read by the receiver (its seq)
 };
 
 // Header of every FIFO slot: which operation wrote it.
