@@ -240,6 +240,12 @@ def main() -> int:
         help="where the runs are saved (default $OUT/cuda_collectives.json, else ./)",
     )
     p.add_argument("--render", metavar="FILE", help="only rewrite the section from a saved file")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the runs of other world sizes already saved in --save (one world size per "
+        "device call: --ranks 2, then --ranks 4 --append)",
+    )
     args = p.parse_args()
     if args.render:
         return write(json.loads(Path(args.render).read_text()), Path(args.out))
@@ -269,12 +275,16 @@ def main() -> int:
         "copy_bw_note": "torch copy_ of 256 MiB, CUDA events, in the same run",
         "runs": [],
     }
+    ranks = [int(x) for x in args.ranks.split(",")]
+    if args.append and Path(args.save).exists():
+        old = json.loads(Path(args.save).read_text())
+        saved["runs"] = [r for r in old["runs"] if r["metadata"]["nranks"] not in ranks]
     print(
         f"# {saved['device']}: device-to-device copy {saved['copy_bw'] / 1e9:.0f} GB/s", flush=True
     )
     nccl_env, nccl_note = nccl_setup()
     prefix = "compared, " if nccl_env else "not compared: "
-    for n in [int(x) for x in args.ranks.split(",")]:
+    for n in ranks:
         saved["runs"].append(bench(n, "pycoll", {}, "pycoll"))
         saved["runs"].append(bench(n, "pycoll", {"PYCOLL_ALGO": "ring"}, "ring"))
         saved["runs"].append(bench(n, "gloo", {}, "gloo"))

@@ -194,3 +194,27 @@ def test_bench_bad_flags():
     assert p.returncode == 2 and "unknown collective" in p.stderr
     p = run_bench("-R", "1", "--device", "cuda", timeout=60)
     assert p.returncode == 2 and "CPU only" in p.stderr
+
+
+def test_cuda_collectives_renders_saved_runs(tmp_path):
+    """benchmarks/cuda_collectives.py --render rewrites its docs section from a
+    saved measurement (no GPU needed): the recorded H100 runs give a table per
+    collective and world size and a verdict per target."""
+    out = tmp_path / "benchmarks.md"
+    out.write_text(
+        "before\n<!-- cuda_collectives:begin -->\nold\n<!-- cuda_collectives:end -->\nafter\n"
+    )
+    saved = os.path.join(ROOT, "docs", "data", "cuda_collectives-2026-11-22.json")
+    script = os.path.join(ROOT, "benchmarks", "cuda_collectives.py")
+    p = subprocess.run(
+        [sys.executable, script, "--render", saved, "--out", str(out)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    text = out.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
+    for coll in ("all_reduce", "reduce_scatter", "all_gather"):
+        for n in (2, 4):
+            assert f"### {coll}, {n} ranks ({n} per GPU)" in text, text
+    assert text.count("of the roofline (") == 6, text
+    assert "| 256 MiB | 527.0 |" in text, text  # the 2-rank all-reduce row as measured
