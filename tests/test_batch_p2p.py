@@ -103,7 +103,7 @@ def test_bad_input(pool):
 SMALL, LARGE = 1000, 100_000  # float32: 4 KB through the slots, 400 KB read across (>= 64 KiB)
 
 
-def job_mixed_sizes(comm: pc.Communicator, want: str) -> list[str]:
+def job_mixed_sizes(comm: pc.Communicator, want: str, sizes: list[int]) -> list[str]:
     """Small and large messages to the same peer in one batch keep their order
     and contents, and the batch went `want` ("cma" or "slots")."""
     n, r, bad = comm.world_size, comm.rank, []
@@ -112,7 +112,6 @@ def job_mixed_sizes(comm: pc.Communicator, want: str) -> list[str]:
     def msg(src: int, k: int, count: int) -> torch.Tensor:
         return torch.arange(count, dtype=torch.float32) * (k + 1) + 1000 * src
 
-    sizes = [SMALL, LARGE, SMALL, LARGE, LARGE]
     got = [torch.empty(c) for c in sizes]
     ops = []
     for k, c in enumerate(sizes):
@@ -129,16 +128,20 @@ def job_mixed_sizes(comm: pc.Communicator, want: str) -> list[str]:
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("case", ["cma", "slots"])
+@pytest.mark.parametrize("case", ["cma", "slots", "cma_forced"])
 def test_single_copy_messages(pool, world_size, case):
     """From 64 KiB a message is read straight out of the sender's buffer when
     CMA is available (the slots otherwise, or with PYCOLL_CMA=0), mixed in
-    order with the small messages that still cross the slots."""
-    env = {"PYCOLL_CMA": "0"} if case == "slots" else None
+    order with the small messages that still cross the slots; with
+    PYCOLL_ALGO=cma every message is read across."""
+    env = {"slots": {"PYCOLL_CMA": "0"}, "cma_forced": {"PYCOLL_ALGO": "cma"}}.get(case)
     p = pool(world_size, env)
-    if case == "cma" and not p.run(job_single_copy_available)[0]:
+    if case != "slots" and not p.run(job_single_copy_available)[0]:
         pytest.skip("CMA is not available here (ptrace refused)")
-    for r, bad in enumerate(p.run(job_mixed_sizes, case)):
+    want = "slots" if case == "slots" else "cma"
+    # Forced, small messages alone must go across too.
+    sizes = [SMALL] * 3 if case == "cma_forced" else [SMALL, LARGE, SMALL, LARGE, LARGE]
+    for r, bad in enumerate(p.run(job_mixed_sizes, want, sizes)):
         assert not bad, f"rank {r}: {bad}"
 
 
