@@ -144,11 +144,13 @@ class CudaPath : public std::enable_shared_from_this<CudaPath> {
   std::shared_ptr<CudaWork> issue(const OpSig& sig, const CudaCall& call, int p2p_peer, OpFn fn);
   int rank() const { return comm_.rank_; }
   int nranks() const { return comm_.n_; }
-  // Runs the operation on the direct path (cuda/ipc_direct.h) with `kernels`;
-  // false when this communicator has none or some rank could not export its
-  // buffers: then the caller runs the staging path. Every rank returns the same.
-  bool direct(OpCtx& c, const void* in, size_t in_bytes, void* out, size_t out_bytes,
-              const std::function<void(const IpcView&)>& kernels);
+  // Runs a collective: on the direct path (cuda/ipc_direct.h) with `direct`,
+  // or, when this communicator has none or some rank could not export its
+  // buffers (every rank finds the same), on the staging path with `staging`,
+  // ordered after the caller's earlier work.
+  void collective(OpCtx& c, const void* in, size_t in_bytes, void* out, size_t out_bytes,
+                  const std::function<void(const IpcView&)>& direct,
+                  const std::function<void()>& staging);
   // Makes the stream wait for the caller's earlier work (the staging path's
   // first step; a no-op once done for this operation).
   void after_issue();
@@ -459,15 +461,20 @@ void CudaPath::setup(OpCtx& c) {
   }
 }
 
-bool CudaPath::direct(OpCtx& c, const void* in, size_t in_bytes, void* out, size_t out_bytes,
-                      const std::function<void(const IpcView&)>& kernels) {
-  if (!direct_ || (in_bytes == 0 && out_bytes == 0)) return false;
-  const bool ok = direct_->run(in, in_bytes, out, out_bytes, issue_, *c.mon, kernels);
-  issue_ = nullptr;  // waited for, on the host or by the stream
-  if (!ok) return false;
-  c.path = Path::kDirect;
-  host_only_ = true;
-  return true;
+void CudaPath::collective(OpCtx& c, const void* in, size_t in_bytes, void* out, size_t out_bytes,
+                          const std::function<void(const IpcView&)>& direct,
+                          const std::function<void()>& staging) {
+  if (direct_ && (in_bytes > 0 || out_bytes > 0)) {
+    const bool ok = direct_->run(in, in_bytes, out, out_bytes, issue_, *c.mon, direct);
+    issue_ = nullptr;  // waited for, on the host or by the stream
+    if (ok) {
+      c.path = Path::kDirect;
+      host_only_ = true;
+      return;
+    }
+  }
+  after_issue();
+  staging();
 }
 
 void CudaPath::after_issue() {
@@ -484,10 +491,9 @@ std::shared_ptr<CudaWork> cuda_all_reduce(Communicator& comm, void* buf, size_t 
   OpSig sig{OpKind::kAllReduce, dt, op, -1, count};
   return path->issue(sig, call, -1, [buf, count](OpCtx& c, CudaPath& p) {
     const size_t b = count * c.esize();
-    if (!p.direct(c, buf, b, buf, b, [&](const IpcView& v) { ipc_all_reduce(c, v, count); })) {
-      p.after_issue();
-      ring_all_reduce(c, buf, buf, count);
-    }
+    p.collective(
+        c, buf, b, buf, b, [&](const IpcView& v) { ipc_all_reduce(c, v, count); },
+        [&] { ring_all_reduce(c, buf, buf, count); });
   });
 }
 
@@ -501,11 +507,9 @@ std::shared_ptr<CudaWork> cuda_reduce_scatter(Communicator& comm, void* out, con
   OpSig sig{OpKind::kReduceScatter, dt, op, -1, count};
   return path->issue(sig, call, -1, [out, in, count](OpCtx& c, CudaPath& p) {
     const size_t b = count * c.esize();
-    if (!p.direct(c, in, b * c.nranks, out, b,
-                  [&](const IpcView& v) { ipc_reduce_scatter(c, v, count); })) {
-      p.after_issue();
-      ring_reduce_scatter(c, in, out, count);
-    }
+    p.collective(
+        c, in, b * c.nranks, out, b, [&](const IpcView& v) { ipc_reduce_scatter(c, v, count); },
+        [&] { ring_reduce_scatter(c, in, out, count); });
   });
 }
 
@@ -518,11 +522,9 @@ std::shared_ptr<CudaWork> cuda_all_gather(Communicator& comm, void* out, const v
   OpSig sig{OpKind::kAllGather, dt, ReduceOp::kSum, -1, count};
   return path->issue(sig, call, -1, [out, in, count](OpCtx& c, CudaPath& p) {
     const size_t b = count * c.esize();
-    if (!p.direct(c, in, b, out, b * c.nranks,
-                  [&](const IpcView& v) { ipc_all_gather(c, v, count); })) {
-      p.after_issue();
-      ring_all_gather(c, in, out, count);
-    }
+    p.collective(
+        c, in, b, out, b * c.nranks, [&](const IpcView& v) { ipc_all_gather(c, v, count); },
+        [&] { ring_all_gather(c, in, out, count); });
   });
 }
 
@@ -534,10 +536,9 @@ std::shared_ptr<CudaWork> cuda_broadcast(Communicator& comm, void* buf, size_t c
   OpSig sig{OpKind::kBroadcast, dt, ReduceOp::kSum, root, count};
   return path->issue(sig, call, -1, [buf, count, root](OpCtx& c, CudaPath& p) {
     const size_t b = count * c.esize();
-    if (!p.direct(c, buf, b, buf, b, [&](const IpcView& v) { ipc_broadcast(c, v, count, root); })) {
-      p.after_issue();
-      chain_broadcast(c, buf, count, root);
-    }
+    p.collective(
+        c, buf, b, buf, b, [&](const IpcView& v) { ipc_broadcast(c, v, count, root); },
+        [&] { chain_broadcast(c, buf, count, root); });
   });
 }
 
@@ -549,10 +550,9 @@ std::shared_ptr<CudaWork> cuda_reduce(Communicator& comm, void* buf, size_t coun
   OpSig sig{OpKind::kReduce, dt, op, root, count};
   return path->issue(sig, call, -1, [buf, count, root](OpCtx& c, CudaPath& p) {
     const size_t b = count * c.esize();
-    if (!p.direct(c, buf, b, buf, b, [&](const IpcView& v) { ipc_reduce(c, v, count, root); })) {
-      p.after_issue();
-      chain_reduce(c, buf, count, root);
-    }
+    p.collective(
+        c, buf, b, buf, b, [&](const IpcView& v) { ipc_reduce(c, v, count, root); },
+        [&] { chain_reduce(c, buf, count, root); });
   });
 }
 
@@ -565,10 +565,9 @@ std::shared_ptr<CudaWork> cuda_all_to_all(Communicator& comm, void* out, const v
   OpSig sig{OpKind::kAllToAll, dt, ReduceOp::kSum, -1, count};
   return path->issue(sig, call, -1, [out, in, count](OpCtx& c, CudaPath& p) {
     const size_t b = count * c.esize() * c.nranks;
-    if (!p.direct(c, in, b, out, b, [&](const IpcView& v) { ipc_all_to_all(c, v, count); })) {
-      p.after_issue();
-      pairwise_all_to_all(c, in, out, count);
-    }
+    p.collective(
+        c, in, b, out, b, [&](const IpcView& v) { ipc_all_to_all(c, v, count); },
+        [&] { pairwise_all_to_all(c, in, out, count); });
   });
 }
 

@@ -57,16 +57,19 @@ CudaEvent::~CudaEvent() {
   if (pool_) pool_->put(ev_);
 }
 
-bool CudaEvent::done() {
-  if (done_) return true;
-  const cudaError_t err = cudaEventQuery(ev_);
+bool event_done(cudaEvent_t ev) {
+  const cudaError_t err = cudaEventQuery(ev);
   if (err == cudaErrorNotReady) {
     (void)cudaGetLastError();  // not an error: keep it out of the next launch check
     return false;
   }
   PYC_CUDA_CHECK(err);
-  done_ = true;
   return true;
+}
+
+bool CudaEvent::done() {
+  if (!done_) done_ = event_done(ev_);
+  return done_;
 }
 
 EventPool::~EventPool() {
@@ -228,9 +231,7 @@ bool CudaLinks::progress() {
   return idle;
 }
 
-// Polls done() (which progresses what it needs) until it returns true.
-template <class Done>
-void CudaLinks::poll(Done done, WaitMonitor& mon) {
+void cuda_poll(const std::function<bool()>& done, WaitMonitor& mon) {
   Clock::time_point next_slow{};
   for (long i = 0;; ++i) {
     if (done()) return;
@@ -259,7 +260,7 @@ uint32_t CudaLinks::wait_counter(Counter& ctr, uint32_t target, WaitMonitor& mon
   uint32_t v = ctr.value.load(std::memory_order_acquire);
   if (reached(v, target)) return v;
   mon.peer = peer;
-  poll(
+  cuda_poll(
       [&] {
         progress();  // our own deferred posts/releases may be what the peer waits for
         v = ctr.value.load(std::memory_order_acquire);
@@ -272,7 +273,11 @@ uint32_t CudaLinks::wait_counter(Counter& ctr, uint32_t target, WaitMonitor& mon
 void CudaLinks::drain(WaitMonitor& mon) {
   if (progress()) return;
   mon.peer = -1;
-  poll([this] { return progress(); }, mon);
+  cuda_poll([this] { return progress(); }, mon);
+}
+
+void wait_event(cudaEvent_t ev, WaitMonitor& mon) {
+  cuda_poll([ev] { return event_done(ev); }, mon);
 }
 
 }  // namespace pyc

@@ -17,6 +17,7 @@
 #include <cuda_runtime_api.h>
 
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -42,6 +43,16 @@ class DeviceGuard {
 };
 
 class EventPool;
+
+// Whether the work captured by `ev`'s last record has completed; throws
+// pyc::Error for an error of that work (a sticky CUDA error).
+bool event_done(cudaEvent_t ev);
+// Calls done() until it returns true: spins, then yields the core, then sleeps
+// in short slices; the monitor bounds the wait (timeout, dead peers, abort,
+// Ctrl-C). Every host-side wait of the CUDA path goes through it.
+void cuda_poll(const std::function<bool()>& done, WaitMonitor& mon);
+// cuda_poll until `ev` has completed.
+void wait_event(cudaEvent_t ev, WaitMonitor& mon);
 
 // A pooled cudaEvent_t (cudaEventDisableTiming); returns to its pool when the
 // last reference goes.
@@ -179,9 +190,6 @@ class CudaLinks final : public Links {
   bool progress();
 
  private:
-  template <class Done>
-  void poll(Done done, WaitMonitor& mon);
-
   Communicator& comm_;
   uint32_t nslots_;
   size_t slot_bytes_;

@@ -42,13 +42,14 @@ void fan_out(KernelExec& x, const char* src, size_t bytes, const std::vector<cha
     x.copy(dsts[i], i + 1 < dsts.size() ? dsts[i + 1] : nullptr, src, bytes);
 }
 
-// dst = op(srcs[0][off..], ..., srcs[n-1][off..]) over `count` elements (and
-// the same into dst1 unless null); AVG divides dst afterwards (then dst1 must be null).
-void reduce_into(OpCtx& c, const std::vector<const char*>& bufs, size_t off, size_t count,
-                 char* dst, char* dst1) {
+// dst = op(bufs[0][off..], ..., bufs[nranks-1][off..]) over `count` elements
+// (and the same into dst1 unless null); AVG divides dst afterwards (then dst1
+// must be null).
+void reduce_into(OpCtx& c, const char* const* bufs, size_t off, size_t count, char* dst,
+                 char* dst1) {
   const char* srcs[cuda::kMaxSrcs];
-  PYC_ASSERT(bufs.size() <= static_cast<size_t>(cuda::kMaxSrcs));
-  for (size_t p = 0; p < bufs.size(); ++p) srcs[p] = bufs[p] + off;
+  PYC_ASSERT(c.nranks <= cuda::kMaxSrcs);
+  for (int p = 0; p < c.nranks; ++p) srcs[p] = bufs[p] + off;
   const bool avg = c.op == ReduceOp::kAvg;
   PYC_ASSERT(!avg || dst1 == nullptr);
   ReduceArgs a{c.dtype,
@@ -56,13 +57,11 @@ void reduce_into(OpCtx& c, const std::vector<const char*>& bufs, size_t off, siz
                dst,
                dst1,
                reinterpret_cast<const void* const*>(srcs),
-               static_cast<int>(bufs.size()),
+               c.nranks,
                count};
   c.exec->reduce(a);
   if (avg) c.exec->scale_avg(dst, c.dtype, count, c.nranks);
 }
-
-std::vector<const char*> as_const(const std::vector<char*>& v) { return {v.begin(), v.end()}; }
 
 }  // namespace
 
@@ -76,7 +75,7 @@ void ipc_all_reduce(OpCtx& c, const IpcView& v, size_t count) {
   // The first peer is written by the reduction itself unless AVG must divide first.
   const bool avg = c.op == ReduceOp::kAvg;
   char* first = avg ? nullptr : v.out[(r + 1) % n] + off;
-  reduce_into(c, as_const(v.out), off, e - b, mine, first);
+  reduce_into(c, v.out.data(), off, e - b, mine, first);
   std::vector<char*> rest;
   for (int k = avg ? 1 : 2; k < n; ++k) rest.push_back(v.out[(r + k) % n] + off);
   fan_out(*c.exec, mine, bytes, rest);
@@ -87,7 +86,7 @@ void ipc_all_reduce(OpCtx& c, const IpcView& v, size_t count) {
 void ipc_reduce_scatter(OpCtx& c, const IpcView& v, size_t count) {
   const size_t bytes = count * c.esize();
   for (int w : shares(c, v)) {
-    reduce_into(c, v.in, w * bytes, count, v.out[w], nullptr);
+    reduce_into(c, v.in.data(), w * bytes, count, v.out[w], nullptr);
     c.bytes_recv += (c.nranks - 1) * bytes;
   }
 }
@@ -116,7 +115,7 @@ void ipc_reduce(OpCtx& c, const IpcView& v, size_t count, int root) {
   part(c, v, count, c.rank, &b, &e);
   if (b == e) return;
   const size_t off = b * c.esize();
-  reduce_into(c, as_const(v.out), off, e - b, v.out[root] + off, nullptr);
+  reduce_into(c, v.out.data(), off, e - b, v.out[root] + off, nullptr);
   c.bytes_recv += (c.nranks - 1) * (e - b) * c.esize();
   if (c.rank != root) c.bytes_sent += (e - b) * c.esize();
 }

@@ -2,12 +2,12 @@
 #include "cuda/ipc_direct.h"
 
 #include <cuda.h>  // CUdeviceptr, CUresult: types only, the driver is reached through the runtime
-#include <sched.h>
 
 #include <cstring>
 
 #include "core/error.h"
 #include "cuda/check.h"
+#include "cuda/cuda_transport.h"
 
 namespace pyc {
 namespace {
@@ -15,8 +15,6 @@ namespace {
 // Peer allocations kept mapped per peer before the cache is emptied (after
 // the stream is synchronised, so that no queued kernel still uses them).
 constexpr size_t kMaxMapped = 256;
-// Event polls (each ~1 us) before a wait starts yielding its core.
-constexpr long kSpinPolls = 1024;
 
 using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
@@ -42,19 +40,6 @@ std::string key(const cudaIpcMemHandle_t& h) {
 }
 
 }  // namespace
-
-void wait_event_host(cudaEvent_t ev, WaitMonitor& mon) {
-  for (long i = 0;; ++i) {
-    const cudaError_t e = cudaEventQuery(ev);
-    if (e == cudaSuccess) return;
-    if (e != cudaErrorNotReady) PYC_CUDA_CHECK(e);
-    (void)cudaGetLastError();  // "not ready" is no error: keep it out of later checks
-    if ((i & 15) == 15) mon.check_fast();
-    if (i < kSpinPolls) continue;
-    mon.check_slow();  // timeout, dead peers, mismatch, abort, Ctrl-C
-    sched_yield();
-  }
-}
 
 IpcDirect::IpcDirect(int rank, int nranks, cudaStream_t stream, bool one_worker)
     : rank_(rank), n_(nranks), stream_(stream), one_worker_(one_worker), mapped_(nranks) {
@@ -123,7 +108,7 @@ bool IpcDirect::run(const void* in, size_t in_bytes, void* out, size_t out_bytes
     if (one_worker_ && worker)
       PYC_CUDA_CHECK(cudaStreamWaitEvent(stream_, issue, 0));  // only our kernels touch our buffer
     else
-      wait_event_host(issue, mon);
+      wait_event(issue, mon);
   }
   publish(me.ready, seq);  // release: the record is visible first
 
@@ -151,7 +136,7 @@ bool IpcDirect::run(const void* in, size_t in_bytes, void* out, size_t out_bytes
     kernels(v);
     PYC_CUDA_CHECK(cudaEventRecord(done_, stream_));
     mon.peer = -1;
-    wait_event_host(done_, mon);
+    wait_event(done_, mon);
   }
 
   // 3. Done everywhere: every kernel of the operation has completed.

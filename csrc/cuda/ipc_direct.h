@@ -59,11 +59,6 @@ struct IpcView {
   bool one_worker = false;  // rank 0 does every rank's part
 };
 
-// Blocks until `ev` has completed, polling it from the host (spin, then
-// yield); the monitor bounds the wait (timeout, dead peers, abort). Throws
-// pyc::Error for an error of the work it marks.
-void wait_event_host(cudaEvent_t ev, WaitMonitor& mon);
-
 class IpcDirect {
  public:
   // one_worker: every rank drives the same GPU (decided alike on every rank).
