@@ -6,6 +6,7 @@ and receives (_P2PMixin._p2p_issue).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +39,6 @@ class _P2PCollectivesMixin:
         copies: list = []
         ob = self._buf(out, copies)
         ib = self._buf(inp, None)
-        n = self._size
         if not output_split_sizes and not input_split_sizes:
 
             def issue(c: Communicator, a: bool) -> list:
@@ -49,23 +49,13 @@ class _P2PCollectivesMixin:
         out_rows = self._splits(output_split_sizes, out, "output_split_sizes", name)
         ib_rows = self._rows(ib, inp)
         ob_rows = self._rows(ob, out)
-        in_blocks = torch.split(ib_rows, in_rows)
-        out_blocks = torch.split(ob_rows, out_rows)
-        ops = []
-        for k in range(1, n):  # pair order: each rank sends to r+k and receives from r-k
-            dst, src = (self._rank + k) % n, (self._rank - k) % n
-            ops.append(("send", in_blocks[dst], dst))
-            ops.append(("recv", out_blocks[src], src))
         me = self._rank
-
-        def issue(c: Communicator, a: bool) -> list:
-            if in_blocks[me].numel() != out_blocks[me].numel():
-                raise ValueError(
-                    self._err(name, f"input_split_sizes[{me}] and output_split_sizes[{me}] differ")
-                )
-            out_blocks[me].copy_(in_blocks[me])
-            return self._p2p_issue(c, name, ops, a)
-
+        issue, ops = self._exchange(
+            name,
+            torch.split(ib_rows, in_rows),
+            torch.split(ob_rows, out_rows),
+            f"input_split_sizes[{me}] and output_split_sizes[{me}] differ",
+        )
         return self._launch(name, issue, [output], copies, (ob, ib, ops), opts=opts)
 
     alltoall_base = all_to_all_single
@@ -107,21 +97,33 @@ class _P2PCollectivesMixin:
         copies: list = []
         obs = [self._buf(t, copies) for t in outs]
         ibs = [self._buf(t, None) for t in ins]
+        issue, _ = self._exchange(
+            name, ibs, obs, f"output_tensors[{me}] and input_tensors[{me}] differ in size"
+        )
+        return self._launch(name, issue, output_tensors, copies, (obs, ibs), opts=opts)
+
+    def _exchange(
+        self, name: str, ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], differ: str
+    ) -> tuple[Callable[[Communicator, bool], list], list]:
+        """(issue function, point-to-point ops) of an all-to-all of blocks:
+        ins[p] goes to rank p's outs[this rank]. This rank's own block is copied
+        locally when issued (ValueError with `differ` if its two sizes differ);
+        the others go as one batch, each rank sending to r+k and receiving from
+        r-k."""
+        n, me = self._size, self._rank
         ops = []
         for k in range(1, n):
             dst, src = (me + k) % n, (me - k) % n
-            ops.append(("send", ibs[dst], dst))
-            ops.append(("recv", obs[src], src))
+            ops.append(("send", ins[dst], dst))
+            ops.append(("recv", outs[src], src))
 
         def issue(c: Communicator, a: bool) -> list:
-            if obs[me].numel() != ibs[me].numel():
-                raise ValueError(
-                    self._err(name, f"output_tensors[{me}] and input_tensors[{me}] differ in size")
-                )
-            obs[me].copy_(ibs[me])
+            if ins[me].numel() != outs[me].numel():
+                raise ValueError(self._err(name, differ))
+            outs[me].copy_(ins[me])
             return self._p2p_issue(c, name, ops, a)
 
-        return self._launch(name, issue, output_tensors, copies, (obs, ibs), opts=opts)
+        return issue, ops
 
     def gather(self, output_tensors: list, input_tensors: list, opts: Any = None) -> dist.Work:
         """Gather to rank opts.rootRank: output_tensors[0][r] gets rank r's input."""
