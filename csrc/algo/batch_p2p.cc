@@ -98,9 +98,14 @@ void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops) {
     chunk[i] = op.cma ? std::max<size_t>(op.count, 1) : prims.back().chunk_elems();
     rounds = std::max(rounds, (op.count + chunk[i] - 1) / chunk[i]);
   }
+  // The ops active in an iteration, per peer and direction, in list order
+  // (refilled every iteration, allocated once).
+  std::vector<std::vector<size_t>> to(c.nranks), from(c.nranks);
   for (size_t k = 0; k < rounds; ++k) {
-    // The ops active in iteration k, per peer and direction, in list order.
-    std::vector<std::vector<size_t>> to(c.nranks), from(c.nranks);
+    for (int p = 0; p < c.nranks; ++p) {
+      to[p].clear();
+      from[p].clear();
+    }
     size_t steps = 0;
     for (size_t i = 0; i < remote.size(); ++i) {
       const P2POp& op = *remote[i];
