@@ -283,7 +283,6 @@ std::shared_ptr<CudaWork> CudaPath::issue(const OpSig& sig, const CudaCall& call
     } else {
       PYC_CUDA_CHECK(busy);
     }
-    w->final_event = pool_->get();
   }
   auto self = shared_from_this();  // queued operations keep the path alive
   Communicator::Body body = [self, w, collective = p2p_peer < 0, fn = std::move(fn)](OpCtx& c) {
@@ -323,6 +322,7 @@ void CudaPath::run(OpCtx& c, CudaWork& w, bool collective, const OpFn& fn) {
       w.set_recorded(true);
     } else {
       after_issue();  // an operation that launched nothing still orders after the caller
+      w.final_event = pool_->get();  // only the staging path needs one
       PYC_CUDA_CHECK(cudaEventRecord(w.final_event->get(), stream_));
       w.set_recorded(false);
     }

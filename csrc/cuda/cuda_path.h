@@ -5,14 +5,17 @@
 //
 // Stream semantics (see docs/cuda.md):
 // - at issue, on the caller's thread, an event is recorded on the caller's
-//   stream; the communicator's stream waits for it before the operation's
-//   first kernel, so the operation sees everything queued before the call;
+//   stream if it still has work queued; the operation runs after that work
+//   (the direct path: a host wait, or its worker's stream waits; the staging
+//   path: the communicator's stream waits), so it sees everything queued
+//   before the call;
 // - the operation's kernels run on the communicator's own non-blocking
 //   stream, launched by the host thread that runs the operation (the progress
 //   engine), which drives the handshakes with the peers;
-// - CudaWork::wait_stream blocks the host only until the operation's last
-//   kernel has been enqueued and its final event recorded, then makes the
-//   given stream wait for that event (no host wait for the GPU).
+// - CudaWork::wait_stream returns once a direct-path operation has completed
+//   (every kernel of it, on every rank); for the staging path it blocks the
+//   host only until the last kernel has been enqueued and the final event
+//   recorded, then makes the given stream wait for that event.
 #pragma once
 
 #include <condition_variable>
@@ -56,7 +59,9 @@ class CudaWork {
   std::shared_ptr<Work> work;
   // Recorded on the caller's stream at issue; null when that stream was idle.
   std::shared_ptr<CudaEvent> issue_event;
-  std::shared_ptr<CudaEvent> final_event;  // recorded after the operation's last kernel
+  // Recorded after the operation's last kernel (staging path only; null for
+  // an operation completed on the host).
+  std::shared_ptr<CudaEvent> final_event;
   int device = -1;
 
  private:
