@@ -38,7 +38,7 @@ if torch is not None:
     _Tensor = torch.Tensor
     from . import _C
 
-    _C.set_torch_dtypes([d for d, _ in sorted(_TORCH_CODES.items(), key=lambda kv: kv[1])])
+    _C.set_torch(torch.Tensor, [d for d, _ in sorted(_TORCH_CODES.items(), key=lambda kv: kv[1])])
 else:
     _Tensor = ()
 DTYPE_NAMES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]

@@ -135,6 +135,7 @@ class Communicator:
 
     def __init__(self, core: Any) -> None:
         self._c = core
+        self._fast = _C.fast_path(core)  # synchronous CPU-tensor calls without pybind11
         self.rank: int = core.rank
         self.world_size: int = core.world_size
         # (core work, buffers) of asynchronous operations not known to be done:
@@ -233,7 +234,7 @@ class Communicator:
         timeout: Timeout = None,
     ) -> Work | None:
         """Reduces `tensor` across ranks in place; every rank gets the same bits."""
-        if not async_op and timeout is None and self._c.all_reduce_fast(tensor, op):
+        if not async_op and timeout is None and self._fast.all_reduce(tensor, op):
             return None
         if is_cuda_buffer(tensor):
             code = _op_code(op, self.rank, "all_reduce")
@@ -256,7 +257,7 @@ class Communicator:
         timeout: Timeout = None,
     ) -> Work | None:
         """Reduces `input` (world_size blocks) across ranks; rank r gets block r in `output`."""
-        if not async_op and timeout is None and self._c.reduce_scatter_fast(output, input, op):
+        if not async_op and timeout is None and self._fast.reduce_scatter(output, input, op):
             return None
         name = "reduce_scatter"
         (po, no, do), (pi, ni, di), cuda = self._describe_pair(name, output, input)
@@ -286,7 +287,7 @@ class Communicator:
         timeout: Timeout = None,
     ) -> Work | None:
         """Gathers every rank's `input` into `output` (world_size blocks, block r from rank r)."""
-        if not async_op and timeout is None and self._c.all_gather_fast(output, input):
+        if not async_op and timeout is None and self._fast.all_gather(output, input):
             return None
         name = "all_gather"
         (po, no, do), (pi, ni, di), cuda = self._describe_pair(name, output, input)

@@ -1,7 +1,9 @@
 // The synchronous fast path for torch CPU tensors: reads a tensor's dtype,
 // device, contiguity, address and size through the C API (no Python frames),
-// so an 8-byte all-reduce costs little more than its handshake. Anything
-// unusual is declined and the Python layer handles it, errors included.
+// and runs the collective from a METH_FASTCALL method of a plain CPython type
+// (no pybind11 dispatch), so an 8-byte all-reduce costs little more than its
+// handshake. Anything unusual is declined and the Python layer handles it,
+// errors included.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -16,11 +18,19 @@ struct TensorView {
   int dtype = -1;
 };
 
-// Registers the torch dtype objects in DataType order (called once by Python).
-void set_torch_dtypes(pybind11::sequence dtypes);
+// Registers torch.Tensor and the torch dtype objects in DataType order
+// (called once by Python).
+void set_torch(pybind11::handle tensor_type, pybind11::sequence dtypes);
 
 // Fills `out` and returns true for a contiguous CPU torch tensor of a
 // supported dtype; returns false for anything else.
-bool view_tensor(pybind11::handle obj, TensorView* out);
+bool view_tensor(PyObject* obj, TensorView* out);
+
+// Adds the FastPath type and fast_path(communicator), which makes one: its
+// methods all_reduce(tensor, op), reduce_scatter(output, input, op) and
+// all_gather(output, input) run the collective synchronously with the default
+// timeout and return True, or return False (nothing done) for anything the
+// Python layer must handle.
+void bind_fast_path(pybind11::module_& m);
 
 }  // namespace pyc

@@ -7,6 +7,7 @@
 #include "bindings/convert.h"
 #include "bindings/cuda_bindings.h"
 #include "bindings/cuda_comm_bindings.h"
+#include "bindings/errors.h"
 #include "bindings/fast_path.h"
 #include "bindings/reduce_bindings.h"
 #include "comm/communicator.h"
@@ -26,39 +27,6 @@ bool python_finalizing() {
 #endif
 }
 
-// The fast paths' op argument: a valid ReduceOp code, or false (the Python
-// path then handles it, errors included).
-bool fast_op(py::handle op, ReduceOp* out) {
-  if (!PyLong_Check(op.ptr()) || PyBool_Check(op.ptr())) return false;
-  const long code = PyLong_AsLong(op.ptr());
-  if (PyErr_Occurred()) {
-    PyErr_Clear();
-    return false;
-  }
-  if (!valid_reduce_op(static_cast<int>(code))) return false;
-  *out = static_cast<ReduceOp>(code);
-  return true;
-}
-
-// The fast paths' pair of tensors: `big` holds nranks blocks of `small`'s
-// size and dtype, and the two are disjoint or `small` is block `rank` of `big`
-// (the in-place layout). False for anything else.
-bool fast_pair(py::handle big, py::handle small, int nranks, int rank, TensorView* b,
-               TensorView* s) {
-  if (!view_tensor(big, b) || !view_tensor(small, s) || b->dtype != s->dtype ||
-      b->numel != s->numel * static_cast<size_t>(nranks))
-    return false;
-  const size_t es = dtype_size(static_cast<DataType>(s->dtype));
-  const uintptr_t b_end = b->ptr + b->numel * es, s_end = s->ptr + s->numel * es;
-  const bool disjoint = s->numel == 0 || s_end <= b->ptr || b_end <= s->ptr;
-  return disjoint || s->ptr == b->ptr + static_cast<size_t>(rank) * s->numel * es;
-}
-
-// Python exception classes from pycollectives.errors, looked up once.
-py::object error_class(const char* name) {
-  return py::module_::import("pycollectives.errors").attr(name);
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -67,28 +35,12 @@ PYBIND11_MODULE(_C, m) {
   bind_cuda(m);
   bind_cuda_comm(m);
 
-  static py::object timeout_cls = error_class("CollectiveTimeout");
-  static py::object peer_cls = error_class("PeerFailure");
-  static py::object mismatch_cls = error_class("CollectiveMismatch");
-  static py::object aborted_cls = error_class("CommunicatorAborted");
-  static py::object base_cls = error_class("PyCollectivesError");
+  init_error_classes();
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
-    } catch (const InvalidArgument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    } catch (const TimeoutError& e) {
-      PyErr_SetString(timeout_cls.ptr(), e.what());
-    } catch (const PeerFailure& e) {
-      PyErr_SetString(peer_cls.ptr(), e.what());
-    } catch (const Mismatch& e) {
-      PyErr_SetString(mismatch_cls.ptr(), e.what());
-    } catch (const Interrupted& e) {
-      PyErr_SetString(PyExc_KeyboardInterrupt, e.what());
-    } catch (const Aborted& e) {
-      PyErr_SetString(aborted_cls.ptr(), e.what());
-    } catch (const Error& e) {
-      PyErr_SetString(base_cls.ptr(), e.what());
+    } catch (const Error&) {  // the core's own; anything else: pybind11's translation
+      set_python_error(std::current_exception());
     }
   });
 
@@ -104,7 +56,8 @@ PYBIND11_MODULE(_C, m) {
     return raised;
   });
   m.def("unique_segment_name", &ShmSegment::unique_name);
-  m.def("set_torch_dtypes", &set_torch_dtypes);
+  m.def("set_torch", &set_torch);
+  bind_fast_path(m);
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("wait", &Work::wait, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())
@@ -142,41 +95,6 @@ PYBIND11_MODULE(_C, m) {
                                 checked_op(op, "Communicator"), async, to);
           },
           G())
-      .def("all_reduce_fast",
-           // Synchronous all-reduce of a torch CPU tensor with the default
-           // timeout; returns False (nothing done) when the tensor or op needs
-           // the Python path.
-           [](C& c, py::handle tensor, py::handle op) {
-             TensorView v;
-             ReduceOp code;
-             if (!fast_op(op, &code) || !view_tensor(tensor, &v)) return false;
-             py::gil_scoped_release nogil;
-             c.all_reduce(address(v.ptr), v.numel, static_cast<DataType>(v.dtype), code, false,
-                          -1.0);
-             return true;
-           })
-      .def("reduce_scatter_fast",
-           // As all_reduce_fast: synchronous, default timeout, torch CPU tensors.
-           [](C& c, py::handle output, py::handle input, py::handle op) {
-             TensorView out, in;
-             ReduceOp code;
-             if (!fast_op(op, &code) ||
-                 !fast_pair(input, output, c.world_size(), c.rank(), &in, &out))
-               return false;
-             py::gil_scoped_release nogil;
-             c.reduce_scatter(address(out.ptr), address(in.ptr), out.numel,
-                              static_cast<DataType>(out.dtype), code, false, -1.0);
-             return true;
-           })
-      .def("all_gather_fast",
-           [](C& c, py::handle output, py::handle input) {
-             TensorView out, in;
-             if (!fast_pair(output, input, c.world_size(), c.rank(), &out, &in)) return false;
-             py::gil_scoped_release nogil;
-             c.all_gather(address(out.ptr), address(in.ptr), in.numel,
-                          static_cast<DataType>(in.dtype), false, -1.0);
-             return true;
-           })
       .def(
           "reduce_scatter",
           [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, int op, bool async, double to) {

@@ -278,24 +278,9 @@ void Communicator::account(OpKind kind, const OpCtx& c, uint64_t ns) {
   s.paths[static_cast<int>(c.path)].fetch_add(1, std::memory_order_relaxed);
 }
 
-std::shared_ptr<Work> Communicator::collective(const OpSig& sig, double timeout_s, bool async,
-                                               Body body, uint64_t where, const void* in,
-                                               const void* out) {
-  check_open(sig.kind);
-  if (timeout_s < 0) timeout_s = timeout_s_;
-  const uint64_t a = cma_ ? reinterpret_cast<uintptr_t>(in) : 0;
-  const uint64_t o = cma_ ? reinterpret_cast<uintptr_t>(out) : 0;
-  return engine_->submit([this] { return ++seq_; },
-                         [this, sig, timeout_s, where, a, o, body = std::move(body)](uint32_t seq) {
-                           run_collective(sig, seq, timeout_s, body, where, a, o);
-                         },
-                         async);
-}
-
-void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout_s,
-                                  const Body& body, uint64_t where, uint64_t addr, uint64_t out) {
+void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout_s, BodyRef body,
+                                  uint64_t where, uint64_t addr, uint64_t out) {
   if (aborted()) throw_abort();
-  auto t0 = Clock::now();
   OpMonitor mon(*this, sig, seq, true, timeout_s);
   OpCtx c;
   c.rank = rank_;
@@ -317,7 +302,7 @@ void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout
     set_abort(AbortKind::kError, e.what());
     throw;
   }
-  account(sig.kind, c, elapsed_ns(t0));
+  account(sig.kind, c, elapsed_ns(mon.start()));
 }
 
 std::shared_ptr<Work> Communicator::point_to_point(const OpSig& sig, int peer, double timeout_s,
@@ -334,7 +319,7 @@ std::shared_ptr<Work> Communicator::point_to_point(const OpSig& sig, int peer, d
 }
 
 void Communicator::run_point_to_point(const OpSig& sig, uint32_t seq, double timeout_s,
-                                      const Body& body) {
+                                      BodyRef body) {
   if (aborted()) throw_abort();
   auto t0 = Clock::now();
   OpMonitor mon(*this, sig, seq, false, timeout_s);
@@ -398,7 +383,8 @@ std::shared_ptr<Work> Communicator::all_reduce(void* buf, size_t count, DataType
 
 std::shared_ptr<ShmWindow> Communicator::find_window(const void* p, size_t n, uint64_t* where) {
   *where = 0;
-  if (n == 0 || algo_ == Algo::kRing) return nullptr;
+  if (n == 0 || algo_ == Algo::kRing || !any_window_.load(std::memory_order_acquire))
+    return nullptr;
   std::lock_guard<std::mutex> lk(windows_mu_);
   for (const auto& w : windows_) {
     std::shared_ptr<ShmWindow> win = w.lock();
@@ -566,6 +552,7 @@ std::shared_ptr<ShmWindow> Communicator::alloc_window(size_t bytes, double timeo
                                 [](const std::weak_ptr<ShmWindow>& w) { return w.expired(); }),
                  windows_.end());
   windows_.push_back(win);
+  any_window_.store(true, std::memory_order_release);
   return win;
 }
 

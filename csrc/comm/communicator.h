@@ -13,6 +13,7 @@
 
 #include "algo/algorithms.h"
 #include "comm/progress.h"
+#include "core/function_ref.h"
 #include "core/types.h"
 #include "transport/shm_fifo.h"
 #include "transport/shm_segment.h"
@@ -113,22 +114,26 @@ class Communicator final : public Links {
   friend class OpMonitor;
   friend class CudaPath;
   using Body = std::function<void(OpCtx&)>;
+  using BodyRef = FunctionRef<void(OpCtx&)>;
 
   void check_rank(int r, const char* what, OpKind kind) const;
   void check_open(OpKind kind) const;
   // Queues a collective: numbered at issue, announced and run in order.
   // `where`: the buffer's window placement (see SigEntry::where), announced with the op.
   // `in`, `out`: the buffers peers read and write with CMA (SigEntry::addr, out), likewise.
-  std::shared_ptr<Work> collective(const OpSig& sig, double timeout_s, bool async, Body body,
+  // A synchronous one with nothing pending runs on the caller's thread and
+  // allocates nothing; `body` is copied only into a queued operation.
+  template <class F>
+  std::shared_ptr<Work> collective(const OpSig& sig, double timeout_s, bool async, F&& body,
                                    uint64_t where = 0, const void* in = nullptr,
                                    const void* out = nullptr);
-  void run_collective(const OpSig& sig, uint32_t seq, double timeout_s, const Body& body,
+  void run_collective(const OpSig& sig, uint32_t seq, double timeout_s, BodyRef body,
                       uint64_t where, uint64_t addr, uint64_t out);
   std::shared_ptr<Work> point_to_point(const OpSig& sig, int peer, double timeout_s, bool async,
                                        Body body);
   // Runs a send, a receive or a batch of them (numbered per pair of ranks, not
   // announced: peers need not take part).
-  void run_point_to_point(const OpSig& sig, uint32_t seq, double timeout_s, const Body& body);
+  void run_point_to_point(const OpSig& sig, uint32_t seq, double timeout_s, BodyRef body);
   void announce(uint32_t seq, const OpSig& sig, uint64_t where, uint64_t addr, uint64_t out);
   // The window holding [p, p + n) on this rank and its placement word, if any.
   std::shared_ptr<ShmWindow> find_window(const void* p, size_t n, uint64_t* where);
@@ -194,7 +199,8 @@ class Communicator final : public Links {
   std::atomic<bool> closed_{false};
   std::mutex windows_mu_;
   std::vector<std::weak_ptr<ShmWindow>> windows_;
-  int next_window_ = 0;  // windows allocated (collectively, so equal on all ranks)
+  std::atomic<bool> any_window_{false};  // set by the first alloc_window: find_window's lock
+  int next_window_ = 0;                  // windows allocated (collectively, so equal on all ranks)
   // Created by the first CUDA operation (cuda/); released by close() once the
   // engine has stopped. Stays null in a CPU-only build.
   std::shared_ptr<CudaPath> cuda_;
@@ -203,5 +209,22 @@ class Communicator final : public Links {
   std::unique_ptr<char[]> cma_scratch_;  // n chunks, made by the first CMA operation
   std::mutex cuda_mu_;                   // guards the creation of cuda_
 };
+
+template <class F>
+std::shared_ptr<Work> Communicator::collective(const OpSig& sig, double timeout_s, bool async,
+                                               F&& body, uint64_t where, const void* in,
+                                               const void* out) {
+  check_open(sig.kind);
+  if (timeout_s < 0) timeout_s = timeout_s_;
+  const uint64_t a = cma_ ? reinterpret_cast<uintptr_t>(in) : 0;
+  const uint64_t o = cma_ ? reinterpret_cast<uintptr_t>(out) : 0;
+  auto next = [this] { return ++seq_; };
+  auto run = [this, sig, timeout_s, where, a, o](uint32_t seq, BodyRef b) {
+    run_collective(sig, seq, timeout_s, b, where, a, o);
+  };
+  if (!async && engine_->run_if_idle(next, [&](uint32_t seq) { run(seq, body); })) return nullptr;
+  return engine_->submit(
+      next, [run, body = std::forward<F>(body)](uint32_t seq) { run(seq, body); }, async);
+}
 
 }  // namespace pyc

@@ -16,6 +16,7 @@ class OpMonitor final : public WaitMonitor {
   void check_fast() override;
   void check_slow() override;
   void peer_failed(int peer) override;
+  std::chrono::steady_clock::time_point start() const { return start_; }
 
  private:
   [[noreturn]] void timed_out();

@@ -62,36 +62,26 @@ ProgressEngine::~ProgressEngine() { shutdown(); }
 
 std::shared_ptr<Work> ProgressEngine::submit(const std::function<uint32_t()>& order, Task fn,
                                              bool async) {
+  if (!async && run_if_idle(order, fn)) return nullptr;  // nothing pending: no hand-off
   std::unique_lock<std::mutex> lk(m_);
-  const uint32_t ticket = order ? order() : 0;
-  if (!async && !busy_ && queue_.empty()) {
-    // Nothing pending: run on the caller's thread, no hand-off.
-    busy_ = true;
-    lk.unlock();
-    std::exception_ptr err;
-    try {
-      fn(ticket);
-    } catch (...) {
-      err = std::current_exception();
-    }
-    lk.lock();
-    busy_ = false;
-    // Wake the engine only if work arrived meanwhile, or someone drains: an
-    // idle engine thread stays asleep (waking it costs a futex call and a
-    // cross-core hand-off per synchronous operation).
-    const bool wake = !queue_.empty() || drainers_ > 0 || stop_;
-    lk.unlock();
-    if (wake) cv_.notify_all();
-    if (err) std::rethrow_exception(err);
-    return nullptr;
-  }
   auto work = std::make_shared<Work>();
-  queue_.push_back(Item{std::move(fn), ticket, work});
+  queue_.push_back(Item{std::move(fn), order(), work});
   lk.unlock();
   cv_.notify_all();
   if (async) return work;
   work->wait();
   return nullptr;
+}
+
+void ProgressEngine::end_inline() {
+  std::unique_lock<std::mutex> lk(m_);
+  busy_ = false;
+  // Wake the engine only if work arrived meanwhile, or someone drains: an
+  // idle engine thread stays asleep (waking it costs a futex call and a
+  // cross-core hand-off per synchronous operation).
+  const bool wake = !queue_.empty() || drainers_ > 0 || stop_;
+  lk.unlock();
+  if (wake) cv_.notify_all();
 }
 
 void ProgressEngine::loop() {

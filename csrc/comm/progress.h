@@ -44,6 +44,27 @@ class ProgressEngine {
   // (inline when idle) and returns nullptr, rethrowing its error.
   using Task = std::function<void(uint32_t)>;
   std::shared_ptr<Work> submit(const std::function<uint32_t()>& order, Task fn, bool async);
+  // If nothing is queued or running: draws the ticket from `order`, runs
+  // fn(ticket) on the calling thread, rethrows its error and returns true.
+  // Otherwise returns false and does nothing (submit then queues it). Takes
+  // `fn` by reference: a synchronous operation allocates nothing to run.
+  template <class Order, class Fn>
+  bool run_if_idle(Order&& order, Fn&& fn) {
+    std::unique_lock<std::mutex> lk(m_);
+    if (busy_ || !queue_.empty()) return false;
+    const uint32_t ticket = order();
+    busy_ = true;
+    lk.unlock();
+    std::exception_ptr err;
+    try {
+      fn(ticket);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    end_inline();
+    if (err) std::rethrow_exception(err);
+    return true;
+  }
   // Waits for every submitted operation.
   void drain();
   // Drains, then stops the thread (runs on_stop there).
@@ -51,6 +72,8 @@ class ProgressEngine {
 
  private:
   void loop();
+  // Clears busy_ after an operation ran on the caller's thread.
+  void end_inline();
 
   std::function<void()> on_start_, on_stop_;
   std::mutex m_;

@@ -1,0 +1,110 @@
+"""The synchronous fast path (csrc/bindings/fast_path.cc) against the Python
+path: whatever kind of buffer arrives, the result is the same, and anything the
+fast path declines still gets the Python path's checks and errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import pycollectives as pc
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass: the fast path must look its attributes up normally."""
+
+
+def _kinds(values: list[float]) -> dict[str, object]:
+    base = torch.tensor(values, dtype=torch.float32)
+    return {
+        "tensor": base.clone(),
+        "parameter": torch.nn.Parameter(base.clone(), requires_grad=False),
+        "subclass": base.clone().as_subclass(Tagged),
+        "offset view": torch.cat([torch.zeros(3), base])[3:],
+        "numpy": base.numpy().copy(),
+    }
+
+
+def job_buffer_kinds(comm: pc.Communicator) -> list[str]:
+    """Every collective of the fast path on every kind of buffer, checked exactly."""
+    n, r, bad = comm.world_size, comm.rank, []
+    vals = [float(r + 1), float(10 * (r + 1)), -1.0]
+    total = [sum(float(q + 1) * k for q in range(n)) for k in (1, 10)] + [-float(n)]
+    for name, buf in _kinds(vals).items():
+        comm.all_reduce(buf)
+        if list(np.asarray(buf)) != total:
+            bad.append(f"all_reduce on {name}: {list(np.asarray(buf))} != {total}")
+    for name, inp in _kinds([float(r * n + b) for b in range(n)]).items():
+        out = _kinds([-7.0])[name]
+        comm.reduce_scatter(out, inp)
+        want = float(sum(q * n + r for q in range(n)))
+        if float(np.asarray(out)[0]) != want:
+            bad.append(f"reduce_scatter on {name}: {np.asarray(out)} != {want}")
+    for name, inp in _kinds([float(r)]).items():
+        out = _kinds([-7.0] * n)[name]
+        comm.all_gather(out, inp)
+        if list(np.asarray(out)) != [float(q) for q in range(n)]:
+            bad.append(f"all_gather on {name}: {list(np.asarray(out))}")
+    return bad
+
+
+def job_declined(comm: pc.Communicator) -> list[str]:
+    """Buffers and arguments the fast path declines still get the Python path's
+    errors (naming the argument), and the communicator stays usable."""
+    bad = []
+    cases = [
+        ("non-contiguous", lambda: comm.all_reduce(torch.zeros(4, 2).t()), "contiguous"),
+        ("complex dtype", lambda: comm.all_reduce(torch.zeros(2, dtype=torch.complex64)), "dtype"),
+        ("op", lambda: comm.all_reduce(torch.zeros(2), op=17), "op"),
+        (
+            "mixed dtypes",
+            lambda: comm.all_gather(
+                torch.zeros(comm.world_size), torch.zeros(1, dtype=torch.int32)
+            ),
+            "dtype",
+        ),
+        (
+            "wrong size",
+            lambda: comm.reduce_scatter(torch.zeros(2), torch.zeros(2 * comm.world_size + 1)),
+            "input",
+        ),
+    ]
+    for what, call, word in cases:
+        try:
+            call()
+            bad.append(f"{what}: no error")
+        except (ValueError, TypeError) as e:
+            if word not in str(e) or f"rank {comm.rank}" not in str(e):
+                bad.append(f"{what}: {type(e).__name__}: {e}")
+    t = torch.ones(3)
+    comm.all_reduce(t)
+    if t.tolist() != [float(comm.world_size)] * 3:
+        bad.append(f"all_reduce after the errors: {t.tolist()}")
+    return bad
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("job", [job_buffer_kinds, job_declined], ids=lambda j: j.__name__[4:])
+def test_fast_path(pool, job, world_size):
+    results = pool(world_size).run(job, timeout=120)
+    bad = [f"rank {r}: {line}" for r, lines in enumerate(results) for line in lines]
+    assert not bad, "\n".join(bad)
+
+
+def test_fast_path_arguments(tmp_path):
+    """FastPath's methods check their argument count like Python functions, and
+    fast_path() takes only a core communicator."""
+    with pytest.raises(TypeError, match="Communicator"):
+        pc._C.fast_path(object())
+    with pytest.raises(TypeError):
+        pc._C.FastPath()  # only fast_path() makes one, with its communicator
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    with pc.init(rank=0, world_size=1, store=store) as comm:
+        fast = comm._fast
+        with pytest.raises(TypeError, match="all_reduce takes 2 arguments"):
+            fast.all_reduce(torch.ones(1))
+        with pytest.raises(TypeError, match="all_gather takes 2 arguments"):
+            fast.all_gather()
+        assert fast.all_reduce(torch.ones(1), pc.ReduceOp.SUM) is True
+        assert fast.all_reduce(torch.ones(1), "sum") is False  # declined: the Python path decides
