@@ -2,19 +2,20 @@
 
     python benchmarks/cpu_compare.py [--ranks 1,2,3,4] [--out docs/benchmarks.md]
 
-For each world size, runs `pycollectives-bench --compare gloo,mpi` (same sizes,
-same timing method: median over trials of the slowest rank's time) for
-all-reduce, reduce-scatter and all-gather from 16 B to 64 MiB (50 calls per
-trial up to 1 MiB, 10 from 4 MiB with gloo and OpenMPI taking turns at each size in
-the same ranks; SIZE_RUNS), plus an 8-byte
-all-reduce latency run, then rewrites the CPU section of docs/benchmarks.md
-with the command, machine, date, every figure and the issue's targets checked
-against the ratios measured in this run.
+For each world size, runs `pycollectives-bench --compare gloo,mpi --interleave 1`
+(same sizes, same timing method: median over trials of the slowest rank's time)
+for all-reduce, reduce-scatter and all-gather from 16 B to 64 MiB (50 calls per
+trial up to 1 MiB, 10 from 4 MiB; SIZE_RUNS), pycollectives, gloo and OpenMPI
+running in the same ranks in rounds of one trial each at every size, plus an
+8-byte all-reduce latency run, then rewrites the CPU section of
+docs/benchmarks.md with the command, machine, date, every figure and the issue's
+targets checked at every recorded size against the ratios measured in this run.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from pathlib import Path
 
@@ -23,10 +24,12 @@ from _doc import run_bench, size_label, write_section
 COLLS = ["all_reduce", "reduce_scatter", "all_gather"]
 # Sizes and iterations per trial: a trial of 10 calls of a few microseconds is over in less
 # than a scheduler tick of this shared 2-core VM, so up to 1 MiB each trial times 50 calls.
-# From 4 MiB a sweep of one backend takes minutes, over which the machine drifts: there
-# pycollectives, gloo and OpenMPI take turns at each size, in the same ranks (--interleave 1).
+# The machine drifts, and has slowdown episodes of a second or more: at every size
+# pycollectives, gloo and OpenMPI run in the same ranks (--interleave 1), in --trials rounds
+# over all sizes that each time one trial of every backend at every size, so that an episode
+# spoils one trial of a size (which the median rejects) and weighs on all backends alike.
 SIZE_RUNS = [
-    ["-b", "16", "-e", "1M", "-f", "4", "-n", "50", "-w", "10"],
+    ["-b", "16", "-e", "1M", "-f", "4", "-n", "50", "-w", "10", "--interleave", "1"],
     ["-b", "4M", "-e", "64M", "-f", "4", "-n", "10", "-w", "3", "--interleave", "1"],
 ]
 BEGIN, END = "<!-- cpu_compare:begin -->", "<!-- cpu_compare:end -->"
@@ -95,40 +98,74 @@ def speedup(
     return t[peer] / t[own] if own in t and peer in t else None
 
 
+def ratios(
+    rows: list[dict], coll: str, n: int, lo: float, hi: float, peer: str, own: str = "pycoll"
+) -> list[tuple[int, float | None]]:
+    """(size, peer time / own time) at every size from lo to hi bytes recorded for `coll` with
+    `n` ranks (by any backend), in size order; None where either side was not measured."""
+    sizes = sorted(
+        {
+            r["size"]
+            for r in rows
+            if r["collective"] == coll and r["nranks"] == n and lo <= r["size"] <= hi
+        }
+    )
+    return [(s, speedup(rows, coll, n, s, peer, own)) for s in sizes]
+
+
+def verdict(pairs: list[tuple[int, float | None]], need: float) -> str:
+    """Two table cells for one target from its (size, ratio) pairs: the sizes checked (the size,
+    or their number and range), the lowest-highest ratio, each size below `need` with its ratio,
+    each size not measured; then met, MISSED (a size below `need`), incomplete (none below, some
+    not measured), or - when none was measured."""
+    got = [(s, v) for s, v in pairs if v is not None]
+    if not got:
+        return "not measured | -"
+    lo, hi = min(v for _, v in got), max(v for _, v in got)
+    first, last = size_label(pairs[0][0]), size_label(pairs[-1][0])
+    txt = first if len(pairs) == 1 else f"{len(pairs)} sizes, {first} to {last}"
+    txt += f": {lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f": {lo:.2f}-{hi:.2f}x"
+    below = [f"{size_label(s)} {v:.2f}x" for s, v in got if v < need]
+    missing = [size_label(s) for s, v in pairs if v is None]
+    if below:
+        txt += f"; below: {', '.join(below)}"
+    if missing:
+        txt += f"; n/a: {', '.join(missing)}"
+    return f"{txt} | {'MISSED' if below else 'incomplete' if missing else 'met'}"
+
+
 def targets(rows: list[dict], lat: dict[str, float]) -> list[str]:
-    """The issue's targets, each checked on this run's ratios."""
-    mib = 1 << 20
+    """The issue's targets as table lines, each checked at every size recorded in its range."""
+    mib, every = 1 << 20, (0, math.inf)
     lines = [
-        "| target | plain buffers: ratio = peer time / pycollectives time | verdict "
-        "| registered buffers (`-R 1`, alloc_shared) | verdict |",
+        "| target | plain buffers: ratio = peer time / pycollectives time (sizes checked: every "
+        "recorded size in the range; lowest-highest ratio; below: sizes under the target; "
+        "n/a: sizes not measured) | verdict | registered buffers (`-R 1`, alloc_shared) "
+        "| verdict |",
         "|---|---|---|---|---|",
     ]
 
-    def verdict(pairs: list[tuple[str, float | None]], need: float) -> str:
-        vals = [(k, v) for k, v in pairs if v is not None]
-        ok = bool(vals) and all(v >= need for _, v in vals)
-        txt = ", ".join(f"{k}: {v:.2f}x" for k, v in vals) or "not measured"
-        return f"{txt} | {'met' if ok else 'MISSED'}" if vals else "not measured | -"
-
-    def check(name: str, coll: str, n: int, peer: str, sizes: list[int], need: float) -> None:
-        plain = [(size_label(s), speedup(rows, coll, n, s, peer)) for s in sizes]
+    def check(
+        name: str, coll: str, n: int, peer: str, span: tuple[float, float], need: float
+    ) -> None:
+        plain = ratios(rows, coll, n, *span, peer)
         # registered buffers: MPI from the same (-R 1) invocation, gloo from the plain one
         rpeer = "mpi-R" if peer == "mpi" else peer
-        reg = [(size_label(s), speedup(rows, coll, n, s, rpeer, "pycoll-R")) for s in sizes]
+        reg = ratios(rows, coll, n, *span, rpeer, "pycoll-R")
         lines.append(f"| {name} | {verdict(plain, need)} | {verdict(reg, need)} |")
 
-    big = [64 << 10, mib, 16 * mib, 64 * mib]
     check("all-reduce, 2 ranks, >= 1.25x OpenMPI from 1 to 16 MiB", "all_reduce", 2, "mpi",
-          [mib, 4 * mib, 16 * mib], 1.25)  # fmt: skip
-    check("all-reduce, 2 ranks, >= 2x OpenMPI at 64 MiB", "all_reduce", 2, "mpi", [64 * mib], 2)
-    check("all-reduce, 4 ranks on 2 cores, >= OpenMPI (64 KiB to 64 MiB)", "all_reduce", 4, "mpi",
-          big, 1)  # fmt: skip
+          (mib, 16 * mib), 1.25)  # fmt: skip
+    check("all-reduce, 2 ranks, >= 2x OpenMPI at 64 MiB", "all_reduce", 2, "mpi",
+          (64 * mib, 64 * mib), 2)  # fmt: skip
+    check("all-reduce, 4 ranks on 2 cores, >= OpenMPI at every size", "all_reduce", 4, "mpi",
+          every, 1)  # fmt: skip
     for n in (2, 3, 4):
         check(f"all-reduce, {n} ranks, >= 5x gloo at every size from 64 KiB", "all_reduce", n,
-              "gloo", [64 << 10, 256 << 10, mib, 4 * mib, 16 * mib, 64 * mib], 5)  # fmt: skip
+              "gloo", (64 << 10, math.inf), 5)  # fmt: skip
     for coll in ("reduce_scatter", "all_gather"):
-        check(f"{coll.replace('_', '-')}, 2 ranks, >= OpenMPI (64 KiB to 64 MiB)", coll, 2, "mpi",
-              big, 1)  # fmt: skip
+        check(f"{coll.replace('_', '-')}, 2 ranks, >= OpenMPI at every size", coll, 2, "mpi",
+              every, 1)  # fmt: skip
     if "pycoll" in lat and "mpi" in lat:
         lines.append(
             f"| 8-byte all-reduce, 2 ranks, within 2x OpenMPI (Python call included) | pycollectives "
@@ -208,10 +245,11 @@ def main() -> None:
         "",
         f"- Command: `python benchmarks/cpu_compare.py --ranks {args.ranks} --trials {args.trials} "
         f"--registered {args.registered}` "
-        "(each world size: `pycollectives-bench --nproc N -b 16 -e 1M -f 4 -n 50 -w 10 --coll "
+        f"(each world size: `pycollectives-bench --nproc N {' '.join(SIZE_RUNS[0])} --coll "
         f"{','.join(COLLS)} --trials {args.trials} -c 1 --compare gloo,mpi` and the same with "
-        "`-b 4M -e 64M -f 4 -n 10 -w 3 --interleave 1` (pycollectives, gloo and OpenMPI "
-        "taking turns at each size, in the same ranks under mpirun)"
+        f"`{' '.join(SIZE_RUNS[1])}`: pycollectives, gloo and OpenMPI in the same ranks under "
+        f"mpirun, in {args.trials} rounds over all sizes that each time one trial of every "
+        "backend at every size"
         + (", then the same with `-R 1 --compare mpi`" if args.registered else "")
         + "; 8-byte latency: three runs of `-b 8 -e 8 -n 2000 -w 200 --trials 9`, median)",
         "- Registered buffers (`-R 1`): pycollectives' buffers come from `comm.alloc_shared` "

@@ -4,8 +4,9 @@ ranks, in one run.
     python benchmarks/cpu_compare_rooted.py [--ranks 2,3,4] [--trials 3] [--no-write]
 
 For each world size, runs `pycollectives-bench --compare gloo,mpi` for the four operations
-from 64 KiB to 64 MiB (as cpu_compare.py: 50 calls per trial up to 1 MiB, 10 from 4 MiB with
-gloo and OpenMPI taking turns at each size in the same ranks), then rewrites the section between
+from 64 KiB to 64 MiB (as cpu_compare.py: 50 calls per trial up to 1 MiB, 10 from 4 MiB, with
+pycollectives, gloo and OpenMPI in the same ranks in rounds of one trial each at every size,
+--interleave 1), then rewrites the section between
 the `cpu_compare_rooted` markers in docs/benchmarks.md. The issue sets no target for these
 collectives; the tables show where pycollectives stands against its peers on them. sendrecv is
 nccl-tests' sendrecv_perf: every rank sends to the next and receives from the previous at once
@@ -21,7 +22,7 @@ from cpu_compare import table
 
 COLLS = ["broadcast", "reduce", "all_to_all", "sendrecv"]
 SIZE_RUNS = [
-    ["-b", "64K", "-e", "1M", "-f", "4", "-n", "50", "-w", "10"],
+    ["-b", "64K", "-e", "1M", "-f", "4", "-n", "50", "-w", "10", "--interleave", "1"],
     ["-b", "4M", "-e", "64M", "-f", "4", "-n", "10", "-w", "3", "--interleave", "1"],
 ]
 BEGIN, END = "<!-- cpu_compare_rooted:begin -->", "<!-- cpu_compare_rooted:end -->"
@@ -52,9 +53,9 @@ def main() -> None:
         END,
         "CPU: broadcast, reduce, all-to-all and sendrecv against gloo and OpenMPI",
         f"`python benchmarks/cpu_compare_rooted.py --ranks {args.ranks} --trials {args.trials}` "
-        "(each world size: `pycollectives-bench --nproc N -b 64K -e 1M -f 4 -n 50 -w 10 --coll "
+        f"(each world size: `pycollectives-bench --nproc N {' '.join(SIZE_RUNS[0])} --coll "
         f"{','.join(COLLS)} --trials {args.trials} -c 1 --compare gloo,mpi` and the same with "
-        "`-b 4M -e 64M -f 4 -n 10 -w 3 --interleave 1`; root 0; plain buffers)",
+        f"`{' '.join(SIZE_RUNS[1])}`; root 0; plain buffers)",
         [
             f"Software: pycollectives {v.get('pycollectives')} ({v.get('simd_level')}), torch "
             f"{v.get('torch')} (gloo), {v.get('mpi', 'no MPI')}, mpi4py {v.get('mpi4py', '-')}; "

@@ -15,7 +15,7 @@ import socket
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -238,6 +238,8 @@ class Row:
     busbw: float | None
     wrong: int | None  #: None when not checked (-c 0) or not run
     note: str = ""  #: why the row is n/a
+    #: per trial, the slowest rank's time per call (us), in the order run; time_us is their median
+    trials_us: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """JSON-ready dict."""

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -14,7 +15,8 @@ import pytest
 
 pytest.importorskip("pycollectives", reason="pycollectives (and its extension) cannot be imported")
 
-from pycollectives._bench_util import COLLECTIVES  # noqa: E402
+from pycollectives._bench_util import COLLECTIVES, SPECS, Runner  # noqa: E402
+from pycollectives.bench import bench_collective, build_parser  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLUMNS = "#       size         count      type   redop    root     time   algbw   busbw #wrong"
@@ -147,6 +149,137 @@ def test_bench_compare_gloo(interleave):
     assert len(head) == 2, p.stdout
     ratios = [ln.split()[-1] for ln in lines if re.match(r"^\s+\d+ \|", ln)]
     assert len(ratios) == 4 and all(float(r) > 0 for r in ratios), p.stdout
+
+
+def test_bench_interleave_spreads_trials(tmp_path):
+    """--interleave 1 --trials 3: every row carries its 3 per-trial times (one per round) and
+    reports their median, and -c 1 still checks every row."""
+    out_json = tmp_path / "bench.json"
+    flags = "--interleave 1 --nproc 2 -b 1K -e 16K -f 4 -n 2 -w 1 --trials 3 -c 1"
+    p = run_bench(*flags.split(), "--coll", "all_reduce,reduce_scatter", "--compare", "gloo",
+                  "--json", str(out_json))  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    tables = parse_tables(p.stdout)
+    rows = json.loads(out_json.read_text())["rows"]
+    for backend in ("pycoll", "gloo"):
+        for coll in ("all_reduce", "reduce_scatter"):
+            printed = tables.get((backend, coll))
+            assert printed and len(printed) == 3 and all(f[-1] == "0" for f in printed), p.stdout
+            got = [r for r in rows if r["backend"] == backend and r["collective"] == coll]
+            assert [r["size"] for r in got] == [1024, 4096, 16384], got
+    for r in rows:
+        assert r["wrong"] == 0, r
+        assert len(r["trials_us"]) == 3 and all(t > 0 for t in r["trials_us"]), r
+        assert r["time_us"] == statistics.median(r["trials_us"]), r
+
+
+class _FakeRunner(Runner):
+    """One rank, in process: every call does nothing (right for a 1-rank all-reduce), or raises
+    when `error` is set."""
+
+    probe_first_call = True
+
+    def __init__(self, name: str, error: bool = False) -> None:
+        super().__init__(0, 1)
+        self.name, self.error, self.calls = name, error, 0
+
+    def bind(self, coll, inp, out, op, root):  # noqa: D102
+        def call() -> None:
+            self.calls += 1
+            if self.error:
+                raise RuntimeError("no such collective\nsecond line")
+
+        return call
+
+    def barrier(self):  # noqa: D102
+        pass
+
+    def max_over_ranks(self, values):  # noqa: D102
+        return list(values)
+
+    def sum_over_ranks(self, value):  # noqa: D102
+        return value
+
+
+@pytest.mark.parametrize("interleave", ["0", "1"])
+def test_bench_sweep_probes_the_first_call(interleave):
+    """A backend whose first call fails records the reason once: all its rows are n/a with the
+    note, printed on the first line only; the other backend runs its trials and checks, with
+    -w warmup calls before a size's first trial and (interleaved) 1 before each later one."""
+    args = build_parser().parse_args(
+        ["-b", "1K", "-e", "16K", "-f", "4", "-n", "2", "-w", "3", "--trials", "3",
+         "--interleave", interleave]
+    )  # fmt: skip
+    good, bad = _FakeRunner("good"), _FakeRunner("bad", error=True)
+    said: list[str] = []
+    rows = bench_collective([good, bad], SPECS["all_reduce"], args, said.append)
+    assert [(r.backend, r.size) for r in rows] == [
+        (b, s) for b in ("good", "bad") for s in (1024, 4096, 16384)
+    ]
+    for r in rows[:3]:
+        assert r.wrong == 0 and len(r.trials_us) == 3, r
+        assert r.time_us == statistics.median(r.trials_us), r
+    rewarm = 2 if interleave == "1" else 0
+    # the probe, then per size: warmup, rewarm before the 2nd and 3rd trial, trials, check
+    assert good.calls == 1 + 3 * (3 + rewarm + 3 * 2 + 1)
+    assert bad.calls == 1  # the probe only
+    note = "bad: RuntimeError: no such collective"
+    assert all(r.time_us is None and r.trials_us == [] and r.note == note for r in rows[3:])
+    assert "\n".join(said).count(f"# {note}") == 1, said
+
+
+def test_cpu_compare_targets_check_every_recorded_size(monkeypatch):
+    """benchmarks/cpu_compare.py's targets(): each target is checked at every size recorded in
+    its range (sizes taken from the rows); one size below the target makes it MISSED and is
+    named with its ratio, a size without a peer is named as n/a."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    cpu_compare = importlib.import_module("cpu_compare")
+    kib, mib = 1 << 10, 1 << 20
+
+    def row(backend: str, coll: str, n: int, size: int, us: float) -> dict:
+        return {"backend": backend, "collective": coll, "nranks": n, "size": size, "time_us": us}
+
+    sizes = [16 << (2 * i) for i in range(12)]  # 16 B to 64 MiB, x4
+    rows = [row("pycoll", "all_reduce", n, s, 1.0) for n in (2, 3, 4) for s in sizes]
+    rows += [row("gloo", "all_reduce", n, s, 10.0) for n in (2, 3, 4) for s in sizes]
+    # 2 ranks: 2x MPI except 1.1x at 4 MiB; 4 ranks: 1.5x MPI except 0.9x at 64 B
+    rows += [row("mpi", "all_reduce", 2, s, 1.1 if s == 4 * mib else 2.0) for s in sizes]
+    rows += [row("mpi", "all_reduce", 4, s, 0.9 if s == 64 else 1.5) for s in sizes]
+    for coll in ("reduce_scatter", "all_gather"):
+        rows += [row(b, coll, 2, s, 1.0) for b in ("pycoll", "mpi") for s in sizes]
+    # 3-rank sizes are not powers of two; they must not enter the 2-rank checks
+    rows += [row(b, "reduce_scatter", 3, s, 1.0 if b == "pycoll" else 0.5)
+             for b in ("pycoll", "mpi") for s in (12, 252, 1020)]  # fmt: skip
+    rows = [r for r in rows if not (r["backend"] == "mpi" and r["collective"] == "all_gather"
+                                    and r["size"] == 256 * kib)]  # fmt: skip
+
+    lines = cpu_compare.targets(rows, {})
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    assert all(c[3:] == ["not measured", "-"] for c in cells), lines  # no -R 1 rows
+    plain = {c[0]: (c[1], c[2]) for c in cells}
+
+    assert plain["all-reduce, 2 ranks, >= 1.25x OpenMPI from 1 to 16 MiB"] == (
+        "3 sizes, 1 MiB to 16 MiB: 1.10-2.00x; below: 4 MiB 1.10x",
+        "MISSED",
+    )
+    assert plain["all-reduce, 2 ranks, >= 2x OpenMPI at 64 MiB"] == ("64 MiB: 2.00x", "met")
+    assert plain["all-reduce, 4 ranks on 2 cores, >= OpenMPI at every size"] == (
+        "12 sizes, 16 B to 64 MiB: 0.90-1.50x; below: 64 B 0.90x",
+        "MISSED",
+    )
+    for n in (2, 3, 4):
+        assert plain[f"all-reduce, {n} ranks, >= 5x gloo at every size from 64 KiB"] == (
+            "6 sizes, 64 KiB to 64 MiB: 10.00x",
+            "met",
+        )
+    assert plain["reduce-scatter, 2 ranks, >= OpenMPI at every size"] == (
+        "12 sizes, 16 B to 64 MiB: 1.00x",
+        "met",
+    )
+    assert plain["all-gather, 2 ranks, >= OpenMPI at every size"] == (
+        "12 sizes, 16 B to 64 MiB: 1.00x; n/a: 256 KiB",
+        "incomplete",
+    )
 
 
 @pytest.mark.skipif(
