@@ -81,13 +81,46 @@ class _CollectivesMixin:
         """All-gather into a list of world_size tensors (output_tensors[0])."""
         name = "allgather"
         inp = self._one(input_tensors, name, "input_tensors")
-        outs = output_tensors[0] if output_tensors else []
-        if len(output_tensors) != 1 or len(outs) != self._size:
+        if len(output_tensors) != 1:
             raise ValueError(
                 self._err(name, f"output_tensors must be [list of {self._size} tensors]")
             )
+        src, flat, copies = self._gather_list(name, output_tensors[0], inp, "output_tensors")
+
+        def issue(c: Communicator, a: bool) -> list:
+            return [c.all_gather(flat, src, async_op=a)]
+
+        return self._launch(name, issue, output_tensors, copies, (src, flat), opts=opts)
+
+    def allgather_coalesced(
+        self, output_lists: list, input_list: list, opts: Any = None
+    ) -> dist.Work:
+        """All-gather of several tensors as one Work (completed with `output_lists`):
+        output_lists[i] gets every rank's input_list[i]."""
+        name = "allgather_coalesced"
+        if len(output_lists) != len(input_list):
+            raise ValueError(self._err(name, "output_lists and input_list differ in length"))
+        parts = [
+            self._gather_list(name, outs, self._tensor(inp, name, "input_list"), "output_lists")
+            for outs, inp in zip(output_lists, input_list, strict=True)
+        ]
+        copies = [cp for _, _, part_copies in parts for cp in part_copies]
+
+        def issue(c: Communicator, a: bool) -> list:
+            return [c.all_gather(flat, src, async_op=a) for src, flat, _ in parts]
+
+        return self._launch(name, issue, output_lists, copies, parts, opts=opts)
+
+    def _gather_list(
+        self, name: str, outs: Any, inp: torch.Tensor, arg: str
+    ) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """Checks one all-gather of `inp` into the list `outs` of world_size tensors
+        like it; returns the core's input and flat output buffers and the copies
+        from the flat output into `outs`."""
+        if not isinstance(outs, (list, tuple)) or len(outs) != self._size:
+            raise ValueError(self._err(name, f"{arg} must be lists of {self._size} tensors"))
         for o in outs:
-            self._tensor(o, name, "output_tensors")
+            self._tensor(o, name, arg)
             if o.numel() != inp.numel() or o.dtype != inp.dtype:
                 raise ValueError(
                     self._err(
@@ -99,27 +132,7 @@ class _CollectivesMixin:
         src = inp.contiguous()
         flat = torch.empty((self._size, *src.shape), dtype=src.dtype, device=src.device)
         copies = [(o, flat[r].view_as(o)) for r, o in enumerate(outs)]
-        src, flat = self._buf(src, None), self._buf(flat, None)
-
-        def issue(c: Communicator, a: bool) -> list:
-            return [c.all_gather(flat, src, async_op=a)]
-
-        return self._launch(name, issue, output_tensors, copies, (src, flat), opts=opts)
-
-    def allgather_coalesced(
-        self, output_lists: list, input_list: list, opts: Any = None
-    ) -> dist.Work:
-        """All-gather of several tensors: output_lists[i] gets every rank's input_list[i]."""
-        name = "allgather_coalesced"
-        if len(output_lists) != len(input_list):
-            raise ValueError(self._err(name, "output_lists and input_list differ in length"))
-        works = [
-            self.allgather([outs], [inp], opts)
-            for outs, inp in zip(output_lists, input_list, strict=True)
-        ]
-        if not works:
-            return self._launch(name, lambda c, a: [], output_lists, opts=opts)
-        return works[-1]  # the Works of a group complete in issue order
+        return self._buf(src, None), self._buf(flat, None), copies
 
     def all_gather_single(
         self,

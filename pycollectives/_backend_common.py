@@ -65,7 +65,7 @@ class _ArgsMixin:
             raise ValueError(self._err(name, f"{arg} must hold exactly one tensor, got {n}"))
         return self._tensor(tensors[0], name, arg)
 
-    def _buf(self, t: torch.Tensor, copies: list | None, complex_ok: bool = True) -> torch.Tensor:
+    def _buf(self, t: torch.Tensor, copies: list | None) -> torch.Tensor:
         """A contiguous real view of `t` for the core; where `t` is not
         contiguous a copy, copied back into `t` afterwards if `copies` is a list."""
         buf = t

@@ -48,19 +48,10 @@ class _P2PMixin:
     helpers): deferred, then issued as one batch by _flush_p2p."""
 
     # -- point to point ------------------------------------------------------------
-    def _p2p_issue(self, c: Communicator, name: str, ops: list, a: bool = True) -> list:
-        """Issues sends/recvs that progress together (core batch_p2p)."""
-        if not ops:
-            return []
-        if self._batch_p2p is not None:
-            return [c.batch_p2p(ops, async_op=a)]
-        # Without batch_p2p (an older core): sends first would deadlock beyond the
-        # slot capacity, so order them: lower rank sends first to each peer.
-        out = []
-        for kind, buf, peer in ops:
-            fn = c.send if kind == "send" else c.recv
-            out.append(fn(buf, peer, async_op=a))
-        return out
+    def _p2p_issue(self, c: Communicator, ops: list, a: bool = True) -> list:
+        """Issues sends/recvs that progress together (core batch_p2p: in any
+        order on either side, however many, without deadlock)."""
+        return [c.batch_p2p(ops, async_op=a)] if ops else []
 
     def send(self, tensors: list, dstRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
         """Sends the tensor to group rank dstRank (deferred; see _Work)."""
@@ -108,7 +99,7 @@ class _P2PMixin:
                 return
             futs = [p[3] for p in pend]
             try:
-                works = self._p2p_issue(self._comm, "batch_isend_irecv", [p[:3] for p in pend])
+                works = self._p2p_issue(self._comm, [p[:3] for p in pend])
             except BaseException as e:  # noqa: BLE001 - handed to the Futures
                 for f in futs:
                     f.set_exception(e)

@@ -121,7 +121,7 @@ class _P2PCollectivesMixin:
             if ins[me].numel() != outs[me].numel():
                 raise ValueError(self._err(name, differ))
             outs[me].copy_(ins[me])
-            return self._p2p_issue(c, name, ops, a)
+            return self._p2p_issue(c, ops, a)
 
         return issue, ops
 
@@ -175,6 +175,6 @@ class _P2PCollectivesMixin:
                 if local[0].numel() != local[1].numel():
                     raise ValueError(self._err(name, "output and input tensors differ in size"))
                 local[0].copy_(local[1])
-            return self._p2p_issue(c, name, ops, a)
+            return self._p2p_issue(c, ops, a)
 
         return self._launch(name, issue, output_tensors, copies, (one, ops), opts=opts)

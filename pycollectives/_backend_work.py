@@ -29,6 +29,7 @@ class _Work(dist.Work):
         super().__init__()
         self._pg = pg
         self._fut = fut
+        self._done: threading.Event | None = None  # set on completion; made by a timed wait
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         """Waits for the operation and returns True; raises its error. Without
@@ -38,8 +39,10 @@ class _Work(dist.Work):
             self._pg._flush_p2p()
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
         if seconds and not self._fut.done():
-            done = threading.Event()
-            self._fut.add_done_callback(lambda _: done.set())
+            done = self._done
+            if done is None:  # one callback per Work, however often it is waited on
+                done = self._done = threading.Event()
+                self._fut.add_done_callback(lambda _, d=done: d.set())
             if not done.wait(seconds):
                 raise TimeoutError(
                     self._pg._err("wait", f"the operation did not complete within {seconds} s")

@@ -72,7 +72,6 @@ class ProcessGroupPycoll(
             timeout=timeout,
             prefix=f"pycoll-pg/{group_name}",
         )
-        self._batch_p2p = getattr(self._comm, "batch_p2p", None)
         self._lock = threading.RLock()  # issue order = call order across threads
         self._p2p: list[tuple] = []  # deferred (kind, buf, peer, fut, value, copies, keep)
         self._p2p_last = 0.0

@@ -501,6 +501,11 @@ def _misc(rank: int, n: int) -> dict[str, Any]:
         lambda: dist.all_to_all_single(torch.empty(4), torch.empty(4), [1, 1], [4, 4]),
     )
     catch("recv_self", lambda: dist.recv(torch.empty(2), rank))
+    # all_gather_coalesced: one Work, its future's value every output list
+    lists = [[torch.empty(3) for _ in range(n)], [torch.empty(2, 2) for _ in range(n)]]
+    ins = [torch.full((3,), float(rank)), torch.full((2, 2), 10.0 + rank)]
+    got = dist.all_gather_coalesced(lists, ins, async_op=True).wait()
+    res["gather_coalesced"] = [[t.flatten().tolist() for t in lst] for lst in got]
     # Asynchronous: the call returns while the peer is still away.
     if rank == 1:
         time.sleep(0.5)
@@ -549,6 +554,10 @@ def test_backend_errors_async_and_p2p() -> None:
         assert f"rank {rank}: all_gather" in res["gather_size"], res
         assert "input_split_sizes" in res["splits"] and f"rank {rank}" in res["splits"], res
         assert "ValueError" in res["recv_self"] and "this rank" in res["recv_self"], res
+        assert res["gather_coalesced"] == [
+            [[float(q)] * 3 for q in range(2)],
+            [[10.0 + q] * 4 for q in range(2)],
+        ], res
         assert res["async_value"] == 3.0 and res["isend_irecv"] is True, res
         if rank == 1:  # rank 0 waited on its isend only 1 s later
             assert res["unwaited_isend_ok"] and res["unwaited_isend_s"] < 0.8, res
