@@ -5,7 +5,8 @@
 For each world size, runs `pycollectives-bench --compare gloo,mpi --interleave 1`
 (same sizes, same timing method: median over trials of the slowest rank's time)
 for all-reduce, reduce-scatter and all-gather from 16 B to 64 MiB (50 calls per
-trial up to 1 MiB, 10 from 4 MiB; SIZE_RUNS), pycollectives, gloo and OpenMPI
+trial and 3x --trials trials up to 1 MiB, 10 calls and --trials trials from 4 MiB;
+SIZE_RUNS), pycollectives, gloo and OpenMPI
 running in the same ranks in rounds of one trial each at every size, plus an
 8-byte all-reduce latency run, then rewrites the CPU section of
 docs/benchmarks.md with the command, machine, date, every figure and the issue's
@@ -28,11 +29,21 @@ COLLS = ["all_reduce", "reduce_scatter", "all_gather"]
 # pycollectives, gloo and OpenMPI run in the same ranks (--interleave 1), in --trials rounds
 # over all sizes that each time one trial of every backend at every size, so that an episode
 # spoils one trial of a size (which the median rejects) and weighs on all backends alike.
+# Trials of microseconds swing most (3-4 ranks on 2 cores: 4-rank 8-byte all-reduce trials
+# spread over 9.5-17.8 us between quartiles, the same for OpenMPI), and cost little: the
+# small sizes take SMALL_TRIALS times as many trials.
+SMALL_TRIALS = 3
 SIZE_RUNS = [
     ["-b", "16", "-e", "1M", "-f", "4", "-n", "50", "-w", "10", "--interleave", "1"],
     ["-b", "4M", "-e", "64M", "-f", "4", "-n", "10", "-w", "3", "--interleave", "1"],
 ]
 BEGIN, END = "<!-- cpu_compare:begin -->", "<!-- cpu_compare:end -->"
+
+
+def run_trials(trials: str) -> list[str]:
+    """--trials of each of SIZE_RUNS for the script's --trials: SMALL_TRIALS times as many for
+    the small sizes."""
+    return [str(SMALL_TRIALS * int(trials)), trials]
 
 
 def bench(nranks: int, extra: list[str], compare: str = "gloo,mpi") -> dict:
@@ -181,7 +192,9 @@ def main() -> None:
     ap.add_argument(
         "--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md")
     )
-    ap.add_argument("--trials", default="5")
+    ap.add_argument(
+        "--trials", default="5", help="trials per size from 4 MiB (default 5; 3x that below)"
+    )
     ap.add_argument(
         "--registered",
         type=int,
@@ -195,8 +208,8 @@ def main() -> None:
     rows, meta = [], None
     single_copy: dict[int, str] = {}  # world size -> whether CMA ran between its ranks
     for n in ranks:
-        for sizes in SIZE_RUNS:
-            common = [*sizes, "--coll", ",".join(COLLS), "--trials", args.trials, "-c", "1"]
+        for sizes, trials in zip(SIZE_RUNS, run_trials(args.trials), strict=True):
+            common = [*sizes, "--coll", ",".join(COLLS), "--trials", trials, "-c", "1"]
             data = bench(n, common)
             rows += data["rows"]
             meta = meta or data["metadata"]
@@ -239,6 +252,7 @@ def main() -> None:
     wrong = sum(r.get("wrong") or 0 for r in rows)
 
     v = meta["versions"]
+    small, large = run_trials(args.trials)
     body = [
         BEGIN,
         "## CPU: pycollectives vs gloo vs OpenMPI (shared memory, one host)",
@@ -246,10 +260,10 @@ def main() -> None:
         f"- Command: `python benchmarks/cpu_compare.py --ranks {args.ranks} --trials {args.trials} "
         f"--registered {args.registered}` "
         f"(each world size: `pycollectives-bench --nproc N {' '.join(SIZE_RUNS[0])} --coll "
-        f"{','.join(COLLS)} --trials {args.trials} -c 1 --compare gloo,mpi` and the same with "
-        f"`{' '.join(SIZE_RUNS[1])}`: pycollectives, gloo and OpenMPI in the same ranks under "
-        f"mpirun, in {args.trials} rounds over all sizes that each time one trial of every "
-        "backend at every size"
+        f"{','.join(COLLS)} --trials {small} -c 1 --compare gloo,mpi` and the same with "
+        f"`{' '.join(SIZE_RUNS[1])} --trials {large}`: pycollectives, gloo and OpenMPI in the "
+        "same ranks under mpirun, in as many rounds as trials, each round running one trial of "
+        "every backend at every size"
         + (", then the same with `-R 1 --compare mpi`" if args.registered else "")
         + "; 8-byte latency: three runs of `-b 8 -e 8 -n 2000 -w 200 --trials 9`, median)",
         "- Registered buffers (`-R 1`): pycollectives' buffers come from `comm.alloc_shared` "
