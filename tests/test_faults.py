@@ -239,12 +239,16 @@ def _interrupted(rank: int, world_size: int) -> tuple:
         except KeyboardInterrupt as e:
             return "KeyboardInterrupt", time.monotonic() - start, str(e)
         return "returned", time.monotonic() - start, ""
-    time.sleep(2.5)
-    return "peer", 0.0, expect(pc.PyCollectivesError, lambda: comm.all_reduce(t), "interrupted")
+    time.sleep(4.0)  # rank 0 must have been interrupted by then (its test: within 2 s)
+    try:
+        comm.all_reduce(t)
+    except pc.PyCollectivesError as e:
+        return "peer", 0.0, str(e)
+    return "peer", 0.0, "no error"  # rank 0's outcome says why (asserted first)
 
 
 def test_ctrl_c_interrupts_a_blocking_call_and_aborts_the_peers():
     (what, waited, msg), (_, _, peer_msg) = run(_interrupted, 2, timeout=60)
-    assert what == "KeyboardInterrupt" and waited < 2.0, (what, waited)
+    assert what == "KeyboardInterrupt" and waited < 2.0, (what, waited, msg, peer_msg)
     assert "rank 0 was interrupted" in msg and "all_reduce" in msg
     assert "rank 0 was interrupted" in peer_msg
