@@ -232,6 +232,9 @@ def _interrupted(rank: int, world_size: int) -> tuple:
     comm.barrier()
     t = torch.ones(1000)
     if rank == 0:  # waits for the late rank 1; Ctrl-C arrives meanwhile
+        # Python's own handler, as in a terminal: a process started with SIGINT
+        # ignored (a background job of a non-interactive shell) would keep it so.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
         start = time.monotonic()
         try:
