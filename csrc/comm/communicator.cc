@@ -280,8 +280,17 @@ void Communicator::account(OpKind kind, const OpCtx& c, uint64_t ns) {
 
 void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout_s, BodyRef body,
                                   uint64_t where, uint64_t addr, uint64_t out) {
+  run_op(sig, seq, timeout_s, true, [&](OpCtx& c) {
+    announce(seq, sig, where, addr, out);
+    if (seq > static_cast<uint32_t>(kMaxLead)) wait_started(seq - kMaxLead, *c.mon);
+    body(c);
+  });
+}
+
+void Communicator::run_op(const OpSig& sig, uint32_t seq, double timeout_s, bool collective,
+                          BodyRef body) {
   if (aborted()) throw_abort();
-  OpMonitor mon(*this, sig, seq, true, timeout_s);
+  OpMonitor mon(*this, sig, seq, collective, timeout_s);
   OpCtx c;
   c.rank = rank_;
   c.nranks = n_;
@@ -290,10 +299,8 @@ void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout
   c.tag = SlotTag{seq, sig.word0(), sig.word1()};
   c.links = this;
   c.mon = &mon;
-  c.out_store = output_store(sig);
+  if (collective) c.out_store = output_store(sig);
   try {
-    announce(seq, sig, where, addr, out);
-    if (seq > static_cast<uint32_t>(kMaxLead)) wait_started(seq - kMaxLead, mon);
     body(c);
   } catch (const std::exception& e) {
     // The peers must not wait for a rank that gave up: abort them all. The
@@ -313,30 +320,9 @@ std::shared_ptr<Work> Communicator::point_to_point(const OpSig& sig, int peer, d
   return engine_->submit(
       [this, peer, is_send] { return is_send ? ++p2p_sent_[peer] : ++p2p_recvd_[peer]; },
       [this, sig, timeout_s, body = std::move(body)](uint32_t seq) {
-        run_point_to_point(sig, seq, timeout_s, body);
+        run_op(sig, seq, timeout_s, false, body);
       },
       async);
-}
-
-void Communicator::run_point_to_point(const OpSig& sig, uint32_t seq, double timeout_s,
-                                      BodyRef body) {
-  if (aborted()) throw_abort();
-  auto t0 = Clock::now();
-  OpMonitor mon(*this, sig, seq, false, timeout_s);
-  OpCtx c;
-  c.rank = rank_;
-  c.nranks = n_;
-  c.dtype = sig.dtype;
-  c.tag = SlotTag{seq, sig.word0(), sig.word1()};
-  c.links = this;
-  c.mon = &mon;
-  try {
-    body(c);
-  } catch (const std::exception& e) {
-    set_abort(AbortKind::kError, e.what());  // see run_collective
-    throw;
-  }
-  account(sig.kind, c, elapsed_ns(t0));
 }
 
 // ---- operations ----
@@ -765,7 +751,7 @@ std::shared_ptr<Work> Communicator::batch_p2p(std::vector<P2PItem> items, bool a
         return first;
       },
       [this, sig, ops, timeout_s](uint32_t seq) {
-        run_point_to_point(sig, seq, timeout_s, [ops](OpCtx& c) { p2p_batch(c, *ops); });
+        run_op(sig, seq, timeout_s, false, [ops](OpCtx& c) { p2p_batch(c, *ops); });
       },
       async);
 }

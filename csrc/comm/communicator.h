@@ -131,9 +131,11 @@ class Communicator final : public Links {
                       uint64_t where, uint64_t addr, uint64_t out);
   std::shared_ptr<Work> point_to_point(const OpSig& sig, int peer, double timeout_s, bool async,
                                        Body body);
-  // Runs a send, a receive or a batch of them (numbered per pair of ranks, not
-  // announced: peers need not take part).
-  void run_point_to_point(const OpSig& sig, uint32_t seq, double timeout_s, BodyRef body);
+  // Runs one operation: its monitor and context, the abort of every rank if it
+  // fails, its statistics. Point to point (collective false): a send, a receive
+  // or a batch of them, numbered per pair of ranks and not announced (peers
+  // need not take part).
+  void run_op(const OpSig& sig, uint32_t seq, double timeout_s, bool collective, BodyRef body);
   void announce(uint32_t seq, const OpSig& sig, uint64_t where, uint64_t addr, uint64_t out);
   // The window holding [p, p + n) on this rank and its placement word, if any.
   std::shared_ptr<ShmWindow> find_window(const void* p, size_t n, uint64_t* where);
