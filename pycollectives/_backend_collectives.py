@@ -98,8 +98,7 @@ class _CollectivesMixin:
         """All-gather of several tensors as one Work (completed with `output_lists`):
         output_lists[i] gets every rank's input_list[i]."""
         name = "allgather_coalesced"
-        if len(output_lists) != len(input_list):
-            raise ValueError(self._err(name, "output_lists and input_list differ in length"))
+        self._same_length(name, output_lists, input_list, "output_lists and input_list")
         parts = [
             self._gather_list(name, outs, self._tensor(inp, name, "input_list"), "output_lists")
             for outs, inp in zip(output_lists, input_list, strict=True)
@@ -150,8 +149,7 @@ class _CollectivesMixin:
     ) -> dist.Work:
         """Several all_gather_into_tensor as one Work (completed with `outputs`)."""
         name = name or "all_gather_into_tensor_coalesced"
-        if len(outputs) != len(inputs):
-            raise ValueError(self._err(name, "outputs and inputs differ in length"))
+        self._same_length(name, outputs, inputs, "outputs and inputs")
         copies: list = []
         pairs = [
             (
@@ -210,8 +208,7 @@ class _CollectivesMixin:
     ) -> dist.Work:
         """Several reduce_scatter_tensor as one Work (completed with `outputs`)."""
         name = name or "reduce_scatter_tensor_coalesced"
-        if len(outputs) != len(inputs):
-            raise ValueError(self._err(name, "outputs and inputs differ in length"))
+        self._same_length(name, outputs, inputs, "outputs and inputs")
         outs = [self._tensor(o, name, "output") for o in outputs]
         ins = [self._tensor(i, name, "input") for i in inputs]
         op, factor = self._op(opts, name, outs + ins)

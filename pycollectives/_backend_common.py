@@ -57,6 +57,11 @@ class _ArgsMixin:
             )
         return t
 
+    def _same_length(self, name: str, a: Any, b: Any, what: str) -> None:
+        """Raises ValueError naming `what` ("outputs and inputs") if a and b differ in length."""
+        if len(a) != len(b):
+            raise ValueError(self._err(name, f"{what} differ in length"))
+
     def _one(self, tensors: Any, name: str, arg: str = "tensors") -> torch.Tensor:
         if isinstance(tensors, torch.Tensor):
             return self._tensor(tensors, name, arg)
