@@ -53,9 +53,10 @@ def describe(buf: Any, rank: int, op: str, arg: str, writable: bool = True) -> t
     or a read-only array where the operation writes (`writable`).
     """
     if isinstance(buf, _Tensor):
+        view = _C.view_tensor(buf)  # contiguous CPU tensor of a supported dtype, else None
+        if view is not None:
+            return view
         code = _TORCH_CODES.get(buf.dtype)
-        if code is not None and buf.is_cpu and buf.is_contiguous():  # the fast path
-            return buf.data_ptr(), buf.numel(), code
         if code is None:
             raise TypeError(
                 f"pycollectives: rank {rank}: {op}: {arg} has unsupported dtype {buf.dtype}; "

@@ -108,3 +108,46 @@ def test_fast_path_arguments(tmp_path):
             fast.all_gather()
         assert fast.all_reduce(torch.ones(1), pc.ReduceOp.SUM) is True
         assert fast.all_reduce(torch.ones(1), "sum") is False  # declined: the Python path decides
+
+
+def _view_cases() -> dict[str, torch.Tensor]:
+    x = torch.arange(24.0).reshape(2, 3, 4)
+    cases = {
+        "1-d": torch.ones(5),
+        "3-d": x,
+        "0-d": torch.tensor(3.0),
+        "empty": torch.empty(0),
+        "empty 2-d": torch.empty(0, 3),
+        "empty non-contiguous": torch.empty(3, 0).t(),
+        "offset view": x[1],
+        "size-1 dim, odd stride": torch.ones(3, 1)[:, :1],
+        "column": torch.ones(4, 4)[:, 1:2],
+        "transposed": x[0].t(),
+        "step": torch.arange(10.0)[::2],
+        "expanded": torch.ones(1, 3).expand(2, 3),
+        "channels_last": torch.ones(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "requires_grad": torch.ones(3, requires_grad=True),
+        "parameter": torch.nn.Parameter(torch.ones(3)),
+        "subclass": torch.ones(3).as_subclass(Tagged),
+    }
+    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+               torch.uint8, torch.int32, torch.int64, torch.bool, torch.int16,
+               torch.complex64):  # fmt: skip
+        cases[str(dt)] = torch.zeros(3, dtype=dt)
+    return cases
+
+
+def test_view_tensor_matches_torch():
+    """_C.view_tensor (the fast path's description of a tensor: through torch's DLPack exchange
+    table for an exact torch.Tensor, attribute reads otherwise) gives torch's data_ptr and
+    numel for every contiguous CPU tensor of a supported dtype, and None for the rest."""
+    from pycollectives._buffers import _TORCH_CODES
+
+    assert pc._C.dlpack_exchange() == hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+    for name, t in _view_cases().items():
+        code = _TORCH_CODES.get(t.dtype)
+        ok = code is not None and t.is_cpu and t.is_contiguous()
+        want = (t.data_ptr(), t.numel(), code) if ok else None
+        assert pc._C.view_tensor(t) == want, name
+    assert pc._C.view_tensor(np.ones(3)) is None  # NumPy: the Python path
+    assert pc._C.view_tensor(None) is None

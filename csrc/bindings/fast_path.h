@@ -1,5 +1,6 @@
 // The synchronous fast path for torch CPU tensors: reads a tensor's dtype,
-// device, contiguity, address and size through the C API (no Python frames),
+// device, contiguity, address and size through the C API (no Python frames;
+// one call through torch's DLPack exchange table where torch has one),
 // and runs the collective from a METH_FASTCALL method of a plain CPython type
 // (no pybind11 dispatch), so an 8-byte all-reduce costs little more than its
 // handshake. Anything unusual is declined and the Python layer handles it,
