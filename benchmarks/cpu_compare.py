@@ -2,15 +2,17 @@
 
     python benchmarks/cpu_compare.py [--ranks 1,2,3,4] [--out docs/benchmarks.md]
 
-For each world size, runs `pycollectives-bench --compare gloo,mpi --interleave 1`
-(same sizes, same timing method: median over trials of the slowest rank's time)
-for all-reduce, reduce-scatter and all-gather from 16 B to 64 MiB (50 calls per
-trial and 3x --trials trials up to 1 MiB, 10 calls and --trials trials from 4 MiB;
-SIZE_RUNS), pycollectives, gloo and OpenMPI
-running in the same ranks in rounds of one trial each at every size, plus an
-8-byte all-reduce latency run, then rewrites the CPU section of
-docs/benchmarks.md with the command, machine, date, every figure and the issue's
-targets checked at every recorded size against the ratios measured in this run.
+For each world size, runs all-reduce, reduce-scatter and all-gather from 16 B to 64 MiB
+(50 calls per trial and 3x --trials trials up to 1 MiB, 10 calls and --trials trials from
+4 MiB; SIZE_RUNS) twice: `pycollectives-bench --compare mpi --interleave 1` (pycollectives and
+OpenMPI in the same ranks under mpirun) and `--compare gloo --interleave 1` (pycollectives and
+gloo), each in rounds of one trial of both at every size, same timing method (median over
+trials of the slowest rank's time). Each ratio compares pycollectives with its peer from the
+same invocation: gloo's blocking calls of milliseconds (3-4 ranks on 2 cores) slow the
+microsecond calls of whatever runs after them in the same processes, pycollectives' and
+OpenMPI's alike, so gloo and OpenMPI do not share one. Then an 8-byte all-reduce latency run,
+and the CPU section of docs/benchmarks.md is rewritten with the command, machine, date, every
+figure and the issue's targets checked at every recorded size against those ratios.
 """
 
 from __future__ import annotations
@@ -51,10 +53,15 @@ def bench(nranks: int, extra: list[str], compare: str = "gloo,mpi") -> dict:
     return run_bench(nranks, ["--compare", compare, *extra])
 
 
-def registered_rows(data: dict) -> list[dict]:
-    """The rows of a `-R 1` run, renamed: pycoll -> pycoll-R, and its peers'
-    (same invocation, plain buffers) mpi -> mpi-R."""
-    rename = {"pycoll": "pycoll-R", "mpi": "mpi-R"}
+# How the rows of each invocation are named in `rows`: the gloo invocation's pycollectives rows
+# become pycoll-G, the registered (-R 1) invocation's pycoll-R and mpi-R (its OpenMPI, plain
+# buffers); the OpenMPI invocation's keep their names.
+GLOO_RUN = {"pycoll": "pycoll-G", "gloo": "gloo"}
+REGISTERED_RUN = {"pycoll": "pycoll-R", "mpi": "mpi-R"}
+
+
+def renamed(data: dict, rename: dict[str, str]) -> list[dict]:
+    """The rows of one invocation whose backend `rename` names, renamed."""
     return [{**r, "backend": rename[r["backend"]]} for r in data["rows"] if r["backend"] in rename]
 
 
@@ -62,37 +69,38 @@ def _bw(r: dict | None) -> str:
     return f"{r['busbw']:.3f}" if r and r.get("busbw") else "n/a"
 
 
-def _ratio(peer: dict | None, own: dict) -> str:
-    ok = peer and peer.get("time_us") and own["time_us"]
+def _us(r: dict | None) -> str:
+    return f"{r['time_us']:.2f}" if r and r.get("time_us") else "n/a"
+
+
+def _ratio(peer: dict | None, own: dict | None) -> str:
+    ok = peer and own and peer.get("time_us") and own.get("time_us")
     return f"{peer['time_us'] / own['time_us']:.2f}" if ok else "n/a"
 
 
 def table(rows: list[dict], coll: str, n: int) -> list[str]:
+    """One collective's figures for `n` ranks: pycollectives against OpenMPI (their
+    invocation), against gloo (theirs) and, where run, on registered buffers."""
     by = {
         (r["backend"], r["size"]): r for r in rows if r["collective"] == coll and r["nranks"] == n
     }
     sizes = sorted({s for (_, s) in by})
     reg = any(b == "pycoll-R" for (b, _) in by)
     out = [
-        "| size | pycoll us | pycoll busbw | gloo busbw | mpi busbw | x gloo | x mpi |"
-        + (" registered us | registered busbw | x gloo | x mpi |" if reg else ""),
-        "|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if reg else ""),
+        "| size | pycoll us | pycoll busbw | mpi busbw | x mpi | pycoll us (gloo run) | gloo busbw "
+        "| x gloo |" + (" registered us | registered busbw | x mpi | x gloo |" if reg else ""),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if reg else ""),
     ]
     for s in sizes:
-        p, g, m = by.get(("pycoll", s)), by.get(("gloo", s)), by.get(("mpi", s))
-        if p is None:
+        p, m = by.get(("pycoll", s)), by.get(("mpi", s))
+        pg, g = by.get(("pycoll-G", s)), by.get(("gloo", s))
+        if p is None and pg is None:
             continue
-        line = (
-            f"| {size_label(s)} | {p['time_us']:.2f} | {_bw(p)} | {_bw(g)} | {_bw(m)} "
-            f"| {_ratio(g, p)} | {_ratio(m, p)} |"
-        )
+        line = f"| {size_label(s)} | {_us(p)} | {_bw(p)} | {_bw(m)} | {_ratio(m, p)} "
+        line += f"| {_us(pg)} | {_bw(g)} | {_ratio(g, pg)} |"
         if reg:
             q, mq = by.get(("pycoll-R", s)), by.get(("mpi-R", s))
-            line += (
-                f" {q['time_us']:.2f} | {_bw(q)} | {_ratio(g, q)} | {_ratio(mq, q)} |"
-                if q
-                else " n/a | n/a | n/a | n/a |"
-            )
+            line += f" {_us(q)} | {_bw(q)} | {_ratio(mq, q)} | {_ratio(g, q)} |"
         out.append(line)
     return out
 
@@ -159,10 +167,10 @@ def targets(rows: list[dict], lat: dict[str, float]) -> list[str]:
     def check(
         name: str, coll: str, n: int, peer: str, span: tuple[float, float], need: float
     ) -> None:
-        plain = ratios(rows, coll, n, *span, peer)
-        # registered buffers: MPI from the same (-R 1) invocation, gloo from the plain one
-        rpeer = "mpi-R" if peer == "mpi" else peer
-        reg = ratios(rows, coll, n, *span, rpeer, "pycoll-R")
+        # plain buffers: each peer against pycollectives from the same invocation; registered
+        # buffers: OpenMPI from the same (-R 1) invocation, gloo from the gloo invocation
+        plain = ratios(rows, coll, n, *span, peer, "pycoll" if peer == "mpi" else "pycoll-G")
+        reg = ratios(rows, coll, n, *span, "mpi-R" if peer == "mpi" else peer, "pycoll-R")
         lines.append(f"| {name} | {verdict(plain, need)} | {verdict(reg, need)} |")
 
     check("all-reduce, 2 ranks, >= 1.25x OpenMPI from 1 to 16 MiB", "all_reduce", 2, "mpi",
@@ -210,14 +218,15 @@ def main() -> None:
     for n in ranks:
         for sizes, trials in zip(SIZE_RUNS, run_trials(args.trials), strict=True):
             common = [*sizes, "--coll", ",".join(COLLS), "--trials", trials, "-c", "1"]
-            data = bench(n, common)
+            data = bench(n, common, compare="mpi")
             rows += data["rows"]
             meta = meta or data["metadata"]
             if n > 1:
                 single_copy[n] = data["metadata"]["versions"].get("single_copy", "?")
+            rows += renamed(bench(n, common, compare="gloo"), GLOO_RUN)
             if n > 1 and args.registered:
                 # the same sizes on alloc_shared buffers; MPI again in that invocation
-                rows += registered_rows(bench(n, [*common, "-R", "1"], compare="mpi"))
+                rows += renamed(bench(n, [*common, "-R", "1"], compare="mpi"), REGISTERED_RUN)
     lat: dict[str, float] = {}
     if 2 in ranks:
         runs = [
@@ -260,15 +269,20 @@ def main() -> None:
         f"- Command: `python benchmarks/cpu_compare.py --ranks {args.ranks} --trials {args.trials} "
         f"--registered {args.registered}` "
         f"(each world size: `pycollectives-bench --nproc N {' '.join(SIZE_RUNS[0])} --coll "
-        f"{','.join(COLLS)} --trials {small} -c 1 --compare gloo,mpi` and the same with "
-        f"`{' '.join(SIZE_RUNS[1])} --trials {large}`: pycollectives, gloo and OpenMPI in the "
-        "same ranks under mpirun, in as many rounds as trials, each round running one trial of "
-        "every backend at every size"
-        + (", then the same with `-R 1 --compare mpi`" if args.registered else "")
+        f"{','.join(COLLS)} --trials {small} -c 1 --compare mpi` and the same with "
+        f"`{' '.join(SIZE_RUNS[1])} --trials {large}`: pycollectives and OpenMPI in the same ranks "
+        "under mpirun, in as many rounds as trials, each round running one trial of both at every "
+        "size; then the same with `--compare gloo` (pycollectives and gloo)"
+        + (", then with `-R 1 --compare mpi`" if args.registered else "")
         + "; 8-byte latency: three runs of `-b 8 -e 8 -n 2000 -w 200 --trials 9`, median)",
+        "- Each ratio compares pycollectives with its peer from the same invocation. gloo and "
+        "OpenMPI do not share one: gloo's small calls block for milliseconds with 3-4 ranks on 2 "
+        "cores, and the microsecond calls that follow them in the same processes come out slower "
+        "(4 ranks, 16 B all-reduce: pycollectives 14.5 us and OpenMPI 12.0 us after gloo's "
+        "trials, 5.9 us and 8.5 us without gloo in the processes, in a run of 2026-11-22).",
         "- Registered buffers (`-R 1`): pycollectives' buffers come from `comm.alloc_shared` "
         "(symmetric windows, as nccl-tests `-R`), so all-reduce, reduce-scatter and all-gather "
-        "run in place across the ranks' buffers; OpenMPI (same invocation) and gloo (the plain "
+        "run in place across the ranks' buffers; OpenMPI (same invocation) and gloo (the gloo "
         "invocation) keep plain buffers. Plain buffers are what a caller gets without asking; "
         "single copy (CMA) between the ranks: "
         + (", ".join(f"{n} ranks: {sc}" for n, sc in single_copy.items()) or "-")

@@ -230,8 +230,9 @@ def test_bench_sweep_probes_the_first_call(interleave):
 
 def test_cpu_compare_targets_check_every_recorded_size(monkeypatch):
     """benchmarks/cpu_compare.py's targets(): each target is checked at every size recorded in
-    its range (sizes taken from the rows); one size below the target makes it MISSED and is
-    named with its ratio, a size without a peer is named as n/a."""
+    its range (sizes taken from the rows) against pycollectives from the peer's own invocation
+    (gloo: pycoll-G); one size below the target makes it MISSED and is named with its ratio, a
+    size without a peer is named as n/a."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     cpu_compare = importlib.import_module("cpu_compare")
     kib, mib = 1 << 10, 1 << 20
@@ -241,7 +242,11 @@ def test_cpu_compare_targets_check_every_recorded_size(monkeypatch):
 
     sizes = [16 << (2 * i) for i in range(12)]  # 16 B to 64 MiB, x4
     rows = [row("pycoll", "all_reduce", n, s, 1.0) for n in (2, 3, 4) for s in sizes]
+    # gloo against pycollectives from its own invocation (pycoll-G): 10x, 4.5x at 64 MiB with 3
     rows += [row("gloo", "all_reduce", n, s, 10.0) for n in (2, 3, 4) for s in sizes]
+    rows += [row("pycoll-G", "all_reduce", n, s, 1.0) for n in (2, 4) for s in sizes]
+    rows += [row("pycoll-G", "all_reduce", 3, s, 10.0 / 4.5 if s == 64 * mib else 1.0)
+             for s in sizes]  # fmt: skip
     # 2 ranks: 2x MPI except 1.1x at 4 MiB; 4 ranks: 1.5x MPI except 0.9x at 64 B
     rows += [row("mpi", "all_reduce", 2, s, 1.1 if s == 4 * mib else 2.0) for s in sizes]
     rows += [row("mpi", "all_reduce", 4, s, 0.9 if s == 64 else 1.5) for s in sizes]
@@ -267,11 +272,18 @@ def test_cpu_compare_targets_check_every_recorded_size(monkeypatch):
         "12 sizes, 16 B to 64 MiB: 0.90-1.50x; below: 64 B 0.90x",
         "MISSED",
     )
-    for n in (2, 3, 4):
+    for n in (2, 4):
         assert plain[f"all-reduce, {n} ranks, >= 5x gloo at every size from 64 KiB"] == (
             "6 sizes, 64 KiB to 64 MiB: 10.00x",
             "met",
         )
+    assert plain["all-reduce, 3 ranks, >= 5x gloo at every size from 64 KiB"] == (
+        "6 sizes, 64 KiB to 64 MiB: 4.50-10.00x; below: 64 MiB 4.50x",
+        "MISSED",
+    )
+    # each table line: OpenMPI against pycoll, gloo against pycoll-G
+    line = cpu_compare.table(rows, "all_reduce", 3)[-1]
+    assert line == "| 64 MiB | 1.00 | n/a | n/a | n/a | 2.22 | n/a | 4.50 |", line
     assert plain["reduce-scatter, 2 ranks, >= OpenMPI at every size"] == (
         "12 sizes, 16 B to 64 MiB: 1.00x",
         "met",
