@@ -3,10 +3,11 @@ ranks, in one run.
 
     python benchmarks/cpu_compare_rooted.py [--ranks 2,3,4] [--trials 3] [--no-write]
 
-For each world size, runs `pycollectives-bench --compare gloo,mpi` for the four operations
-from 64 KiB to 64 MiB (as cpu_compare.py: 50 calls per trial up to 1 MiB, 10 from 4 MiB, with
-pycollectives, gloo and OpenMPI in the same ranks in rounds of one trial each at every size,
---interleave 1), then rewrites the section between
+For each world size, runs `pycollectives-bench --compare mpi` and `--compare gloo` for the four
+operations from 64 KiB to 64 MiB (as cpu_compare.py: 50 calls per trial up to 1 MiB, 10 from
+4 MiB, pycollectives and one peer in the same ranks in rounds of one trial each at every size,
+--interleave 1; each ratio against pycollectives from the peer's invocation), then rewrites the
+section between
 the `cpu_compare_rooted` markers in docs/benchmarks.md. The issue sets no target for these
 collectives; the tables show where pycollectives stands against its peers on them. sendrecv is
 nccl-tests' sendrecv_perf: every rank sends to the next and receives from the previous at once
@@ -18,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 from _doc import emit_section, run_bench
-from cpu_compare import table
+from cpu_compare import GLOO_RUN, renamed, table
 
 COLLS = ["broadcast", "reduce", "all_to_all", "sendrecv"]
 SIZE_RUNS = [
@@ -39,9 +40,10 @@ def main() -> None:
     for n in ranks:
         for sizes in SIZE_RUNS:
             flags = [*sizes, "--coll", ",".join(COLLS), "--trials", args.trials, "-c", "1"]
-            data = run_bench(n, ["--compare", "gloo,mpi", *flags])
+            data = run_bench(n, ["--compare", "mpi", *flags])
             rows += data["rows"]
             meta = meta or data["metadata"]
+            rows += renamed(run_bench(n, ["--compare", "gloo", *flags]), GLOO_RUN)
     wrong = sum(r.get("wrong") or 0 for r in rows)
     v = meta["versions"] if meta else {}
     tables: list[str] = []
@@ -54,8 +56,8 @@ def main() -> None:
         "CPU: broadcast, reduce, all-to-all and sendrecv against gloo and OpenMPI",
         f"`python benchmarks/cpu_compare_rooted.py --ranks {args.ranks} --trials {args.trials}` "
         f"(each world size: `pycollectives-bench --nproc N {' '.join(SIZE_RUNS[0])} --coll "
-        f"{','.join(COLLS)} --trials {args.trials} -c 1 --compare gloo,mpi` and the same with "
-        f"`{' '.join(SIZE_RUNS[1])}`; root 0; plain buffers)",
+        f"{','.join(COLLS)} --trials {args.trials} -c 1 --compare mpi` and the same with "
+        f"`{' '.join(SIZE_RUNS[1])}`, each again with `--compare gloo`; root 0; plain buffers)",
         [
             f"Software: pycollectives {v.get('pycollectives')} ({v.get('simd_level')}), torch "
             f"{v.get('torch')} (gloo), {v.get('mpi', 'no MPI')}, mpi4py {v.get('mpi4py', '-')}; "
