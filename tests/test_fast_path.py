@@ -143,7 +143,10 @@ def test_view_tensor_matches_torch():
     numel for every contiguous CPU tensor of a supported dtype, and None for the rest."""
     from pycollectives._buffers import _TORCH_CODES
 
-    assert pc._C.dlpack_exchange() == hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+    if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+        assert not pc._C.dlpack_exchange()
+    elif tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13):
+        assert pc._C.dlpack_exchange()  # torch 2.13 publishes a usable table
     for name, t in _view_cases().items():
         code = _TORCH_CODES.get(t.dtype)
         ok = code is not None and t.is_cpu and t.is_contiguous()

@@ -1,7 +1,7 @@
 // The part of DLPack's C ABI (dlpack.h, major version 1) that the fast path
 // reads: a tensor described without ownership, and the exchange table a
 // framework publishes as the capsule `Tensor.__dlpack_c_exchange_api__`
-// (DLPack 1.2+; torch from 2.10). Declared here, by the layout the DLPack
+// (DLPack 1.2+; torch 2.13 has it). Declared here, by the layout the DLPack
 // specification fixes, so that the build needs neither torch nor dlpack.h.
 #pragma once
 
