@@ -153,4 +153,6 @@ def test_view_tensor_matches_torch():
         want = (t.data_ptr(), t.numel(), code) if ok else None
         assert pc._C.view_tensor(t) == want, name
     assert pc._C.view_tensor(np.ones(3)) is None  # NumPy: the Python path
+    assert pc._C.view_tensor(torch.empty(3, device="meta")) is None
+    assert pc._C.view_tensor(torch.eye(3).to_sparse()) is None
     assert pc._C.view_tensor(None) is None
