@@ -171,3 +171,45 @@ def test_single_copy_size_mismatch_raises():
     for r, m in enumerate(msgs):
         for call in (f"send(count={LARGE}, float32, peer=1)", f"recv(count={LARGE - 64}, float32"):
             assert call in m, f"rank {r}: {m}"
+
+
+def job_batch_meets_single(comm: pc.Communicator, sizes: list[int]) -> list[str]:
+    """For each ordered pair (a, b) in turn: a batch send from a met by a single recv on b, then
+    a single send from a met by a batch recv on b; contents exact, and a batch's large message
+    reaches the single recv by single copy where CMA is on."""
+    n, r, bad = comm.world_size, comm.rank, []
+
+    def msg(src: int, dst: int, count: int) -> torch.Tensor:
+        return torch.arange(count, dtype=torch.float32) + 1000 * src + 100 * dst
+
+    for a in range(n):
+        for b in range(n):
+            if a == b or r not in (a, b):
+                continue
+            for count in sizes:
+                before = comm.stats().get("recv", {}).get("paths", {}).get("cma", 0)
+                for batch_sends in (True, False):
+                    if r == a:
+                        t = msg(a, b, count)
+                        comm.batch_p2p([("send", t, b)]) if batch_sends else comm.send(t, b)
+                        continue
+                    got = torch.full((count,), -1.0)
+                    comm.recv(got, a) if batch_sends else comm.batch_p2p([("recv", got, a)])
+                    if not torch.equal(got, msg(a, b, count)):
+                        how = "batch send -> recv" if batch_sends else "send -> batch recv"
+                        bad.append(f"{how}, {count} elements from rank {a} differ")
+                across = comm.stats().get("recv", {}).get("paths", {}).get("cma", 0) - before
+                if r == b and comm.single_copy and count * 4 >= 64 << 10 and across != 1:
+                    bad.append(f"{count} elements from rank {a}: recv took cma {across} times")
+    return bad
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case", ["default", "cma_forced", "slots"])
+def test_batch_meets_single_calls(pool, world_size, case):
+    """A batch on one side and single send / recv on the other pair up (torch's
+    batch_isend_irecv against recv): a single receive takes a batch's single-copy
+    descriptor, a batch receive expecting one takes a single send's chunks."""
+    env = {"slots": {"PYCOLL_CMA": "0"}, "cma_forced": {"PYCOLL_ALGO": "cma"}}.get(case)
+    for r, bad in enumerate(pool(world_size, env).run(job_batch_meets_single, [0, SMALL, LARGE])):
+        assert not bad, f"rank {r}: {bad}"

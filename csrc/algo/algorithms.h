@@ -24,8 +24,22 @@ void chain_broadcast(OpCtx& c, void* buf, size_t count, int root);
 void chain_reduce(OpCtx& c, void* buf, size_t count, int root);
 // n-1 pairwise exchange steps; in and out hold nranks blocks of `count`.
 void pairwise_all_to_all(OpCtx& c, const void* in, void* out, size_t count);
+// Single copy between two ranks: the peer's process and the pair's
+// acknowledgement counter (the receiver raises it to a message's sequence
+// number once it has read the bytes; shm_layout.h FifoCtl::cma_done).
+struct P2PCma {
+  int pid = 0;
+  Counter* done = nullptr;
+};
+// A send through the slots.
 void p2p_send(OpCtx& c, const void* buf, size_t count, int peer);
-void p2p_recv(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect);
+// A receive of whichever the sender chose, the slots' chunks or a single-copy
+// descriptor (a batch's; read across with `cma`, required where CMA is on).
+void p2p_recv(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect,
+              const P2PCma* cma = nullptr);
+// Posts a single-copy descriptor of `bytes` at `buf` to `peer` (c.tag, marked);
+// the caller waits for the acknowledgement before the buffer may change.
+void p2p_cma_post(OpCtx& c, const void* buf, size_t bytes, int peer);
 
 // Collectives on symmetric windows (see direct.cc): data[p] is the
 // operation's window buffer of rank p, mapped here; reduced/gathered are rank
@@ -87,14 +101,14 @@ struct P2POp {
   DataType dtype = DataType::kFloat32;
   int peer = 0;  // may be this rank: sends to self pair with receives from self in order
   SlotTag tag;
-  // Single copy (decided alike by both ends): the send posts only the buffer's
+  // Single copy (by size; a single send, p2p_send, always takes the slots,
+  // so a receive takes whichever arrives): the send posts only the buffer's
   // address through its slots; the receive reads the bytes straight out of the
-  // sender's process (process `pid`, transport/cma.h) and raises `cma_done`
-  // (the pair's counter) to the message's sequence number, which the send
-  // waits for before its buffer may change.
+  // sender's process (transport/cma.h) and raises the pair's counter to the
+  // message's sequence number, which the send waits for before its buffer may
+  // change.
   bool cma = false;
-  int pid = 0;
-  Counter* cma_done = nullptr;
+  P2PCma across;  // the pair's process and counter, set where CMA is on
 };
 // Runs every op of the batch concurrently, chunk by chunk (see batch_p2p.cc).
 void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops);

@@ -20,51 +20,21 @@
 // A single-copy message (P2POp::cma) is one chunk in iteration 0: the send
 // posts a descriptor (its buffer's address and size) through the slots, the
 // receive reads the bytes out of the sender's process and acknowledges them
-// through the pair's cma_done counter. The senders wait for those
+// through the pair's counter (p2p.cc). The senders wait for those
 // acknowledgements only after their last iteration, so nothing waits on a
-// rank that is waiting for them and the argument above still holds.
+// rank that is waiting for them and the argument above still holds. A
+// receive expecting one may instead meet a single send's chunks (that send
+// chose the slots) and takes them all in that step: the single sender waits
+// only for this receiver, which is taking them.
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "algo/algorithms.h"
 #include "algo/prims.h"
 #include "core/error.h"
 #include "reduce/reduce.h"
-#include "transport/cma.h"
 
 namespace pyc {
-namespace {
-
-// What a single-copy send posts in its slot.
-struct CmaDesc {
-  uint64_t addr;   // the send buffer, in the sender's process
-  uint64_t bytes;  // its size
-};
-
-void cma_post(OpCtx& c, const P2POp& op, size_t bytes) {
-  SendConn& out = c.links->send_to(op.peer);
-  auto* d = static_cast<CmaDesc*>(out.acquire(*c.mon));
-  d->addr = reinterpret_cast<uintptr_t>(op.buf);
-  d->bytes = bytes;
-  out.post(op.tag, sizeof(CmaDesc));
-}
-
-void cma_take(OpCtx& c, const P2POp& op, size_t bytes) {
-  RecvConn& in = c.links->recv_from(op.peer);
-  c.mon->peer = op.peer;
-  const RecvSlot s = in.wait(*c.mon);
-  if (!(s.tag == op.tag)) c.links->tag_mismatch(op.peer, s.tag, op.tag);
-  CmaDesc d;
-  PYC_ASSERT(s.bytes == sizeof(d));
-  std::memcpy(&d, s.data, sizeof(d));
-  PYC_ASSERT(d.bytes == bytes);  // the tag carries the count and dtype
-  in.release();
-  cma_read(op.pid, op.peer, op.buf, d.addr, bytes, *c.mon);
-  publish(*op.cma_done, op.tag.seq);
-}
-
-}  // namespace
 
 void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops) {
   // A send to this rank pairs with the next receive from this rank, in order.
@@ -122,14 +92,10 @@ void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops) {
           const P2POp& op = *remote[i];
           if (op.cma) {
             c.path = Path::kCma;
-            const size_t bytes = op.count * dtype_size(op.dtype);
-            if (op.send) {
-              cma_post(ctx[i], op, bytes);
-              ctx[i].bytes_sent += bytes;
-            } else {
-              cma_take(ctx[i], op, bytes);
-              ctx[i].bytes_recv += bytes;
-            }
+            if (op.send)
+              p2p_cma_post(ctx[i], op.buf, op.count * dtype_size(op.dtype), op.peer);
+            else  // a single send on the other side may have sent it through the slots
+              p2p_recv(ctx[i], op.buf, op.count, op.peer, op.tag, &op.across);
             continue;
           }
           const size_t off = k * chunk[i];
@@ -147,7 +113,7 @@ void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops) {
   for (const P2POp* op : remote) {
     if (!op->cma || !op->send || op->count == 0) continue;
     c.mon->peer = op->peer;
-    wait_reached(*op->cma_done, op->tag.seq, *c.mon);
+    wait_reached(*op->across.done, op->tag.seq, *c.mon);
   }
   for (const OpCtx& x : ctx) {
     c.bytes_sent += x.bytes_sent;

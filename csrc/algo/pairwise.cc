@@ -1,5 +1,5 @@
 // All-to-all as n-1 pairwise exchange steps (step s: send to rank+s, receive
-// from rank-s, chunk by chunk), and point-to-point send / recv.
+// from rank-s, chunk by chunk).
 #include <algorithm>
 
 #include "algo/algorithms.h"
@@ -24,23 +24,6 @@ void pairwise_all_to_all(OpCtx& c, const void* in, void* out, size_t count) {
       p.recv(dst + (from * count + off) * es, len);
     }
   }
-}
-
-void p2p_send(OpCtx& c, const void* buf, size_t count, int peer) {
-  Prims p(c, peer, -1);
-  const size_t slot = p.chunk_elems(), es = c.esize();
-  for (size_t off = 0; off < count; off += slot)
-    p.send(static_cast<const char*>(buf) + off * es, std::min(slot, count - off));
-}
-
-void p2p_recv(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect) {
-  SlotTag own = c.tag;
-  c.tag = expect;  // the receiver checks the sender's tag
-  Prims p(c, -1, peer);
-  const size_t slot = p.chunk_elems(), es = c.esize();
-  for (size_t off = 0; off < count; off += slot)
-    p.recv(static_cast<char*>(buf) + off * es, std::min(slot, count - off));
-  c.tag = own;
 }
 
 }  // namespace pyc

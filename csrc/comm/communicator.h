@@ -157,6 +157,9 @@ class Communicator final : public Links {
   // operation and an address.
   bool cma(OpCtx& c, OpKind kind, size_t total);
   CmaView cma_view(uint32_t seq);
+  // What a point-to-point message with `peer` needs for single copy: its
+  // process and the pair's acknowledgement counter (sender to receiver).
+  P2PCma p2p_cma(int peer, bool send);
   // How the operation's copies write into the caller's output: streamed past
   // the caches from stream_bytes_ of output on this rank.
   Store output_store(const OpSig& sig) const;
