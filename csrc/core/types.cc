@@ -100,8 +100,9 @@ const char* op_kind_name(OpKind k) {
   return "invalid_kind";
 }
 
-// word0 layout, low to high: kind (8 bits), dtype (8), op (8), unused (8),
-// root + 1 as uint32 (32; 0 means "no root").
+// word0 layout, low to high: kind (8 bits), dtype (8), op (8), unused (8;
+// point-to-point slot tags mark single-copy descriptors in its low bit,
+// algo/p2p.cc), root + 1 as uint32 (32; 0 means "no root").
 uint64_t OpSig::word0() const {
   const uint32_t root_field = static_cast<uint32_t>(root) + 1u;
   return static_cast<uint64_t>(static_cast<uint8_t>(kind)) |
