@@ -278,8 +278,7 @@ def main() -> None:
         "- Each ratio compares pycollectives with its peer from the same invocation. gloo and "
         "OpenMPI do not share one: gloo's small calls block for milliseconds with 3-4 ranks on 2 "
         "cores, and the microsecond calls that follow them in the same processes come out slower "
-        "(4 ranks, 16 B all-reduce: pycollectives 14.5 us and OpenMPI 12.0 us after gloo's "
-        "trials, 5.9 us and 8.5 us without gloo in the processes, in a run of 2026-11-22).",
+        "(measured in 'Peers in separate invocations' above).",
         "- Registered buffers (`-R 1`): pycollectives' buffers come from `comm.alloc_shared` "
         "(symmetric windows, as nccl-tests `-R`), so all-reduce, reduce-scatter and all-gather "
         "run in place across the ranks' buffers; OpenMPI (same invocation) and gloo (the gloo "
