@@ -52,16 +52,23 @@ dlpack::TensorFromPyObject exchange_describe(PyObject* tensor_type) {
 
 // DataType of a DLPack dtype, or -1.
 int dlpack_dtype(dlpack::DataType d) {
+  auto code = [](DataType t) { return static_cast<int>(t); };
   if (d.lanes != 1) return -1;
   switch (d.code) {
     case dlpack::kFloat:
-      return d.bits == 32 ? 0 : d.bits == 64 ? 1 : d.bits == 16 ? 2 : -1;
+      return d.bits == 32   ? code(DataType::kFloat32)
+             : d.bits == 64 ? code(DataType::kFloat64)
+             : d.bits == 16 ? code(DataType::kFloat16)
+                            : -1;
     case dlpack::kBfloat:
-      return d.bits == 16 ? 3 : -1;
+      return d.bits == 16 ? code(DataType::kBFloat16) : -1;
     case dlpack::kInt:
-      return d.bits == 8 ? 4 : d.bits == 32 ? 6 : d.bits == 64 ? 7 : -1;
+      return d.bits == 8    ? code(DataType::kInt8)
+             : d.bits == 32 ? code(DataType::kInt32)
+             : d.bits == 64 ? code(DataType::kInt64)
+                            : -1;
     case dlpack::kUInt:
-      return d.bits == 8 ? 5 : -1;
+      return d.bits == 8 ? code(DataType::kUInt8) : -1;
     default:
       return -1;
   }
