@@ -52,26 +52,19 @@ dlpack::TensorFromPyObject exchange_describe(PyObject* tensor_type) {
 
 // DataType of a DLPack dtype, or -1.
 int dlpack_dtype(dlpack::DataType d) {
-  auto code = [](DataType t) { return static_cast<int>(t); };
+  struct Entry {
+    uint8_t code, bits;
+    DataType type;
+  };
+  static constexpr Entry kTypes[] = {
+      {dlpack::kFloat, 32, DataType::kFloat32}, {dlpack::kFloat, 64, DataType::kFloat64},
+      {dlpack::kFloat, 16, DataType::kFloat16}, {dlpack::kBfloat, 16, DataType::kBFloat16},
+      {dlpack::kInt, 8, DataType::kInt8},       {dlpack::kUInt, 8, DataType::kUInt8},
+      {dlpack::kInt, 32, DataType::kInt32},     {dlpack::kInt, 64, DataType::kInt64}};
   if (d.lanes != 1) return -1;
-  switch (d.code) {
-    case dlpack::kFloat:
-      return d.bits == 32   ? code(DataType::kFloat32)
-             : d.bits == 64 ? code(DataType::kFloat64)
-             : d.bits == 16 ? code(DataType::kFloat16)
-                            : -1;
-    case dlpack::kBfloat:
-      return d.bits == 16 ? code(DataType::kBFloat16) : -1;
-    case dlpack::kInt:
-      return d.bits == 8    ? code(DataType::kInt8)
-             : d.bits == 32 ? code(DataType::kInt32)
-             : d.bits == 64 ? code(DataType::kInt64)
-                            : -1;
-    case dlpack::kUInt:
-      return d.bits == 8 ? code(DataType::kUInt8) : -1;
-    default:
-      return -1;
-  }
+  for (const Entry& e : kTypes)
+    if (e.code == d.code && e.bits == d.bits) return static_cast<int>(e.type);
+  return -1;
 }
 
 // view_tensor through the exchange table: false (error cleared) where the
