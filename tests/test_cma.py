@@ -156,16 +156,27 @@ def job_cma_taken_over(comm: pc.Communicator) -> tuple[list[str], dict[str, int]
         if not torch.equal(out, torch.cat([v[r * count : (r + 1) * count] for v in vals])):
             bad.append(f"all_to_all {it}: wrong")
     stats = comm.stats()
-    return bad, {c: stats[c]["taken_over"] for c in _SHARED}
+    moved = {c: stats[c]["bytes_sent"] + stats[c]["bytes_received"] for c in _COPIES}
+    return bad, {c: stats[c]["taken_over"] for c in _SHARED}, moved
+
+
+# Collectives that only copy: each block crosses once, by its sender writing or
+# its receiver reading, never read into a third rank and written on from there.
+_COPIES = ("broadcast", "all_to_all")
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_cma_chunks_of_descheduled_ranks_are_taken_over(world_size):
     results = _forced(world_size, job_cma_taken_over)
-    for r, (bad, _) in enumerate(results):
+    for r, (bad, _, _) in enumerate(results):
         assert not bad, f"rank {r}: {bad}"
     for coll in _SHARED:
-        assert sum(taken[coll] for _, taken in results) > 0, (coll, results)
+        assert sum(taken[coll] for _, taken, _ in results) > 0, (coll, results)
+    # Four calls of each, n blocks of count int32 per buffer: broadcast fills n - 1
+    # buffers, all-to-all moves n * (n - 1) blocks; as many bytes either way.
+    n, block = world_size, ((1 << 20) + 5) * 4
+    for coll in _COPIES:
+        assert sum(moved[coll] for _, _, moved in results) == 4 * (n - 1) * n * block, coll
 
 
 def job_cma_auto(comm: pc.Communicator) -> list[str]:

@@ -75,6 +75,9 @@ struct CmaView {
   uint64_t addr[kMaxDirectRanks];
   uint64_t out[kMaxDirectRanks];
   std::atomic<uint64_t>* next[kMaxDirectRanks];
+  // All-to-all: the claim counters of the pairs (p -> this rank) and (this rank -> p).
+  std::atomic<uint64_t>* from[kMaxDirectRanks];
+  std::atomic<uint64_t>* to[kMaxDirectRanks];
   Counter* gathered[kMaxDirectRanks];
   char* scratch;
   size_t chunk;

@@ -23,8 +23,8 @@
 //   result goes into the root's buffer only.
 // - Broadcast (part p: rank p's buffer; the root has none) and all-to-all
 //   (part p: rank p's output, block by block) copy each chunk from where it is
-//   to where it goes (relay): one copy when the claimer is either end, two
-//   through scratch when a third rank takes it over.
+//   to where it goes (relay). Only the two ends of a copy claim it, so that it
+//   takes one: a third rank would read into scratch and write from there.
 //
 // Only the claimer touches a chunk's bytes, in every rank's buffers, so in
 // place operations need no more ordering than that. A rank that finds nothing
@@ -164,36 +164,47 @@ void cma_reduce(OpCtx& c, const CmaView& v, void* buf, size_t count, int root) {
 }
 
 void cma_broadcast(OpCtx& c, const CmaView& v, size_t count, int root) {
-  const int n = c.nranks;
+  const int n = c.nranks, r = c.rank;
   PYC_ASSERT(n <= kMaxDirectRanks);
   const size_t es = c.esize();
   // About two chunks per rank (of 16 KiB to v.chunk), so that every rank
   // copies, the root too.
   const size_t want = ((n - 1) * count * es / (2 * n) + 4095) / 4096 * 4096;
   const size_t step = std::min(v.chunk, std::max<size_t>(16 << 10, want)) / es;
-  const size_t chunks = (count + step - 1) / step;
-  share(
-      c, v, [&](int p) { return p == root ? 0 : chunks; },
-      [&](int p, size_t i) {
-        const size_t at = i * step * es, len = std::min(step, count - i * step) * es;
-        relay(c, v, root, v.addr[root] + at, p, v.addr[p] + at, len);
-      });
+  const auto chunks = static_cast<uint32_t>((count + step - 1) / step);
+  // Part p (rank p's buffer) is claimed by its two ends only, the root writing
+  // and rank p reading: a third rank would copy a chunk twice.
+  for (int s = r == root ? 1 : 0; s < (r == root ? n : 1); ++s) {
+    const int p = (r + s) % n;
+    for (uint32_t i; (i = claim(*v.next[p], c.tag.seq, chunks)) < chunks;) {
+      const size_t at = i * step * es, len = std::min(step, count - i * step) * es;
+      relay(c, v, root, v.addr[root] + at, p, v.addr[p] + at, len);
+      if (p != r) ++c.taken_over;
+    }
+  }
+  finish_gathered(c, v.gathered);
 }
 
 void cma_all_to_all(OpCtx& c, const CmaView& v, size_t count) {
-  const int n = c.nranks;
+  const int n = c.nranks, r = c.rank;
   PYC_ASSERT(n <= kMaxDirectRanks);
-  const size_t es = c.esize(), step = v.chunk / es, per_block = (count + step - 1) / step;
-  // Part p's chunks: block q = p, p + 1, ... of rank p's output (its own block
-  // first), per_block chunks each; block q comes from block p of rank q's input.
-  share(
-      c, v, [&](int) { return n * per_block; },
-      [&](int p, size_t i) {
-        const int q = static_cast<int>((p + i / per_block) % n);
-        const size_t k = i % per_block, at = k * step * es;
-        const size_t len = std::min(step, count - k * step) * es;
-        relay(c, v, q, v.addr[q] + p * count * es + at, p, v.out[p] + q * count * es + at, len);
-      });
+  const size_t es = c.esize(), bytes = count * es, step = v.chunk / es;
+  const auto chunks = static_cast<uint32_t>((count + step - 1) / step);
+  auto at = [&](uint32_t i) { return i * step * es; };
+  auto len = [&](uint32_t i) { return std::min(step, count - i * step) * es; };
+  relay(c, v, r, v.addr[r] + r * bytes, r, v.out[r] + r * bytes, bytes);
+  // Pair (q -> p) carries block p of rank q's input into block q of rank p's
+  // output. Only its two ends claim its chunks, each in one copy (the receiver
+  // reads, the sender writes); a third rank would need two. Step s pairs this
+  // rank with the ranks s away on either side, as receiver and as sender.
+  for (int s = 1; s < n; ++s) {
+    const int q = (r + s) % n, p = (r + n - s) % n;
+    for (uint32_t i; (i = claim(*v.from[q], c.tag.seq, chunks)) < chunks;)
+      relay(c, v, q, v.addr[q] + r * bytes + at(i), r, v.out[r] + q * bytes + at(i), len(i));
+    for (uint32_t i; (i = claim(*v.to[p], c.tag.seq, chunks)) < chunks; ++c.taken_over)
+      relay(c, v, r, v.addr[r] + p * bytes + at(i), p, v.out[p] + r * bytes + at(i), len(i));
+  }
+  finish_gathered(c, v.gathered);
 }
 
 void cma_reduce_scatter(OpCtx& c, const CmaView& v, const void* in, void* out, size_t count) {

@@ -420,13 +420,9 @@ bool cma_wins(OpKind kind, int n, size_t total) {
     case OpKind::kReduce:  // 3-4 ranks: gains and losses from run to run
       return n == 2 && total >= 1 * MiB && total < 32 * MiB;
     case OpKind::kBroadcast:
-      return n == 2   ? total >= 256 * KiB
-             : n == 3 ? total >= 256 * KiB && total < 32 * MiB
-                      : total >= 4 * MiB && total < 32 * MiB;
+      return total >= 256 * KiB && (n == 2 || total < 32 * MiB);
     case OpKind::kAllToAll:
-      return n == 2   ? total >= 256 * KiB && total < 32 * MiB
-             : n == 3 ? total >= 2 * MiB && total < 32 * MiB
-                      : total >= 4 * MiB && total < 32 * MiB;
+      return total >= 256 * KiB && total < 32 * MiB;
     default:
       return false;
   }
@@ -476,6 +472,10 @@ CmaView Communicator::cma_view(uint32_t seq) {
     v.out[p] = e.out;
     v.next[p] = &ctl->cma_next;
     v.gathered[p] = &ctl->gathered;
+    if (p != rank_) {
+      v.from[p] = &layout_.fifo_ctl(seg_.data(), p, rank_)->cma_next;
+      v.to[p] = &layout_.fifo_ctl(seg_.data(), rank_, p)->cma_next;
+    }
   }
   const auto base = reinterpret_cast<uintptr_t>(cma_scratch_.get());
   v.scratch = reinterpret_cast<char*>((base + 63) / 64 * 64);

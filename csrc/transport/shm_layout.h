@@ -67,6 +67,9 @@ struct alignas(64) FifoCtl {
   Counter tail;      // slots posted by the sender
   Counter head;      // slots released by the receiver
   Counter cma_done;  // the latest single-copy message of this pair read by the receiver (its seq)
+  // Single-copy all-to-all (algo/cma.cc): the claim counter of this pair's
+  // block, sequence number << 32 | next unclaimed chunk.
+  alignas(64) std::atomic<uint64_t> cma_next;
 };
 
 // Header of every FIFO slot: which operation wrote it.
