@@ -45,6 +45,17 @@ DTYPE_NAMES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "in
 ITEMSIZE = [4, 8, 2, 2, 1, 1, 4, 8]
 
 
+def _check_not_negated(buf: Any, rank: int, op: str, arg: str) -> None:
+    """Raises ValueError for a tensor with torch's negative bit set: a lazily negated
+    view (``z.conj().imag``, ``torch._neg_view``) stores the negation of its values,
+    so its bytes are not what it holds."""
+    if buf.is_neg():
+        raise ValueError(
+            f"pycollectives: rank {rank}: {op}: {arg} is a negated view (its negative bit is "
+            "set, as in z.conj().imag): call .resolve_neg() and copy the result back"
+        )
+
+
 def describe(buf: Any, rank: int, op: str, arg: str, writable: bool = True) -> tuple[int, int, int]:
     """Returns (address, numel, dtype code) of a contiguous CPU buffer.
 
@@ -78,6 +89,7 @@ def describe(buf: Any, rank: int, op: str, arg: str, writable: bool = True) -> t
                 f"pycollectives: rank {rank}: {op}: {arg} is not contiguous "
                 "(call .contiguous() and copy the result back)"
             )
+        _check_not_negated(buf, rank, op, arg)
         return buf.data_ptr(), buf.numel(), code
     if isinstance(buf, np.ndarray):
         code = _NUMPY_CODES.get(buf.dtype)
@@ -186,6 +198,7 @@ def describe_cuda(
                 f"pycollectives: rank {rank}: {op}: {arg} is not contiguous "
                 "(call .contiguous() and copy the result back)"
             )
+        _check_not_negated(buf, rank, op, arg)
         dev = buf.device.index if buf.device.index is not None else torch.cuda.current_device()
         return (
             buf.data_ptr(),

@@ -30,7 +30,7 @@ struct TorchAttr {
 };
 struct Torch {
   PyObject* tensor_type = nullptr;
-  TorchAttr dtype, is_cpu, is_contiguous, data_ptr, numel;
+  TorchAttr dtype, is_cpu, is_contiguous, data_ptr, numel, is_neg;
   std::vector<PyObject*> dtypes;                  // torch.float32, ... in DataType order
   dlpack::TensorFromPyObject describe = nullptr;  // from the exchange table, if any
 };
@@ -133,15 +133,29 @@ void set_torch(py::handle tensor_type, py::sequence dtypes) {
   t.is_contiguous = attr("is_contiguous");
   t.data_ptr = attr("data_ptr");
   t.numel = attr("numel");
+  t.is_neg = attr("is_neg");
   for (py::handle d : dtypes) t.dtypes.push_back(d.inc_ref().ptr());
   t.describe = exchange_describe(t.tensor_type);
   g_torch = std::move(t);  // once per process: nothing released
 }
 
+namespace {
+
+// A tensor with torch's negative bit set (a lazily negated view, such as
+// z.conj().imag) stores the negation of its values: its bytes are not what it
+// holds. True also when asking fails.
+bool negated(PyObject* obj) {
+  PyObject* neg = call0(obj, g_torch.is_neg);
+  Py_XDECREF(neg);
+  return neg != Py_False;
+}
+
+}  // namespace
+
 bool view_tensor(PyObject* obj, TensorView* out) {
   const Torch& t = g_torch;
   if (t.tensor_type == nullptr) return false;
-  if (t.describe != nullptr && exact_tensor(obj)) return view_dlpack(obj, out);
+  if (t.describe != nullptr && exact_tensor(obj)) return view_dlpack(obj, out) && !negated(obj);
   PyObject* dt = get_attr(obj, t.dtype);
   if (dt == nullptr) return false;
   int code = -1;
@@ -171,7 +185,7 @@ bool view_tensor(PyObject* obj, TensorView* out) {
   }
   Py_XDECREF(p);
   Py_XDECREF(n);
-  return ok;
+  return ok && !negated(obj);
 }
 
 // ---- the FastPath type ----

@@ -24,7 +24,7 @@ struct TensorView {
 void set_torch(pybind11::handle tensor_type, pybind11::sequence dtypes);
 
 // Fills `out` and returns true for a contiguous CPU torch tensor of a
-// supported dtype; returns false for anything else.
+// supported dtype whose negative bit is clear; returns false for anything else.
 bool view_tensor(PyObject* obj, TensorView* out);
 
 // Adds the FastPath type and fast_path(communicator), which makes one: its
