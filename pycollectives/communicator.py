@@ -309,6 +309,8 @@ class Communicator:
         self, tensor: Buffer, src: int, *, async_op: bool = False, timeout: Timeout = None
     ) -> Work | None:
         """Copies rank `src`'s `tensor` into every rank's `tensor`."""
+        if not async_op and timeout is None and self._fast.broadcast(tensor, src):
+            return None
         if is_cuda_buffer(tensor):
             [(ptr, n, dt)], dev, stream = self._cuda_args("broadcast", (tensor, "tensor", True))
             src = self._root(src, "src", "broadcast")
@@ -328,6 +330,8 @@ class Communicator:
         timeout: Timeout = None,
     ) -> Work | None:
         """Reduces `tensor` across ranks into rank `dst`'s `tensor` (others unchanged)."""
+        if not async_op and timeout is None and self._fast.reduce(tensor, dst, op):
+            return None
         if is_cuda_buffer(tensor):
             [(ptr, n, dt)], dev, stream = self._cuda_args("reduce", (tensor, "tensor", True))
             dst = self._root(dst, "dst", "reduce")
@@ -351,6 +355,8 @@ class Communicator:
         timeout: Timeout = None,
     ) -> Work | None:
         """Block j of this rank's `input` goes to block `rank` of rank j's `output`."""
+        if not async_op and timeout is None and self._fast.all_to_all(output, input):
+            return None
         name = "all_to_all"
         (po, no, do), (pi, ni, di), cuda = self._describe_pair(name, output, input)
         if no != ni:
@@ -375,6 +381,8 @@ class Communicator:
         self, tensor: Buffer, dst: int, *, async_op: bool = False, timeout: Timeout = None
     ) -> Work | None:
         """Sends `tensor` to rank `dst`; returns once it is buffered or delivered."""
+        if not async_op and timeout is None and self._fast.send(tensor, dst):
+            return None
         if is_cuda_buffer(tensor):
             [(ptr, n, dt)], dev, stream = self._cuda_args("send", (tensor, "tensor", False))
             dst = self._root(dst, "dst", "send")
@@ -388,6 +396,8 @@ class Communicator:
         self, tensor: Buffer, src: int, *, async_op: bool = False, timeout: Timeout = None
     ) -> Work | None:
         """Receives into `tensor` from rank `src` (count and dtype must match the send)."""
+        if not async_op and timeout is None and self._fast.recv(tensor, src):
+            return None
         if is_cuda_buffer(tensor):
             [(ptr, n, dt)], dev, stream = self._cuda_args("recv", (tensor, "tensor", True))
             src = self._root(src, "src", "recv")
@@ -416,6 +426,8 @@ class Communicator:
         Raises ValueError naming the op's index for a bad kind, peer or buffer,
         and for sends to self that do not pair with receives from self.
         """
+        if not async_op and timeout is None and self._fast.batch_p2p(ops):
+            return None
         name = "batch_p2p"
         items = []
         keep = []

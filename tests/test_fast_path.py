@@ -46,6 +46,35 @@ def job_buffer_kinds(comm: pc.Communicator) -> list[str]:
         comm.all_gather(out, inp)
         if list(np.asarray(out)) != [float(q) for q in range(n)]:
             bad.append(f"all_gather on {name}: {list(np.asarray(out))}")
+    for name, buf in _kinds([float(r + 1), -2.0]).items():
+        comm.broadcast(buf, n - 1)
+        if list(np.asarray(buf)) != [float(n), -2.0]:
+            bad.append(f"broadcast on {name}: {list(np.asarray(buf))}")
+    for name, buf in _kinds([float(r + 1), -2.0]).items():
+        comm.reduce(buf, 0, pc.ReduceOp.MAX)
+        want = [float(n) if r == 0 else float(r + 1), -2.0]
+        if list(np.asarray(buf)) != want:
+            bad.append(f"reduce on {name}: {list(np.asarray(buf))} != {want}")
+    for name, inp in _kinds([float(10 * r + b) for b in range(n)]).items():
+        out = _kinds([-7.0] * n)[name]
+        comm.all_to_all(out, inp)
+        if list(np.asarray(out)) != [float(10 * q + r) for q in range(n)]:
+            bad.append(f"all_to_all on {name}: {list(np.asarray(out))}")
+    for name, inp in _kinds([float(r), 0.5]).items():
+        out, nxt, prv = _kinds([-7.0, -7.0])[name], (r + 1) % n, (r - 1) % n
+        comm.batch_p2p([("send", inp, nxt), ("recv", out, prv)])
+        if list(np.asarray(out)) != [float(prv), 0.5]:
+            bad.append(f"batch_p2p on {name}: {list(np.asarray(out))}")
+        if n > 1:
+            out = _kinds([-7.0, -7.0])[name]
+            if r % 2 == 0:  # every rank sends before it receives, except the odd ones
+                comm.send(inp, nxt)
+                comm.recv(out, prv)
+            else:
+                comm.recv(out, prv)
+                comm.send(inp, nxt)
+            if list(np.asarray(out)) != [float(prv), 0.5]:
+                bad.append(f"send/recv on {name}: {list(np.asarray(out))}")
     return bad
 
 
@@ -69,6 +98,23 @@ def job_declined(comm: pc.Communicator) -> list[str]:
             lambda: comm.reduce_scatter(torch.zeros(2), torch.zeros(2 * comm.world_size + 1)),
             "input",
         ),
+        ("src", lambda: comm.broadcast(torch.zeros(2), comm.world_size), "src"),
+        ("dst", lambda: comm.reduce(torch.zeros(2), -1), "dst"),
+        ("send to self", lambda: comm.send(torch.zeros(2), comm.rank), "dst"),
+        ("recv from self", lambda: comm.recv(torch.zeros(2), comm.rank), "src"),
+        (
+            "all_to_all sizes",
+            lambda: comm.all_to_all(torch.zeros(comm.world_size), torch.zeros(2 * comm.world_size)),
+            "input",
+        ),
+        (
+            "all_to_all in place",
+            lambda: comm.all_to_all(t2 := torch.zeros(comm.world_size), t2),
+            "overlap",
+        ),
+        ("batch kind", lambda: comm.batch_p2p([("sned", torch.zeros(1), 0)]), "ops[0]"),
+        ("batch peer", lambda: comm.batch_p2p([("send", torch.zeros(1), -1)]), "ops[0]"),
+        ("batch unpaired", lambda: comm.batch_p2p([("send", torch.zeros(1), comm.rank)]), "pair"),
         # Negated views store the negation of their values.
         ("negated view", lambda: comm.all_reduce(torch._neg_view(torch.ones(2))), "negated"),
         (
@@ -117,6 +163,23 @@ def test_fast_path_arguments(tmp_path):
             fast.all_gather()
         assert fast.all_reduce(torch.ones(1), pc.ReduceOp.SUM) is True
         assert fast.all_reduce(torch.ones(1), "sum") is False  # declined: the Python path decides
+        # Every method takes the tensors it can describe, and declines what the
+        # Python path must check (here: ranks out of range, or this rank as the peer).
+        x, y = torch.ones(2), torch.zeros(2)
+        assert fast.broadcast(x, 0) is True
+        assert fast.broadcast(x, 1) is False
+        assert fast.reduce(x, 0, pc.ReduceOp.SUM) is True
+        assert fast.reduce(x, True, pc.ReduceOp.SUM) is False
+        assert fast.all_to_all(y, x) is True
+        assert fast.all_to_all(x, x) is False  # overlapping
+        assert fast.batch_p2p([("send", x, 0), ("recv", y, 0)]) is True
+        assert fast.batch_p2p((("recv", y, 0), ("send", x, 0))) is True
+        assert fast.batch_p2p([["send", x, 0]]) is False
+        assert fast.batch_p2p(iter([])) is False
+        assert fast.send(x, 0) is False
+        assert fast.recv(x, 0) is False
+        with pytest.raises(TypeError, match="batch_p2p takes 1 arguments"):
+            fast.batch_p2p()
 
 
 def _view_cases() -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@
 #include "bindings/errors.h"
 #include "bindings/fast_path.h"
 #include "bindings/reduce_bindings.h"
+#include "bindings/tensor_view.h"
 #include "comm/communicator.h"
 #include "core/error.h"
 #include "reduce/reduce.h"
@@ -56,7 +57,7 @@ PYBIND11_MODULE(_C, m) {
     return raised;
   });
   m.def("unique_segment_name", &ShmSegment::unique_name);
-  m.def("set_torch", &set_torch);
+  bind_tensor_view(m);
   bind_fast_path(m);
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")

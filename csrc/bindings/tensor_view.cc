@@ -1,0 +1,218 @@
+// Tensor introspection through the CPython C API (see tensor_view.h): one
+// call through torch's DLPack exchange table for an exact torch.Tensor where
+// torch publishes one, attribute reads otherwise.
+#include "bindings/tensor_view.h"
+
+#include <vector>
+
+#include "bindings/dlpack_abi.h"
+#include "core/types.h"
+
+namespace py = pybind11;
+
+namespace pyc {
+namespace {
+
+// What the fast path reads of torch (strong references, set once by Python).
+// An exact torch.Tensor is described by one call through DLPack's exchange
+// table where torch publishes one (torch.Tensor.__dlpack_c_exchange_api__):
+// no allocation, no Python objects. Otherwise five attributes per tensor:
+// five calls into torch, each with its error and warning handlers, ~0.33 us a
+// tensor on this VM: 0.66 us of a 2-rank 16-byte reduce-scatter's 1.6 us.
+// For an exact torch.Tensor the descriptors found once on the type are called
+// directly; anything else (a subclass, which may override them) goes through
+// ordinary lookups.
+struct TorchAttr {
+  PyObject* name = nullptr;
+  PyObject* descr = nullptr;  // torch.Tensor.<name>
+};
+struct Torch {
+  PyObject* tensor_type = nullptr;
+  TorchAttr dtype, is_cpu, is_contiguous, data_ptr, numel, is_neg;
+  std::vector<PyObject*> dtypes;                  // torch.float32, ... in DataType order
+  dlpack::TensorFromPyObject describe = nullptr;  // from the exchange table, if any
+};
+Torch g_torch;
+
+// The exchange table's describe function, or null where `tensor_type` has no
+// table of DLPack ABI major version 1 with one.
+dlpack::TensorFromPyObject exchange_describe(PyObject* tensor_type) {
+  PyObject* cap = PyObject_GetAttrString(tensor_type, "__dlpack_c_exchange_api__");
+  void* api = cap != nullptr ? PyCapsule_GetPointer(cap, dlpack::kExchangeCapsule) : nullptr;
+  Py_XDECREF(cap);  // the table lives as long as the process (DLPack requires it)
+  if (api == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  const auto* t = static_cast<const dlpack::ExchangeApi*>(api);
+  return t->header.version.major == dlpack::kMajor ? t->dltensor_from_py_object_no_sync : nullptr;
+}
+
+// DataType of a DLPack dtype, or -1.
+int dlpack_dtype(dlpack::DataType d) {
+  struct Entry {
+    uint8_t code, bits;
+    DataType type;
+  };
+  static constexpr Entry kTypes[] = {
+      {dlpack::kFloat, 32, DataType::kFloat32}, {dlpack::kFloat, 64, DataType::kFloat64},
+      {dlpack::kFloat, 16, DataType::kFloat16}, {dlpack::kBfloat, 16, DataType::kBFloat16},
+      {dlpack::kInt, 8, DataType::kInt8},       {dlpack::kUInt, 8, DataType::kUInt8},
+      {dlpack::kInt, 32, DataType::kInt32},     {dlpack::kInt, 64, DataType::kInt64}};
+  if (d.lanes != 1) return -1;
+  for (const Entry& e : kTypes)
+    if (e.code == d.code && e.bits == d.bits) return static_cast<int>(e.type);
+  return -1;
+}
+
+// view_tensor through the exchange table: false (error cleared) where the
+// call fails or the tensor is not a contiguous CPU one of a supported dtype.
+// Contiguous as torch means it: every dimension of size > 1 has the compact
+// row-major stride; an empty tensor is contiguous.
+bool view_dlpack(PyObject* obj, TensorView* out) {
+  dlpack::Tensor d;
+  if (g_torch.describe(obj, &d) != 0) {
+    PyErr_Clear();
+    return false;
+  }
+  const int code = dlpack_dtype(d.dtype);
+  if (code < 0 || d.device.device_type != dlpack::kCPU || d.ndim < 0) return false;
+  int64_t numel = 1, stride = 1;
+  bool compact = true;
+  for (int i = d.ndim - 1; i >= 0; --i) {
+    const int64_t size = d.shape[i];
+    if (d.strides != nullptr && size != 1 && d.strides[i] != stride) compact = false;
+    stride *= size;
+    numel *= size;
+  }
+  if (!compact && numel != 0) return false;
+  out->ptr = reinterpret_cast<uintptr_t>(d.data) + d.byte_offset;
+  out->numel = static_cast<size_t>(numel);
+  out->dtype = code;
+  return true;
+}
+
+bool exact_tensor(PyObject* obj) {
+  return Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(g_torch.tensor_type);
+}
+
+// obj.<a> for a data attribute; nullptr (error cleared) on failure.
+PyObject* get_attr(PyObject* obj, const TorchAttr& a) {
+  descrgetfunc get = Py_TYPE(a.descr)->tp_descr_get;
+  PyObject* r = exact_tensor(obj) && get != nullptr ? get(a.descr, obj, g_torch.tensor_type)
+                                                    : PyObject_GetAttr(obj, a.name);
+  if (r == nullptr) PyErr_Clear();
+  return r;
+}
+
+// obj.<m>() for a method; nullptr (error cleared) on failure.
+PyObject* call0(PyObject* obj, const TorchAttr& m) {
+  PyObject* r = exact_tensor(obj) ? PyObject_Vectorcall(m.descr, &obj, 1, nullptr)
+                                  : PyObject_CallMethodNoArgs(obj, m.name);
+  if (r == nullptr) PyErr_Clear();
+  return r;
+}
+
+}  // namespace
+
+void set_torch(py::handle tensor_type, py::sequence dtypes) {
+  auto attr = [&](const char* name) {
+    TorchAttr a;
+    a.name = PyUnicode_InternFromString(name);
+    if (a.name == nullptr) throw py::error_already_set();
+    a.descr = PyObject_GetAttr(tensor_type.ptr(), a.name);
+    if (a.descr == nullptr) throw py::error_already_set();
+    return a;
+  };
+  Torch t;
+  t.tensor_type = tensor_type.inc_ref().ptr();
+  t.dtype = attr("dtype");
+  t.is_cpu = attr("is_cpu");
+  t.is_contiguous = attr("is_contiguous");
+  t.data_ptr = attr("data_ptr");
+  t.numel = attr("numel");
+  t.is_neg = attr("is_neg");
+  for (py::handle d : dtypes) t.dtypes.push_back(d.inc_ref().ptr());
+  t.describe = exchange_describe(t.tensor_type);
+  g_torch = std::move(t);  // once per process: nothing released
+}
+
+namespace {
+
+// A tensor with torch's negative bit set (a lazily negated view, such as
+// z.conj().imag) stores the negation of its values: its bytes are not what it
+// holds. True also when asking fails.
+bool negated(PyObject* obj) {
+  PyObject* neg = call0(obj, g_torch.is_neg);
+  Py_XDECREF(neg);
+  return neg != Py_False;
+}
+
+}  // namespace
+
+bool view_tensor(PyObject* obj, TensorView* out) {
+  const Torch& t = g_torch;
+  if (t.tensor_type == nullptr) return false;
+  if (t.describe != nullptr && exact_tensor(obj)) return view_dlpack(obj, out) && !negated(obj);
+  PyObject* dt = get_attr(obj, t.dtype);
+  if (dt == nullptr) return false;
+  int code = -1;
+  for (size_t i = 0; i < t.dtypes.size(); ++i)
+    if (t.dtypes[i] == dt) code = static_cast<int>(i);
+  Py_DECREF(dt);
+  if (code < 0) return false;
+  PyObject* cpu = get_attr(obj, t.is_cpu);
+  const bool is_cpu = cpu == Py_True;
+  Py_XDECREF(cpu);
+  if (!is_cpu) return false;
+  PyObject* contig = call0(obj, t.is_contiguous);
+  const bool is_contig = contig == Py_True;
+  Py_XDECREF(contig);
+  if (!is_contig) return false;
+  PyObject* p = call0(obj, t.data_ptr);
+  PyObject* n = call0(obj, t.numel);
+  bool ok = p != nullptr && n != nullptr && PyLong_Check(p) && PyLong_Check(n);
+  if (ok) {
+    out->ptr = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(p));
+    out->numel = static_cast<size_t>(PyLong_AsSsize_t(n));
+    out->dtype = code;
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      ok = false;
+    }
+  }
+  Py_XDECREF(p);
+  Py_XDECREF(n);
+  return ok && !negated(obj);
+}
+
+namespace {
+
+// view_tensor(obj) -> (address, numel, dtype code) or None: view_tensor for
+// the Python layer's own checks (a METH_O function: no pybind11 dispatch).
+PyObject* py_view_tensor(PyObject*, PyObject* obj) {
+  TensorView v;
+  if (!view_tensor(obj, &v)) Py_RETURN_NONE;
+  return Py_BuildValue("(Kni)", static_cast<unsigned long long>(v.ptr),
+                       static_cast<Py_ssize_t>(v.numel), v.dtype);
+}
+
+PyMethodDef g_view_tensor_def = {
+    "view_tensor", py_view_tensor, METH_O,
+    "view_tensor(obj) -> (address, numel, dtype code) for a contiguous CPU torch tensor of a "
+    "supported dtype, else None"};
+
+}  // namespace
+
+void bind_tensor_view(py::module_& m) {
+  m.def("set_torch", &set_torch);
+  PyObject* view = PyCFunction_NewEx(&g_view_tensor_def, nullptr, m.attr("__name__").ptr());
+  if (view == nullptr) throw py::error_already_set();
+  m.add_object("view_tensor", py::reinterpret_steal<py::object>(view));
+  m.def(
+      "dlpack_exchange", [] { return g_torch.describe != nullptr; },
+      "Whether view_tensor describes exact torch.Tensor objects through torch's DLPack "
+      "exchange table (else through five attribute reads).");
+}
+
+}  // namespace pyc
