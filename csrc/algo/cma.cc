@@ -5,7 +5,8 @@
 // The work is shared out in chunks of v.chunk bytes rather than fixed per
 // rank. An operation's chunks fall into nranks parts, and part p is claimed
 // through rank p's counter (claim below). A rank first claims the chunks of
-// its own part, then whatever the others have left unclaimed, in ring order.
+// its own part, then whatever the others have left unclaimed, in ring order
+// (broadcast and all-to-all: only where it is one end of the copy, below).
 // A descheduled rank's buffers can be read and written without it running, so
 // when ranks outnumber cores (or one rank is slow to get there) the ranks that
 // run do the work of those that do not. Whoever claims a chunk does all of it:

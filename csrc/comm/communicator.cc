@@ -407,8 +407,8 @@ bool cma_wins(OpKind kind, int n, size_t total) {
   constexpr size_t KiB = 1024, MiB = 1024 * KiB;
   if (n > 4) return false;
   switch (kind) {
-    case OpKind::kAllReduce:
-      return total >= 1 * MiB;
+    case OpKind::kAllReduce:  // 4 ranks from 32 MiB: the ring's streaming stores win
+      return total >= 1 * MiB && (n < 4 || total < 32 * MiB);
     case OpKind::kReduceScatter:
       return n == 2   ? total >= 256 * KiB && total < 32 * MiB
              : n == 3 ? total >= 1 * MiB
