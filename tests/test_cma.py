@@ -117,9 +117,12 @@ def test_cma_forced_every_collective_op_dtype_size(world_size, job):
 _SHARED = ("all_reduce", "reduce_scatter", "all_gather", "reduce", "broadcast", "all_to_all")
 
 
-def job_cma_taken_over(comm: pc.Communicator) -> tuple[list[str], dict[str, int]] | None:
+def job_cma_taken_over(
+    comm: pc.Communicator,
+) -> tuple[list[str], dict[str, int], dict[str, int]] | None:
     """All ranks on one CPU: whichever rank runs claims the chunks of the ranks that
-    are descheduled. Exact results, and how many chunks each rank took over."""
+    are descheduled. Exact results, how many chunks each rank took over, and the
+    bytes each rank moved of broadcast and all-to-all."""
     import os
 
     n, r, bad = comm.world_size, comm.rank, []
