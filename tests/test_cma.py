@@ -192,6 +192,8 @@ def job_cma_auto(comm: pc.Communicator) -> list[str]:
     total = torch.stack(data).sum(0)
     cases = [  # (collective, elements of float32 per rank's buffer, expected path)
         ("all_reduce", 1 << 20, cma),  # 4 MiB
+        # 32 MiB: with 4 ranks the ring's streaming stores win there
+        ("all_reduce", 1 << 23, cma if n < 4 else "slots"),
         ("all_reduce", 1 << 16, "slots"),  # 256 KiB
         ("all_reduce", 1000, "oneshot"),
         ("all_gather", 1 << 17, cma),  # 512 KiB per rank
@@ -199,9 +201,11 @@ def job_cma_auto(comm: pc.Communicator) -> list[str]:
         ("all_gather", 1 << 13, cma if n == 2 else "oneshot"),
         ("reduce_scatter", 1 << 20, cma),  # 4 MiB of input
         ("broadcast", 1 << 20, cma),
+        ("broadcast", 1 << 16, cma),  # 256 KiB
         ("broadcast", 1000, "oneshot"),
         ("reduce", 1 << 20, cma if n == 2 else "slots"),
         ("all_to_all", 1 << 18, cma),  # 1 MiB blocks
+        ("all_to_all", 1 << 16, cma),  # 256 KiB blocks
         ("all_to_all", 1 << 12, "slots"),
     ]
     for coll, count, want in cases:
@@ -219,6 +223,10 @@ def job_cma_auto(comm: pc.Communicator) -> list[str]:
             path = _path(comm, coll, out, xs)
             want_out = [d[r * count : (r + 1) * count].float() for d in data]
             ok = torch.equal(out, torch.cat(want_out))
+        elif coll == "all_reduce" and count > total.numel():  # small integers: exact
+            x = torch.full((count,), float(r + 1))
+            path = _path(comm, coll, x)
+            ok = bool((x == n * (n + 1) / 2).all())
         elif coll == "all_reduce":
             path = _path(comm, coll, x)
             ok = torch.allclose(x.double(), total[:count], rtol=1e-5, atol=1e-5)
@@ -239,7 +247,7 @@ def job_cma_auto(comm: pc.Communicator) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_cma_chosen_by_size(pool, world_size):
     for r, bad in enumerate(pool(world_size).run(job_cma_auto, timeout=120)):
         assert not bad, f"rank {r}: {bad}"
