@@ -172,18 +172,15 @@ void cma_broadcast(OpCtx& c, const CmaView& v, size_t count, int root) {
   // copies, the root too.
   const size_t want = ((n - 1) * count * es / (2 * n) + 4095) / 4096 * 4096;
   const size_t step = std::min(v.chunk, std::max<size_t>(16 << 10, want)) / es;
-  const auto chunks = static_cast<uint32_t>((count + step - 1) / step);
+  const size_t chunks = (count + step - 1) / step;
   // Part p (rank p's buffer) is claimed by its two ends only, the root writing
   // and rank p reading: a third rank would copy a chunk twice.
-  for (int s = r == root ? 1 : 0; s < (r == root ? n : 1); ++s) {
-    const int p = (r + s) % n;
-    for (uint32_t i; (i = claim(*v.next[p], c.tag.seq, chunks)) < chunks;) {
-      const size_t at = i * step * es, len = std::min(step, count - i * step) * es;
-      relay(c, v, root, v.addr[root] + at, p, v.addr[p] + at, len);
-      if (p != r) ++c.taken_over;
-    }
-  }
-  finish_gathered(c, v.gathered);
+  share(
+      c, v, [&](int p) { return p != root && (r == root || r == p) ? chunks : 0; },
+      [&](int p, size_t i) {
+        const size_t at = i * step * es, len = std::min(step, count - i * step) * es;
+        relay(c, v, root, v.addr[root] + at, p, v.addr[p] + at, len);
+      });
 }
 
 void cma_all_to_all(OpCtx& c, const CmaView& v, size_t count) {

@@ -43,6 +43,13 @@ bool fast_op(PyObject* op, ReduceOp* out) {
   return true;
 }
 
+// Whether two tensors of one dtype share no byte (an empty one shares none).
+bool disjoint(const TensorView& a, const TensorView& b) {
+  const size_t es = dtype_size(static_cast<DataType>(a.dtype));
+  return a.numel == 0 || b.numel == 0 || a.ptr + a.numel * es <= b.ptr ||
+         b.ptr + b.numel * es <= a.ptr;
+}
+
 // The fast paths' pair of tensors: `big` holds nranks blocks of `small`'s
 // size and dtype, and the two are disjoint or `small` is block `rank` of `big`
 // (the in-place layout). False for anything else.
@@ -51,9 +58,7 @@ bool fast_pair(PyObject* big, PyObject* small, int nranks, int rank, TensorView*
       b->numel != s->numel * static_cast<size_t>(nranks))
     return false;
   const size_t es = dtype_size(static_cast<DataType>(s->dtype));
-  const uintptr_t b_end = b->ptr + b->numel * es, s_end = s->ptr + s->numel * es;
-  const bool disjoint = s->numel == 0 || s_end <= b->ptr || b_end <= s->ptr;
-  return disjoint || s->ptr == b->ptr + static_cast<size_t>(rank) * s->numel * es;
+  return disjoint(*b, *s) || s->ptr == b->ptr + static_cast<size_t>(rank) * s->numel * es;
 }
 
 // Runs `op` without the GIL; returns Py_True, or nullptr with the Python error
@@ -167,10 +172,9 @@ PyObject* fast_all_to_all(PyObject* self, PyObject* const* args, Py_ssize_t narg
   Communicator& c = comm_of(self);
   TensorView out, in;
   if (!view_tensor(args[0], &out) || !view_tensor(args[1], &in) || out.dtype != in.dtype ||
-      out.numel != in.numel || in.numel % static_cast<size_t>(c.world_size()) != 0)
+      out.numel != in.numel || in.numel % static_cast<size_t>(c.world_size()) != 0 ||
+      !disjoint(out, in))
     Py_RETURN_FALSE;
-  const size_t bytes = in.numel * dtype_size(static_cast<DataType>(in.dtype));
-  if (bytes != 0 && in.ptr < out.ptr + bytes && out.ptr < in.ptr + bytes) Py_RETURN_FALSE;
   return run_released([&] {
     c.all_to_all(address(out.ptr), address(in.ptr), in.numel / c.world_size(),
                  static_cast<DataType>(in.dtype), false, -1.0);

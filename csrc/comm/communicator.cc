@@ -697,7 +697,7 @@ std::shared_ptr<Work> Communicator::recv(void* buf, size_t count, DataType dt, i
   return point_to_point(sig, peer, timeout_s, async, [this, buf, count, peer, dt, cma](OpCtx& c) {
     OpSig expect{OpKind::kSend, dt, ReduceOp::kSum, rank_, count};
     p2p_recv(c, buf, count, peer, SlotTag{c.tag.seq, expect.word0(), expect.word1()},
-             cma_ ? &cma : nullptr);
+             cma.done != nullptr ? &cma : nullptr);
   });
 }
 
