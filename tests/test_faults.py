@@ -227,6 +227,19 @@ def test_dev_shm_too_small_says_how_to_fix(monkeypatch):
     )
 
 
+def test_one_slot_per_connection_is_refused(monkeypatch):
+    # The ring posts its next send before its last receive: with one slot every
+    # rank waited for its successor to free it (an all-gather of 1 MiB per rank hung).
+    from pycollectives import _C
+
+    monkeypatch.setenv("PYCOLL_NSLOTS", "1")
+    expect(
+        ValueError,
+        lambda: _C.Communicator(0, 2, _C.unique_segment_name(), True, 5.0),
+        "PYCOLL_NSLOTS must be >= 2, not 1",
+    )
+
+
 def _interrupted(rank: int, world_size: int) -> tuple:
     comm = pc.init(timeout=60)
     comm.barrier()

@@ -13,6 +13,11 @@ namespace pyc {
 // is written as c.out_store says.
 void exec_copy(OpCtx& c, void* dst0, void* dst1, const void* src, size_t bytes);
 
+// The fewest slots a connection may have: the ring schedules (ring.cc) post
+// the next iteration's first send before their last receive, so with one
+// slot every rank would wait for its successor to free it, and none would.
+constexpr uint32_t kMinSlots = 2;
+
 class Prims {
  public:
   Prims(OpCtx& ctx, int send_peer, int recv_peer);

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "algo/prims.h"
 #include "comm/monitor.h"
 #include "core/env.h"
 #include "core/error.h"
@@ -33,7 +34,7 @@ uint64_t elapsed_ns(Clock::time_point t0) {
 CommConfig CommConfig::from_env() {
   CommConfig c;
   c.slot_bytes = env_size("PYCOLL_SLOT_BYTES", 0);
-  c.nslots = static_cast<uint32_t>(env_size("PYCOLL_NSLOTS", 0));
+  c.nslots = static_cast<uint32_t>(env_size("PYCOLL_NSLOTS", 0, kMinSlots));
   c.oneshot_bytes = env_size("PYCOLL_ONESHOT_BYTES", 0);
   c.stream_bytes = env_size("PYCOLL_STREAM_BYTES", c.stream_bytes);
   const char* a = std::getenv("PYCOLL_ALGO");

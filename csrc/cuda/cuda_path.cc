@@ -348,7 +348,7 @@ void CudaPath::setup(OpCtx& c) {
   PeerInfo mine;
   std::memset(&mine, 0, sizeof(mine));
   mine.slot_bytes = round_up(env_size("PYCOLL_CUDA_SLOT_BYTES", default_slot_bytes(n), 1), 4096);
-  mine.nslots = static_cast<uint32_t>(env_size("PYCOLL_CUDA_NSLOTS", kDefaultNSlots, 1));
+  mine.nslots = static_cast<uint32_t>(env_size("PYCOLL_CUDA_NSLOTS", kDefaultNSlots, kMinSlots));
   mine.pid = static_cast<int32_t>(getpid());
   cudaDeviceProp prop{};
   PYC_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
