@@ -1,8 +1,8 @@
 """Single-copy collectives on plain buffers (CMA, csrc/algo/cma.cc): every
 collective, op, dtype, size and root exact when forced (PYCOLL_ALGO=cma), chunks taken over from
-ranks that do not run, the automatic choice by size, the slots when
-PYCOLL_CMA=0, mismatched calls at CMA sizes, and a peer that dies while the
-others copy into and out of its process."""
+ranks that do not run, the size bands, the tuner that keeps the faster path
+inside them, the slots when PYCOLL_CMA=0, mismatched calls at CMA sizes, and a
+peer that dies while the others copy into and out of its process."""
 
 from __future__ import annotations
 
@@ -183,8 +183,8 @@ def test_cma_chunks_of_descheduled_ranks_are_taken_over(world_size):
 
 
 def job_cma_auto(comm: pc.Communicator) -> list[str]:
-    """Default (auto): sizes inside the measured bands take CMA, sizes outside
-    them take the slots or the one-shot areas; random floats against float64."""
+    """PYCOLL_CMA_TUNE=0: sizes inside the bands take CMA, sizes outside them
+    take the slots or the one-shot areas; random floats against float64."""
     n, r, bad = comm.world_size, comm.rank, []
     cma = "cma" if comm.single_copy else "slots"
     g = torch.Generator().manual_seed(7)
@@ -249,8 +249,88 @@ def job_cma_auto(comm: pc.Communicator) -> list[str]:
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_cma_chosen_by_size(pool, world_size):
-    for r, bad in enumerate(pool(world_size).run(job_cma_auto, timeout=120)):
+    # Untuned: with the tuner, where single copy runs inside the bands depends
+    # on this machine (the test below).
+    for r, bad in enumerate(pool(world_size, {"PYCOLL_CMA_TUNE": "0"}).run(job_cma_auto)):
         assert not bad, f"rank {r}: {bad}"
+
+
+# The tuner's schedule in a size class: one untimed call on single copy, then
+# CmaTuner.kTrials (2) timed calls of each path alternately, single copy first.
+_TRIALS = [(True, False), (True, True), (False, True), (True, True), (False, True)]
+
+
+def _tune(tuner, kind: str, total: int, ns: Callable[[bool], int], calls: int) -> list:
+    """Runs `calls` operations of (kind, total) through `tuner`, each taking
+    ns(ran_cma) nanoseconds on the path it preferred, recorded when timed;
+    returns the choices (prefers single copy, timed)."""
+    seq = []
+    for _ in range(calls):
+        cma, timed = tuner.choose(kind, total)
+        seq.append((cma, timed))
+        if timed:
+            tuner.record(kind, total, cma, ns(cma))
+    return seq
+
+
+def test_cma_tuner_keeps_the_faster_path():
+    from pycollectives import _C
+
+    mib = 1 << 20
+    kept_cma, kept_slots = [(True, False)] * 3, [(False, False)] * 3
+    t = _C.CmaTuner()
+    assert _tune(t, "all_gather", mib, lambda cma: 900 if cma else 1000, 8) == _TRIALS + kept_cma
+    assert t.decided("all_gather", mib) == 1
+    assert _tune(t, "all_reduce", mib, lambda cma: 900 if cma else 800, 8) == _TRIALS + kept_slots
+    assert t.decided("all_reduce", mib) == 0
+    # Per byte, per power of two: 1.5 MiB shares 1 MiB's class and decision, 2 MiB does not.
+    assert t.choose("all_reduce", mib * 3 // 2) == (False, False)
+    assert t.decided("all_reduce", 2 * mib) == -1 and t.decided("reduce_scatter", mib) == -1
+    # Times compare per byte: 3 MiB in 2100 ns (700 a MiB) beats 2 MiB in 1600.
+    t.record("all_reduce", 3 * mib, True, 2100)
+    two = _tune(t, "all_reduce", 2 * mib, lambda cma: 1800 if cma else 1600, 6)
+    assert two == _TRIALS + [(True, False)]
+    # The best of each path's trials: one slow single-copy call does not decide.
+    times = iter([5000, 1000, 900, 1000])
+    assert _tune(t, "broadcast", mib, lambda cma: next(times), 6) == _TRIALS + [(True, False)]
+    # A path that never ran in the trials (a peer preferred the other): the slots.
+    u = _C.CmaTuner()
+    for _ in range(5):
+        if u.choose("reduce", mib)[1]:
+            u.record("reduce", mib, False, 100)
+    assert u.choose("reduce", mib) == (False, False) and u.decided("reduce", mib) == 0
+    # PYCOLL_CMA_TUNE=0: single copy throughout the bands, never timed.
+    off = _C.CmaTuner(False)
+    assert _tune(off, "all_gather", mib, lambda cma: 1000 if cma else 1, 8) == [(True, False)] * 8
+    assert off.decided("all_gather", mib) == 1
+    with pytest.raises(ValueError, match="no operation named 'allreduce'"):
+        t.choose("allreduce", mib)
+
+
+def job_cma_tuned_paths(comm: pc.Communicator, count: int) -> list[str] | None:
+    """Eight all-gathers of `count` int32 per rank: the paths they took, exact."""
+    n, r = comm.world_size, comm.rank
+    if not comm.single_copy:
+        return None
+    x = torch.arange(count, dtype=torch.int32) + r
+    want = torch.cat([torch.arange(count, dtype=torch.int32) + q for q in range(n)])
+    paths = []
+    for _ in range(8):
+        out = torch.zeros(n * count, dtype=torch.int32)
+        paths.append(_path(comm, "all_gather", out, x))
+        assert torch.equal(out, want)
+    return paths
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_cma_tuner_takes_single_copy_where_the_slots_are_slower(pool, world_size):
+    # 256-byte slots: 4096 hand-offs a MiB, many times single copy's time.
+    p = pool(world_size, {"PYCOLL_SLOT_BYTES": "256"})
+    paths = p.run(job_cma_tuned_paths, 1 << 18)
+    if paths[0] is None:
+        pytest.skip("process_vm_readv between the ranks is not allowed here")
+    tried = ["cma" if c else "slots" for c, _ in _TRIALS]
+    assert paths == [tried + ["cma"] * 3] * world_size, paths
 
 
 def _disabled(rank: int, world_size: int) -> tuple[bool, str]:
@@ -312,7 +392,13 @@ def _dies_mid_copy(rank: int, world_size: int) -> tuple[str, float] | None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_peer_dying_mid_copy_raises_peer_failure(world_size):
     last = world_size - 1
-    msgs = run(_dies_mid_copy, world_size, timeout=60, expect_exit={last: -signal.SIGKILL})
+    msgs = run(
+        _dies_mid_copy,
+        world_size,
+        timeout=60,
+        env={"PYCOLL_CMA_TUNE": "0"},  # single copy on every call, whatever is faster here
+        expect_exit={last: -signal.SIGKILL},
+    )
     if msgs[0] is None:
         pytest.skip("process_vm_readv between the ranks is not allowed here")
     for msg, seconds in msgs[:last]:

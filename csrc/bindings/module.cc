@@ -20,6 +20,12 @@ using namespace pyc;
 
 namespace {
 
+OpKind op_kind_named(const std::string& name) {
+  for (int k = 0; k < kNumOpKinds; ++k)
+    if (name == op_kind_name(static_cast<OpKind>(k))) return static_cast<OpKind>(k);
+  throw py::value_error("pycollectives: no operation named '" + name + "'");
+}
+
 bool python_finalizing() {
 #if PY_VERSION_HEX >= 0x030D0000
   return Py_IsFinalizing();
@@ -73,6 +79,21 @@ PYBIND11_MODULE(_C, m) {
       .def_buffer([](ShmWindow& w) {
         return py::buffer_info(w.local(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(w.bytes())}, {1});
+      });
+
+  // A communicator's single-copy tuner on its own (comm/cma_choice.h), for
+  // tests of its decisions on given timings.
+  py::class_<CmaTuner>(m, "CmaTuner")
+      .def(py::init<bool>(), py::arg("enabled") = true)
+      .def("choose",  // (prefers single copy, timed)
+           [](CmaTuner& t, const std::string& kind, size_t total) {
+             const CmaTuner::Choice c = t.choose(op_kind_named(kind), total);
+             return std::make_pair(c.cma, c.timed);
+           })
+      .def("record", [](CmaTuner& t, const std::string& kind, size_t total, bool ran_cma,
+                        uint64_t ns) { t.record(op_kind_named(kind), total, ran_cma, ns); })
+      .def("decided", [](const CmaTuner& t, const std::string& kind, size_t total) {
+        return t.decided(op_kind_named(kind), total);
       });
 
   using C = Communicator;

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "algo/prims.h"
+#include "comm/cma_choice.h"
 #include "comm/monitor.h"
 #include "core/env.h"
 #include "core/error.h"
@@ -37,6 +38,7 @@ CommConfig CommConfig::from_env() {
   c.nslots = static_cast<uint32_t>(env_size("PYCOLL_NSLOTS", 0, kMinSlots));
   c.oneshot_bytes = env_size("PYCOLL_ONESHOT_BYTES", 0);
   c.stream_bytes = env_size("PYCOLL_STREAM_BYTES", c.stream_bytes);
+  c.cma_tune = env_size("PYCOLL_CMA_TUNE", 1) != 0;
   const char* a = std::getenv("PYCOLL_ALGO");
   std::string algo = a ? a : "auto";
   if (algo == "auto" || algo.empty())
@@ -73,7 +75,8 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
       n_(n),
       timeout_s_(timeout_s),
       creator_(creator),
-      stream_bytes_(cfg.stream_bytes) {
+      stream_bytes_(cfg.stream_bytes),
+      cma_tuner_(cfg.cma_tune) {
   if (n < 1) PYC_THROW(InvalidArgument, "pycollectives: init: world_size must be >= 1, not " << n);
   if (rank < 0 || rank >= n)
     PYC_THROW(InvalidArgument,
@@ -281,11 +284,19 @@ void Communicator::account(OpKind kind, const OpCtx& c, uint64_t ns) {
 
 void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout_s, BodyRef body,
                                   uint64_t where, uint64_t addr, uint64_t out) {
+  // Chosen here, on the engine's thread in the order operations run, after
+  // the previous one's time was recorded.
+  const CmaTuner::Choice cma = cma_choice(sig, where);
+  if (!cma.cma) addr = out = 0;
+  const auto t0 = cma.timed ? Clock::now() : Clock::time_point{};
+  bool ran_cma = false;
   run_op(sig, seq, timeout_s, true, [&](OpCtx& c) {
     announce(seq, sig, where, addr, out);
     if (seq > static_cast<uint32_t>(kMaxLead)) wait_started(seq - kMaxLead, *c.mon);
     body(c);
+    ran_cma = c.path == Path::kCma;
   });
+  if (cma.timed) cma_tuner_.record(sig.kind, cma_total(sig, n_), ran_cma, elapsed_ns(t0));
 }
 
 void Communicator::run_op(const OpSig& sig, uint32_t seq, double timeout_s, bool collective,
@@ -358,7 +369,7 @@ std::shared_ptr<Work> Communicator::all_reduce(void* buf, size_t count, DataType
         } else if (direct(c, win.get(), bytes, where)) {
           c.path = Path::kDirect;
           direct_all_reduce(c, direct_view(*win, where), count);
-        } else if (cma(c, OpKind::kAllReduce, bytes)) {
+        } else if (cma(c)) {
           c.path = Path::kCma;
           cma_all_reduce(c, cma_view(c.tag.seq), buf, count);
         } else {
@@ -392,49 +403,21 @@ bool Communicator::direct(OpCtx& c, const ShmWindow* win, size_t bytes, uint64_t
   return win && bytes >= kDirectMinBytes && symmetric(c, where);
 }
 
-namespace {
-
-// Whether the single-copy path beats the slots (and, for all-gather and
-// broadcast, the one-shot areas) for a collective moving `total` bytes
-// (nccl-tests' size: the all-reduce, reduce and broadcast buffer, the
-// reduce-scatter input, the all-gather and all-to-all output) on `n` ranks.
-// Crossovers measured on a 2-core VM (docs/benchmarks.md, "Single copy"):
-// below them a system call per peer and chunk costs more than the slots'
-// pipelined copies; from 32 MiB, where the output is out of the caches, the
-// kernel's copy into it (ordinary stores) mostly loses to the slots' streaming
-// stores in the collectives that only copy; nothing was measured beyond 4
-// ranks.
-bool cma_wins(OpKind kind, int n, size_t total) {
-  constexpr size_t KiB = 1024, MiB = 1024 * KiB;
-  if (n > 4) return false;
-  switch (kind) {
-    case OpKind::kAllReduce:  // 4 ranks from 32 MiB: the ring's streaming stores win
-      return total >= 1 * MiB && (n < 4 || total < 32 * MiB);
-    case OpKind::kReduceScatter:
-      return n == 2   ? total >= 256 * KiB && total < 32 * MiB
-             : n == 3 ? total >= 1 * MiB
-                      : total >= 1 * MiB && total < 8 * MiB;
-    case OpKind::kAllGather:
-      return n == 2   ? total >= 64 * KiB && total < 32 * MiB
-             : n == 3 ? total >= 256 * KiB && total < 32 * MiB
-                      : total >= 1 * MiB && total < 32 * MiB;
-    case OpKind::kReduce:  // 3-4 ranks: gains and losses from run to run
-      return n == 2 && total >= 1 * MiB && total < 32 * MiB;
-    case OpKind::kBroadcast:
-      return total >= 256 * KiB && (n == 2 || total < 32 * MiB);
-    case OpKind::kAllToAll:
-      return total >= 256 * KiB && total < 32 * MiB;
-    default:
-      return false;
-  }
+CmaTuner::Choice Communicator::cma_choice(const OpSig& sig, uint64_t where) {
+  if (!cma_) return {false, false};
+  const size_t total = cma_total(sig, n_);
+  if (algo_ == Algo::kCma) return {total > 0, false};
+  if (!cma_band(sig.kind, n_, total)) return {false, false};
+  // A buffer in a window takes the direct path wherever every rank placed it
+  // alike: its times would say nothing about single copy.
+  return where ? CmaTuner::Choice{true, false} : cma_tuner_.choose(sig.kind, total);
 }
 
-}  // namespace
-
-bool Communicator::cma(OpCtx& c, OpKind kind, size_t total) {
-  if (!cma_ || total == 0) return false;
-  if (algo_ != Algo::kCma && !cma_wins(kind, n_, total)) return false;
-  return announced_alike(c, [](const SigEntry& e) { return e.addr != 0; });
+bool Communicator::cma(OpCtx& c) {
+  // A rank announces an address only where it prefers single copy
+  // (run_collective); else it need not wait for the peers' announcements.
+  const SigEntry& mine = layout_.rank_ctl(seg_.data(), rank_)->sig[c.tag.seq % kSigHistory];
+  return mine.addr != 0 && announced_alike(c, [](const SigEntry& e) { return e.addr != 0; });
 }
 
 Store Communicator::output_store(const OpSig& sig) const {
@@ -568,7 +551,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter(void* out, const void* in, si
           c.path = Path::kOneShot;
           oneshot_reduce_scatter(c, oneshot_, in, out, count);
           saw_flags(c.tag.seq);
-        } else if (cma(c, OpKind::kReduceScatter, bytes * n_)) {
+        } else if (cma(c)) {
           c.path = Path::kCma;
           cma_reduce_scatter(c, cma_view(c.tag.seq), in, out, count);
         } else {
@@ -592,7 +575,7 @@ std::shared_ptr<Work> Communicator::all_gather(void* out, const void* in, size_t
         if (direct(c, win.get(), bytes, where)) {
           c.path = Path::kDirect;
           direct_all_gather(c, direct_view(*win, where), in, count);
-        } else if (cma(c, OpKind::kAllGather, bytes * n_)) {
+        } else if (cma(c)) {
           c.path = Path::kCma;
           cma_all_gather(c, cma_view(c.tag.seq), in, out, count);
         } else if (oneshot(c, bytes)) {
@@ -614,7 +597,7 @@ std::shared_ptr<Work> Communicator::broadcast(void* buf, size_t count, DataType 
       sig, timeout_s, async,
       [this, buf, count, root](OpCtx& c) {
         const size_t bytes = count * c.esize();
-        if (cma(c, OpKind::kBroadcast, bytes)) {
+        if (cma(c)) {
           c.path = Path::kCma;
           cma_broadcast(c, cma_view(c.tag.seq), count, root);
         } else if (oneshot(c, bytes)) {
@@ -635,7 +618,7 @@ std::shared_ptr<Work> Communicator::reduce(void* buf, size_t count, DataType dt,
   return collective(
       sig, timeout_s, async,
       [this, buf, count, root](OpCtx& c) {
-        if (cma(c, OpKind::kReduce, count * c.esize())) {
+        if (cma(c)) {
           c.path = Path::kCma;
           cma_reduce(c, cma_view(c.tag.seq), buf, count, root);
         } else {
@@ -651,7 +634,7 @@ std::shared_ptr<Work> Communicator::all_to_all(void* out, const void* in, size_t
   return collective(
       sig, timeout_s, async,
       [this, out, in, count](OpCtx& c) {
-        if (cma(c, OpKind::kAllToAll, count * c.esize() * n_)) {
+        if (cma(c)) {
           c.path = Path::kCma;
           cma_all_to_all(c, cma_view(c.tag.seq), count);
         } else {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "algo/algorithms.h"
+#include "comm/cma_choice.h"
 #include "comm/progress.h"
 #include "core/function_ref.h"
 #include "core/types.h"
@@ -34,7 +35,11 @@ struct CommConfig {
   // Outputs of at least this many bytes (on this rank) are written with
   // streaming stores (output_store); a local choice, ranks may differ.
   size_t stream_bytes = size_t{32} << 20;
-  // PYCOLL_SLOT_BYTES, PYCOLL_NSLOTS, PYCOLL_ONESHOT_BYTES, PYCOLL_ALGO, PYCOLL_STREAM_BYTES
+  // Whether single copy is timed against the slots where it can win (CmaTuner);
+  // a local choice.
+  bool cma_tune = true;
+  // PYCOLL_SLOT_BYTES, PYCOLL_NSLOTS, PYCOLL_ONESHOT_BYTES, PYCOLL_ALGO,
+  // PYCOLL_STREAM_BYTES, PYCOLL_CMA_TUNE
   static CommConfig from_env();
 };
 
@@ -151,11 +156,17 @@ class Communicator final : public Links {
   bool direct(OpCtx& c, const ShmWindow* win, size_t bytes, uint64_t where);
   // The buffers at placement `where` in every rank's copy of `win`, and the counters.
   DirectView direct_view(const ShmWindow& win, uint64_t where);
-  // Whether the operation runs single-copy over CMA (cma.cc): CMA works between
-  // every pair of ranks, `total` bytes (nccl-tests' size) lie where it beats the
-  // slots for `kind` (or PYCOLL_ALGO=cma), and every rank announced the same
-  // operation and an address.
-  bool cma(OpCtx& c, OpKind kind, size_t total);
+  // Whether this rank would take single copy (cma.cc) for the collective
+  // `sig` (its buffer at window placement `where`, or 0): CMA works between
+  // every pair of ranks and PYCOLL_ALGO=cma, or its size lies in a band where
+  // single copy can win and this rank's tuner prefers it (comm/cma_choice.h);
+  // and whether to time it for the tuner. run_collective announces no address
+  // when it is not preferred.
+  CmaTuner::Choice cma_choice(const OpSig& sig, uint64_t where);
+  // Whether operation c.tag.seq runs single-copy: every rank announced the
+  // same operation and an address (waits for the peers' announcements only
+  // if this rank announced one).
+  bool cma(OpCtx& c);
   CmaView cma_view(uint32_t seq);
   // What a point-to-point message with `peer` needs for single copy: its
   // process and the pair's acknowledgement counter (sender to receiver).
@@ -210,6 +221,7 @@ class Communicator final : public Links {
   // engine has stopped. Stays null in a CPU-only build.
   std::shared_ptr<CudaPath> cuda_;
   bool cma_ = false;                     // agreed by every rank in connect()
+  CmaTuner cma_tuner_;                   // where this rank prefers single copy
   uint64_t cma_token_ = 0;               // what peers' probes read here
   std::unique_ptr<char[]> cma_scratch_;  // n chunks, made by the first CMA operation
   std::mutex cuda_mu_;                   // guards the creation of cuda_
