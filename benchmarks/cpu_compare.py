@@ -210,6 +210,13 @@ def main() -> None:
         default=1,
         help="also run pycollectives on alloc_shared buffers (-R 1) with 2+ ranks (default 1)",
     )
+    ap.add_argument(
+        "--bind",
+        choices=("auto", "core", "none"),
+        default="auto",
+        help="pycollectives-bench --bind for every run (default auto: 3-4 ranks on 2 cores "
+        "unpinned, as mpirun leaves them; core: round robin, rank r on CPU r mod ncpus)",
+    )
     args = ap.parse_args()
     ranks = [int(x) for x in args.ranks.split(",")]
 
@@ -218,6 +225,7 @@ def main() -> None:
     for n in ranks:
         for sizes, trials in zip(SIZE_RUNS, run_trials(args.trials), strict=True):
             common = [*sizes, "--coll", ",".join(COLLS), "--trials", trials, "-c", "1"]
+            common += ["--bind", args.bind]
             data = bench(n, common, compare="mpi")
             rows += data["rows"]
             meta = meta or data["metadata"]
@@ -267,9 +275,9 @@ def main() -> None:
         "## CPU: pycollectives vs gloo vs OpenMPI (shared memory, one host)",
         "",
         f"- Command: `python benchmarks/cpu_compare.py --ranks {args.ranks} --trials {args.trials} "
-        f"--registered {args.registered}` "
+        f"--registered {args.registered} --bind {args.bind}` "
         f"(each world size: `pycollectives-bench --nproc N {' '.join(SIZE_RUNS[0])} --coll "
-        f"{','.join(COLLS)} --trials {small} -c 1 --compare mpi` and the same with "
+        f"{','.join(COLLS)} --trials {small} -c 1 --bind {args.bind} --compare mpi` and the same with "
         f"`{' '.join(SIZE_RUNS[1])} --trials {large}`: pycollectives and OpenMPI in the same ranks "
         "under mpirun, in as many rounds as trials, each round running one trial of both at every "
         "size; then the same with `--compare gloo` (pycollectives and gloo)"

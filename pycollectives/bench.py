@@ -232,8 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --nproc: core pins rank r to the r-th usable CPU (round robin), none leaves "
         "the ranks to the scheduler, auto (default) pins when there are at least as many CPUs as "
         "ranks, as mpirun binds 2 ranks to cores by default; mpirun jobs (MPI) get the same "
-        "choice (--bind-to core or none). Unpinned ranks that wake each other may be stacked on "
-        "one CPU by the scheduler for a whole run",
+        "choice (--bind-to core, with more ranks than CPUs --map-by core:OVERSUBSCRIBE "
+        "--bind-to core:overload-allowed; or none). Unpinned ranks that wake each other may be "
+        "stacked on one CPU by the scheduler for a whole run",
     )
     p.add_argument(
         "--device",
@@ -724,17 +725,28 @@ def _mpi_missing() -> list[str]:
     ]
 
 
+def _mpirun_binding(bind: bool, nproc: int, ncpus: int) -> list[str]:
+    """mpirun's binding flags: none, one rank per core, or with more ranks than cores rank r on
+    core r mod ncpus (as _rank_cpus pins spawned ranks; plain --bind-to core refuses to overload
+    a core)."""
+    if not bind:
+        return ["--bind-to", "none"]
+    if nproc > ncpus:
+        return ["--map-by", "core:OVERSUBSCRIBE", "--bind-to", "core:overload-allowed"]
+    return ["--bind-to", "core"]
+
+
 def _mpirun(
     argv: Sequence[str], nproc: int, deadline: float, extra_env: dict[str, str], bind: bool
 ) -> int:
     """Runs the benchmark with `argv` as an mpirun job of nproc ranks, bound to cores or not;
     returns its status."""
+    ncpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
     cmd = [
         "mpirun",
         "--allow-run-as-root",
         "--oversubscribe",
-        "--bind-to",
-        "core" if bind else "none",
+        *_mpirun_binding(bind, nproc, ncpus),
         "-np",
         str(nproc),
         sys.executable,

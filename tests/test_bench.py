@@ -316,6 +316,22 @@ def test_bench_interleave_runs_mpi_in_the_same_ranks(tmp_path):
     assert meta["backends"] == ["pycoll", "gloo", "mpi"] and "mpi" in meta["versions"]
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("mpi4py") is None or shutil.which("mpirun") is None,
+    reason="needs mpi4py and mpirun",
+)
+def test_bench_binds_more_ranks_than_cpus_round_robin_under_mpirun():
+    # Plain `mpirun --bind-to core` refuses to put two ranks on a core.
+    cpus = sorted(os.sched_getaffinity(0))
+    n = len(cpus) + 1
+    p = run_bench("--bind", "core", "--nproc", str(n), "--interleave", "1", "--compare", "mpi",
+                  "-b", "1K", "-e", "1K", "-n", "2", "-w", "1", "--trials", "1",
+                  "--coll", "all_reduce")  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = re.findall(r"#\s+Rank\s+(\d+) Pid\s+\d+ on \S+ cpus (\S+)", p.stdout)[:n]
+    assert got == [(str(r), str(cpus[r % len(cpus)])) for r in range(n)], p.stdout
+
+
 @pytest.mark.parametrize("bind", ["auto", "none"])
 def test_bench_binds_ranks_to_cpus(bind):
     cpus = sorted(os.sched_getaffinity(0))
