@@ -17,12 +17,13 @@ size_t cma_total(const OpSig& sig, int nranks) {
 }
 
 // The bands where single copy measured faster than the slots on the 2-core
-// Intel VM (docs/benchmarks.md, "Single copy"): below them a system call per
-// peer and chunk costs more than the slots' pipelined copies; from 32 MiB,
-// where the output is out of the caches, the kernel's copy into it (ordinary
-// stores) mostly loses to the slots' streaming stores in the collectives that
-// only copy; nothing was measured beyond 4 ranks. Outside them single copy
-// lost on every machine measured, so it is not tried there.
+// Intel VM (docs/benchmarks.md, "Single copy against the slots on the Intel
+// VM"): below them a system call per peer and chunk costs more than the slots'
+// pipelined copies; from 32 MiB, where the output is out of the caches, the
+// kernel's copy into it (ordinary stores) mostly loses to the slots' streaming
+// stores in the collectives that only copy; nothing was measured beyond 4
+// ranks. Outside them it lost, or won by little and not from run to run, on
+// both machines measured, so it is not tried there.
 bool cma_band(OpKind kind, int n, size_t total) {
   constexpr size_t KiB = 1024, MiB = 1024 * KiB;
   if (n > 4) return false;

@@ -5,8 +5,8 @@
 // How fast the kernel copies between processes, against how fast a process
 // copies in user space, differs by more from one machine to the next than the
 // margins between the two paths: on the project's 2-core Intel VM single copy
-// won by up to 2x inside the bands, on a 2-core AMD one it lost by up to 4x
-// nearly everywhere (docs/benchmarks.md, "Single copy against the slots"). A
+// won by up to 2.3x inside the bands, on a 2-core AMD one it lost nearly always,
+// by up to 5x (docs/benchmarks.md, "Single copy against the slots"). A
 // fixed table tuned on one is wrong on the other, so each communicator times
 // both paths on the first calls of each collective and size class and keeps
 // the faster, as autotuners (Horovod's, oneCCL's) do for their knobs.
