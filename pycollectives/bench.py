@@ -725,28 +725,31 @@ def _mpi_missing() -> list[str]:
     ]
 
 
-def _mpirun_binding(bind: bool, nproc: int, ncpus: int) -> list[str]:
-    """mpirun's binding flags: none, one rank per core, or with more ranks than cores rank r on
-    core r mod ncpus (as _rank_cpus pins spawned ranks; plain --bind-to core refuses to overload
-    a core)."""
-    if not bind:
+def _mpirun_binding(cpus: list[int] | None) -> list[str]:
+    """mpirun's binding flags for ranks pinned to `cpus` (_rank_cpus; None: not pinned): one
+    rank per core, or, with more ranks than cores, rank r on core r mod ncpus as _rank_cpus
+    places them (plain --bind-to core refuses to overload a core)."""
+    if cpus is None:
         return ["--bind-to", "none"]
-    if nproc > ncpus:
+    if len(set(cpus)) < len(cpus):
         return ["--map-by", "core:OVERSUBSCRIBE", "--bind-to", "core:overload-allowed"]
     return ["--bind-to", "core"]
 
 
 def _mpirun(
-    argv: Sequence[str], nproc: int, deadline: float, extra_env: dict[str, str], bind: bool
+    argv: Sequence[str],
+    nproc: int,
+    deadline: float,
+    extra_env: dict[str, str],
+    cpus: list[int] | None,
 ) -> int:
-    """Runs the benchmark with `argv` as an mpirun job of nproc ranks, bound to cores or not;
-    returns its status."""
-    ncpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    """Runs the benchmark with `argv` as an mpirun job of nproc ranks, bound to cores as `cpus`
+    says (_rank_cpus) or not; returns its status."""
     cmd = [
         "mpirun",
         "--allow-run-as-root",
         "--oversubscribe",
-        *_mpirun_binding(bind, nproc, ncpus),
+        *_mpirun_binding(cpus),
         "-np",
         str(nproc),
         sys.executable,
@@ -782,8 +785,7 @@ def _run_mpi(
         return None
     fd, path = tempfile.mkstemp(prefix="pycoll-bench-mpi-", suffix=".json")
     os.close(fd)
-    bind = _rank_cpus(args, nproc) is not None
-    rc = _mpirun(_mpi_argv(args), nproc, deadline, {_RESULT_ENV: path}, bind)
+    rc = _mpirun(_mpi_argv(args), nproc, deadline, {_RESULT_ENV: path}, _rank_cpus(args, nproc))
     try:
         if rc == 0 and os.path.getsize(path) > 0:
             return read_json(path)
@@ -809,7 +811,7 @@ def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if joint:
             env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
             env.update({_RESULT_ENV: result_path, _JOINT_ENV: "1"})
-            rc = _mpirun(argv, nproc, deadline, env, cpus is not None)
+            rc = _mpirun(argv, nproc, deadline, env, cpus)
         else:
             rc = _run_ranks(argv, nproc, deadline, result_path, cpus)
         if rc != 0:
