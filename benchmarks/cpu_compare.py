@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+from collections import defaultdict
 from pathlib import Path
 
 from _doc import run_bench, size_label, write_section
@@ -63,6 +64,14 @@ REGISTERED_RUN = {"pycoll": "pycoll-R", "mpi": "mpi-R"}
 def renamed(data: dict, rename: dict[str, str]) -> list[dict]:
     """The rows of one invocation whose backend `rename` names, renamed."""
     return [{**r, "backend": rename[r["backend"]]} for r in data["rows"] if r["backend"] in rename]
+
+
+def round_trips(label: str, data: dict) -> str:
+    """`label before/after`: the cache-line round trip between two CPUs (ns) the invocation
+    measured before and after its ranks ran (`pycollectives-bench` metadata)."""
+    t = data["metadata"].get("cpu_round_trip_ns") or {}
+    ns = [f"{t[k]:.0f}" if t.get(k) is not None else "-" for k in ("before", "after")]
+    return f"{label} {'/'.join(ns)}"
 
 
 def _bw(r: dict | None) -> str:
@@ -222,19 +231,26 @@ def main() -> None:
 
     rows, meta = [], None
     single_copy: dict[int, str] = {}  # world size -> whether CMA ran between its ranks
+    trips: dict[int, list[str]] = defaultdict(list)  # world size -> each invocation's round trips
     for n in ranks:
-        for sizes, trials in zip(SIZE_RUNS, run_trials(args.trials), strict=True):
+        parts = zip(SIZE_RUNS, run_trials(args.trials), ("small", "large"), strict=True)
+        for sizes, trials, part in parts:
             common = [*sizes, "--coll", ",".join(COLLS), "--trials", trials, "-c", "1"]
             common += ["--bind", args.bind]
             data = bench(n, common, compare="mpi")
+            trips[n].append(round_trips(f"{part} mpi", data))
             rows += data["rows"]
             meta = meta or data["metadata"]
             if n > 1:
                 single_copy[n] = data["metadata"]["versions"].get("single_copy", "?")
-            rows += renamed(bench(n, common, compare="gloo"), GLOO_RUN)
+            data = bench(n, common, compare="gloo")
+            trips[n].append(round_trips(f"{part} gloo", data))
+            rows += renamed(data, GLOO_RUN)
             if n > 1 and args.registered:
                 # the same sizes on alloc_shared buffers; MPI again in that invocation
-                rows += renamed(bench(n, [*common, "-R", "1"], compare="mpi"), REGISTERED_RUN)
+                data = bench(n, [*common, "-R", "1"], compare="mpi")
+                trips[n].append(round_trips(f"{part} -R", data))
+                rows += renamed(data, REGISTERED_RUN)
     lat: dict[str, float] = {}
     if 2 in ranks:
         runs = [
@@ -296,6 +312,10 @@ def main() -> None:
         + " (docs/api.md, 'Single copy', says which sizes take it).",
         f"- Machine: {meta['cpu_model']}, {meta['cpu_count']} cores (KVM), host `{meta['hostname']}`",
         f"- Date: {meta['date']}",
+        "- Cache-line round trip between the two CPUs before/after each invocation, ns (this VM "
+        "shows two levels, ~80-120 and ~400, as the host moves its vCPUs; at ~400 the large "
+        "sizes of 3-4 ranks took up to twice as long, see 'Reading the CPU figures'): "
+        + "; ".join(f"{n} rank{'s' if n > 1 else ''}: {', '.join(t)}" for n, t in trips.items()),
         f"- Software: pycollectives {v['pycollectives']} ({v['simd_level']}), torch {v['torch']} (gloo), "
         f"{v.get('mpi', 'no MPI')}, mpi4py {v.get('mpi4py', '-')}, Python {v['python']}",
         "- float32, op sum; time = median over trials of the slowest rank's mean time per call; "

@@ -366,6 +366,20 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_round_trip() -> dict | None:
+    """The cache-line round trip (ns) between the first two CPUs this process may use, as
+    ``{"cpus": [a, b], "ns": t}`` (``_C.cpu_round_trip_ns``), or None with fewer than two CPUs.
+    On a VM it moves with where the host runs the vCPUs (docs/benchmarks.md, "Reading the CPU
+    figures"), and with it every collective that reads what another CPU wrote. Raises
+    pycollectives' error when a probe thread cannot be pinned."""
+    from pycollectives import _C
+
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < 2:
+        return None
+    return {"cpus": cpus[:2], "ns": round(_C.cpu_round_trip_ns(cpus[0], cpus[1]), 1)}
+
+
 def algo_env() -> dict[str, str]:
     """The PYCOLL_* variables that steer the library, with their defaults."""
     return {

@@ -63,6 +63,7 @@ from pycollectives._bench_util import (
     comparison_tables,
     count_wrong,
     counts_for,
+    cpu_round_trip,
     expected_result,
     fill_check_inputs,
     footer,
@@ -805,6 +806,10 @@ def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     # --interleave 1 with MPI: one mpirun job whose ranks run every backend in turn.
     joint = args.interleave and "mpi" in args.compare and not _mpi_missing()
     cpus = _rank_cpus(args, nproc)
+    trip = cpu_round_trip()
+    if trip:
+        a, b = trip["cpus"]
+        print(f"# Cache-line round trip CPU {a} <-> CPU {b}: {trip['ns']:.0f} ns", flush=True)
     fd, result_path = tempfile.mkstemp(prefix="pycoll-bench-", suffix=".json")
     os.close(fd)
     try:
@@ -832,6 +837,12 @@ def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
             meta["versions"].update(
                 {k: v for k, v in mmeta["versions"].items() if k.startswith("mpi")}
             )
+    if trip:
+        # the host may move the vCPUs during a run: the figures sit between these two
+        after = (cpu_round_trip() or {}).get("ns")
+        meta["cpu_round_trip_ns"] = {"cpus": trip["cpus"], "before": trip["ns"], "after": after}
+        if after is not None:
+            print(f"# Cache-line round trip after the run: {after:.0f} ns", flush=True)
     return finalize(args, meta, rows, backends)
 
 

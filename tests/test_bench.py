@@ -95,6 +95,24 @@ def test_bench_all_collectives(tmp_path):
         assert r["backend"] == "pycoll" and r["nranks"] == 2 and r["wrong"] == 0
         assert r["time_us"] > 0 and r["busbw"] >= 0
     assert {r["collective"] for r in data["rows"]} == set(COLLECTIVES)
+    if len(os.sched_getaffinity(0)) >= 2:  # the launcher timed two CPUs before and after
+        trip = data["metadata"]["cpu_round_trip_ns"]
+        assert len(trip["cpus"]) == 2 and 0 < trip["before"] < 1e6 and 0 < trip["after"] < 1e6
+        assert "# Cache-line round trip CPU" in p.stdout
+
+
+def test_cpu_round_trip_probe():
+    from pycollectives import PyCollectivesError, _C
+
+    cpus = sorted(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="two different CPUs, not 0 and 0"):
+        _C.cpu_round_trip_ns(0, 0)
+    with pytest.raises(ValueError, match="round_trips must be >= 5, not 4"):
+        _C.cpu_round_trip_ns(0, 1, 4)
+    with pytest.raises(PyCollectivesError, match="pthread_setaffinity_np"):
+        _C.cpu_round_trip_ns(cpus[0], max(cpus) + 1)  # a CPU this process may not use
+    if len(cpus) >= 2:
+        assert 0 < _C.cpu_round_trip_ns(cpus[0], cpus[1], 1000) < 1e6
 
 
 def test_bench_registered_buffers(tmp_path):

@@ -12,6 +12,7 @@
 #include "bindings/reduce_bindings.h"
 #include "bindings/tensor_view.h"
 #include "comm/communicator.h"
+#include "core/cpu_probe.h"
 #include "core/error.h"
 #include "reduce/reduce.h"
 
@@ -63,6 +64,8 @@ PYBIND11_MODULE(_C, m) {
     return raised;
   });
   m.def("unique_segment_name", &ShmSegment::unique_name);
+  m.def("cpu_round_trip_ns", &cpu_round_trip_ns, py::arg("cpu_a"), py::arg("cpu_b"),
+        py::arg("round_trips") = 20000, py::call_guard<py::gil_scoped_release>());
   bind_tensor_view(m);
   bind_fast_path(m);
 
