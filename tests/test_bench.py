@@ -102,7 +102,7 @@ def test_bench_all_collectives(tmp_path):
 
 
 def test_cpu_round_trip_probe():
-    from pycollectives import PyCollectivesError, _C
+    from pycollectives import _C, PyCollectivesError
 
     cpus = sorted(os.sched_getaffinity(0))
     with pytest.raises(ValueError, match="two different CPUs, not 0 and 0"):

@@ -1,7 +1,7 @@
 // How far apart two CPUs are: the round trip of a cache line between them.
 //
 // The benchmarks record it because on a virtual machine it is not fixed: the
-// 2-vCPU VM this project is measured on shows ~80-120 ns at some times and
+// 2-vCPU VM this project is measured on shows ~50-120 ns at some times and
 // ~400 ns at others, switching within seconds to minutes (presumably as the
 // host moves its vCPUs between cores that share a cache and cores that do
 // not), and every collective that reads data another CPU wrote slows with it:
