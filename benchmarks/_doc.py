@@ -43,6 +43,14 @@ def run_bench(nranks: int, flags: list[str], env: dict[str, str] | None = None) 
         return json.loads(Path(out).read_text())
 
 
+def round_trips(label: str, data: dict) -> str:
+    """`label before/after`: the cache-line round trip between two CPUs (ns) the invocation
+    measured before and after its ranks ran (`pycollectives-bench` metadata)."""
+    t = data["metadata"].get("cpu_round_trip_ns") or {}
+    ns = [f"{t[k]:.0f}" if t.get(k) is not None else "-" for k in ("before", "after")]
+    return f"{label} {'/'.join(ns)}"
+
+
 def median_times(
     nranks: int,
     flags: list[str],

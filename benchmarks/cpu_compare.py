@@ -23,7 +23,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from _doc import run_bench, size_label, write_section
+from _doc import round_trips, run_bench, size_label, write_section
 
 COLLS = ["all_reduce", "reduce_scatter", "all_gather"]
 # Sizes and iterations per trial: a trial of 10 calls of a few microseconds is over in less
@@ -64,14 +64,6 @@ REGISTERED_RUN = {"pycoll": "pycoll-R", "mpi": "mpi-R"}
 def renamed(data: dict, rename: dict[str, str]) -> list[dict]:
     """The rows of one invocation whose backend `rename` names, renamed."""
     return [{**r, "backend": rename[r["backend"]]} for r in data["rows"] if r["backend"] in rename]
-
-
-def round_trips(label: str, data: dict) -> str:
-    """`label before/after`: the cache-line round trip between two CPUs (ns) the invocation
-    measured before and after its ranks ran (`pycollectives-bench` metadata)."""
-    t = data["metadata"].get("cpu_round_trip_ns") or {}
-    ns = [f"{t[k]:.0f}" if t.get(k) is not None else "-" for k in ("before", "after")]
-    return f"{label} {'/'.join(ns)}"
 
 
 def _bw(r: dict | None) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from _doc import emit_section, run_bench
+from _doc import emit_section, round_trips, run_bench
 from cpu_compare import GLOO_RUN, renamed, table
 
 COLLS = ["broadcast", "reduce", "all_to_all", "sendrecv"]
@@ -36,14 +36,17 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     ranks = [int(x) for x in args.ranks.split(",")]
-    rows, meta = [], None
+    rows, meta, trips = [], None, []
     for n in ranks:
-        for sizes in SIZE_RUNS:
+        for sizes, part in zip(SIZE_RUNS, ("small", "large"), strict=True):
             flags = [*sizes, "--coll", ",".join(COLLS), "--trials", args.trials, "-c", "1"]
             data = run_bench(n, ["--compare", "mpi", *flags])
+            trips.append(round_trips(f"{n} ranks {part} mpi", data))
             rows += data["rows"]
             meta = meta or data["metadata"]
-            rows += renamed(run_bench(n, ["--compare", "gloo", *flags]), GLOO_RUN)
+            data = run_bench(n, ["--compare", "gloo", *flags])
+            trips.append(round_trips(f"{n} ranks {part} gloo", data))
+            rows += renamed(data, GLOO_RUN)
     wrong = sum(r.get("wrong") or 0 for r in rows)
     v = meta["versions"] if meta else {}
     tables: list[str] = []
@@ -66,6 +69,8 @@ def main() -> None:
             "per call; busbw in GB/s (nccl-tests factors); ratio = peer time / pycollectives time "
             "(> 1: pycollectives faster)",
             f"Correctness: every pycollectives row was checked (`-c 1`): {wrong} wrong elements",
+            "Cache-line round trip between the two CPUs before/after each invocation, ns (see "
+            "'Reading the CPU figures', 'Where the host runs the two vCPUs'): " + ", ".join(trips),
         ],
         tables,
         not args.no_write,
