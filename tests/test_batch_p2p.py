@@ -4,6 +4,8 @@ complete; pairs match in order; bad batches raise."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -101,6 +103,9 @@ def test_bad_input(pool):
 # ---- single copy (CMA) ---------------------------------------------------------------------
 
 SMALL, LARGE = 1000, 100_000  # float32: 4 KB through the slots, 400 KB read across (>= 64 KiB)
+# Sends of single-copy size go across without timing it against the slots (the tests below
+# that expect single copy by size; the tuner's are at the end).
+UNTUNED = {"PYCOLL_CMA_TUNE": "0"}
 
 
 def job_mixed_sizes(comm: pc.Communicator, want: str, sizes: list[int]) -> list[str]:
@@ -134,7 +139,7 @@ def test_single_copy_messages(pool, world_size, case):
     CMA is available (the slots otherwise, or with PYCOLL_CMA=0), mixed in
     order with the small messages that still cross the slots; with
     PYCOLL_ALGO=cma every message is read across."""
-    env = {"slots": {"PYCOLL_CMA": "0"}, "cma_forced": {"PYCOLL_ALGO": "cma"}}.get(case)
+    env = {"slots": {"PYCOLL_CMA": "0"}, "cma_forced": {"PYCOLL_ALGO": "cma"}}.get(case, UNTUNED)
     p = pool(world_size, env)
     if case != "slots" and not p.run(job_single_copy_available)[0]:
         pytest.skip("CMA is not available here (ptrace refused)")
@@ -213,6 +218,61 @@ def test_batch_meets_single_calls(pool, world_size, case):
     """A batch on one side and single send / recv on the other pair up (torch's
     batch_isend_irecv against recv): a single receive takes a batch's single-copy
     descriptor, a batch receive expecting one takes a single send's chunks."""
-    env = {"slots": {"PYCOLL_CMA": "0"}, "cma_forced": {"PYCOLL_ALGO": "cma"}}.get(case)
+    env = {"slots": {"PYCOLL_CMA": "0"}, "cma_forced": {"PYCOLL_ALGO": "cma"}}.get(case, UNTUNED)
     for r, bad in enumerate(pool(world_size, env).run(job_batch_meets_single, [0, SMALL, LARGE])):
         assert not bad, f"rank {r}: {bad}"
+
+
+# ---- single copy timed against the slots ---------------------------------------------------
+
+
+def job_sendrecv_paths(comm: pc.Communicator, count: int, calls: int) -> list[str] | None:
+    """`calls` sendrecv batches (send `count` int32 to the next rank, receive from the
+    previous): contents exact every time; the paths they took (None without CMA)."""
+    n, r = comm.world_size, comm.rank
+    if not comm.single_copy:
+        return None
+    paths = []
+    for k in range(calls):
+        x = torch.arange(count, dtype=torch.int32) + 1000 * r + k
+        got = torch.full((count,), -1, dtype=torch.int32)
+        before = dict(comm.stats().get("batch_p2p", {}).get("paths", {}))
+        comm.batch_p2p([("send", x, (r + 1) % n), ("recv", got, (r - 1) % n)])
+        after = comm.stats()["batch_p2p"]["paths"]
+        paths += [p for p in after if after[p] != before.get(p, 0)]
+        want = torch.arange(count, dtype=torch.int32) + 1000 * ((r - 1) % n) + k
+        assert torch.equal(got, want), f"rank {r}, call {k}: wrong data from rank {(r - 1) % n}"
+    return paths
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_batch_tuner_times_single_copy_against_the_slots(pool, world_size):
+    # 256-byte slots: single copy wins by far. Every rank tries it untimed, then timed against
+    # the slots twice each (cma, slots, cma, slots), then keeps it. In the slots trials every
+    # receive expecting single copy by size meets 1 MiB of chunks through 1 KiB of slots while
+    # its own send is in flight: it must take them chunk by chunk, not hang.
+    p = pool(world_size, {"PYCOLL_SLOT_BYTES": "256"})
+    paths = p.run(job_sendrecv_paths, 1 << 18, 8)
+    if paths[0] is None:
+        pytest.skip("process_vm_readv between the ranks is not allowed here")
+    tried = ["cma", "cma", "slots", "cma", "slots"]
+    assert paths == [tried + ["cma"] * 3] * world_size, paths
+
+
+def _mixed_choices(rank: int, world_size: int) -> list[str] | None:
+    # Rank 0 sends across throughout (untuned, a local choice); the others try the slots in
+    # their trials, so a batch meets single copy from one side and chunks from the other.
+    if rank == 0:
+        os.environ["PYCOLL_CMA_TUNE"] = "0"
+    with pc.init(timeout=60) as comm:
+        return job_sendrecv_paths(comm, 1 << 18, 8)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_batch_sends_choosing_different_paths_pair_up(world_size):
+    from spawn import run
+
+    paths = run(_mixed_choices, world_size, env={"PYCOLL_SLOT_BYTES": "256"}, timeout=120)
+    if paths[0] is None:
+        pytest.skip("process_vm_readv between the ranks is not allowed here")
+    assert paths[0] == ["cma"] * 8, paths  # its sends go across every time

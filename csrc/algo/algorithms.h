@@ -37,6 +37,11 @@ void p2p_send(OpCtx& c, const void* buf, size_t count, int peer);
 // descriptor (a batch's; read across with `cma`, required where CMA is on).
 void p2p_recv(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect,
               const P2PCma* cma = nullptr);
+// The first step of such a receive: waits for the message's first slot; a
+// descriptor is read across and acknowledged (true), a chunk stays in its slot
+// for the slots' receive (false). Raises on a tag that is not `expect`.
+bool p2p_recv_across(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect,
+                     const P2PCma& cma);
 // Posts a single-copy descriptor of `bytes` at `buf` to `peer` (c.tag, marked);
 // the caller waits for the acknowledgement before the buffer may change.
 void p2p_cma_post(OpCtx& c, const void* buf, size_t bytes, int peer);
@@ -104,12 +109,13 @@ struct P2POp {
   DataType dtype = DataType::kFloat32;
   int peer = 0;  // may be this rank: sends to self pair with receives from self in order
   SlotTag tag;
-  // Single copy (by size; a single send, p2p_send, always takes the slots,
-  // so a receive takes whichever arrives): the send posts only the buffer's
-  // address through its slots; the receive reads the bytes straight out of the
-  // sender's process (transport/cma.h) and raises the pair's counter to the
-  // message's sequence number, which the send waits for before its buffer may
-  // change.
+  // Single copy: the send posts only the buffer's address through its slots;
+  // the receive reads the bytes straight out of the sender's process
+  // (transport/cma.h) and raises the pair's counter to the message's sequence
+  // number, which the send waits for before its buffer may change. On a send:
+  // it goes across (the sender's choice: by size, then its tuner; a single
+  // send, p2p_send, always takes the slots). On a receive: it may come across
+  // (by size), and takes whichever the sender chose.
   bool cma = false;
   P2PCma across;  // the pair's process and counter, set where CMA is on
 };

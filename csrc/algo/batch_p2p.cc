@@ -17,15 +17,17 @@
 // (sends come first in a step). Following the waits, steps never increase and
 // strictly decrease at every send, so the chain cannot close into a cycle.
 //
-// A single-copy message (P2POp::cma) is one chunk in iteration 0: the send
-// posts a descriptor (its buffer's address and size) through the slots, the
-// receive reads the bytes out of the sender's process and acknowledges them
-// through the pair's counter (p2p.cc). The senders wait for those
-// acknowledgements only after their last iteration, so nothing waits on a
-// rank that is waiting for them and the argument above still holds. A
-// receive expecting one may instead meet a single send's chunks (that send
-// chose the slots) and takes them all in that step: the single sender waits
-// only for this receiver, which is taking them.
+// A single-copy message (P2POp::cma on the send) is one chunk in iteration 0:
+// the send posts a descriptor (its buffer's address and size) through the
+// slots, the receive reads the bytes out of the sender's process and
+// acknowledges them through the pair's counter (p2p.cc). The senders wait for
+// those acknowledgements only after their last iteration, so nothing waits on
+// a rank that is waiting for them and the argument above still holds. Only the
+// sender knows which path a message takes (its tuner chose), so a receive that
+// may come across is scheduled as chunks through the slots and looks at its
+// first slot in iteration 0: a descriptor ends it there, as its sender's
+// message ends; chunks keep it going chunk by chunk, as its sender's. Both
+// ends thus list the same messages as active in every iteration.
 #include <algorithm>
 #include <vector>
 
@@ -65,12 +67,13 @@ void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops) {
     ctx.back().tag = op.tag;
     ctx.back().bytes_sent = ctx.back().bytes_recv = 0;
     prims.emplace_back(ctx.back(), op.send ? op.peer : -1, op.send ? -1 : op.peer);
-    chunk[i] = op.cma ? std::max<size_t>(op.count, 1) : prims.back().chunk_elems();
+    chunk[i] = op.cma && op.send ? std::max<size_t>(op.count, 1) : prims.back().chunk_elems();
     rounds = std::max(rounds, (op.count + chunk[i] - 1) / chunk[i]);
   }
   // The ops active in an iteration, per peer and direction, in list order
   // (refilled every iteration, allocated once).
   std::vector<std::vector<size_t>> to(c.nranks), from(c.nranks);
+  std::vector<char> came_across(remote.size(), 0);  // receives that ended in iteration 0
   for (size_t k = 0; k < rounds; ++k) {
     for (int p = 0; p < c.nranks; ++p) {
       to[p].clear();
@@ -79,7 +82,7 @@ void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops) {
     size_t steps = 0;
     for (size_t i = 0; i < remote.size(); ++i) {
       const P2POp& op = *remote[i];
-      if (k * chunk[i] >= op.count) continue;
+      if (k * chunk[i] >= op.count || came_across[i]) continue;
       auto& list = op.send ? to[op.peer] : from[op.peer];
       list.push_back(i);
       steps = std::max(steps, list.size());
@@ -90,12 +93,15 @@ void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops) {
           if (g >= list.size()) continue;
           const size_t i = list[g];
           const P2POp& op = *remote[i];
-          if (op.cma) {
+          if (op.cma && op.send) {
             c.path = Path::kCma;
-            if (op.send)
-              p2p_cma_post(ctx[i], op.buf, op.count * dtype_size(op.dtype), op.peer);
-            else  // a single send on the other side may have sent it through the slots
-              p2p_recv(ctx[i], op.buf, op.count, op.peer, op.tag, &op.across);
+            p2p_cma_post(ctx[i], op.buf, op.count * dtype_size(op.dtype), op.peer);
+            continue;
+          }
+          if (op.cma && k == 0 &&
+              p2p_recv_across(ctx[i], op.buf, op.count, op.peer, op.tag, op.across)) {
+            c.path = Path::kCma;
+            came_across[i] = 1;
             continue;
           }
           const size_t off = k * chunk[i];

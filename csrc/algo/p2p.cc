@@ -5,10 +5,10 @@
 // receiver reads the bytes straight out of the sender's process and raises
 // the pair's acknowledgement counter to the message's sequence number, which
 // the sender waits for before its buffer may change. Which of the two a
-// message takes is the sender's choice (a batch by size, a single send always
-// the slots), so a receive looks at the first slot and takes either: a batch
-// on one side and single calls on the other pair up, as NCCL's grouped and
-// single calls do.
+// message takes is the sender's choice (a batch by size and by its tuner, a
+// single send always the slots), so a receive looks at the first slot and
+// takes either: a batch on one side and single calls on the other pair up, as
+// NCCL's grouped and single calls do.
 #include <algorithm>
 #include <cstring>
 
@@ -63,21 +63,24 @@ void p2p_send(OpCtx& c, const void* buf, size_t count, int peer) {
     p.send(static_cast<const char*>(buf) + off * es, std::min(slot, count - off));
 }
 
+bool p2p_recv_across(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect,
+                     const P2PCma& cma) {
+  if (count == 0) return false;
+  RecvConn& in = c.links->recv_from(peer);
+  c.mon->peer = peer;
+  const RecvSlot s = in.wait(*c.mon);  // held: the slots' receive takes it again if it is data
+  SlotTag plain = s.tag;
+  plain.w0 &= ~kCmaMark;
+  if (!(plain == expect)) c.links->tag_mismatch(peer, s.tag, expect);
+  if (!(s.tag.w0 & kCmaMark)) return false;
+  c.path = Path::kCma;
+  take_across(c, in, s, buf, count * c.esize(), peer, cma);
+  return true;
+}
+
 void p2p_recv(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect,
               const P2PCma* cma) {
-  if (count > 0 && cma != nullptr) {
-    RecvConn& in = c.links->recv_from(peer);
-    c.mon->peer = peer;
-    const RecvSlot s = in.wait(*c.mon);  // held: the loop below takes it again if it is data
-    SlotTag plain = s.tag;
-    plain.w0 &= ~kCmaMark;
-    if (!(plain == expect)) c.links->tag_mismatch(peer, s.tag, expect);
-    if (s.tag.w0 & kCmaMark) {
-      c.path = Path::kCma;
-      take_across(c, in, s, buf, count * c.esize(), peer, *cma);
-      return;
-    }
-  }
+  if (cma != nullptr && p2p_recv_across(c, buf, count, peer, expect, *cma)) return;
   SlotTag own = c.tag;
   c.tag = expect;  // the receiver checks the sender's tag
   Prims p(c, -1, peer);

@@ -738,9 +738,9 @@ std::shared_ptr<Work> Communicator::batch_p2p(std::vector<P2PItem> items, bool a
           OpSig s{OpKind::kSend, it.dtype, ReduceOp::kSum, it.send ? it.peer : rank_, it.count};
           op.tag = SlotTag{seq, s.word0(), s.word1()};
           // Single copy from kP2PCmaMinBytes on, every non-empty message with
-          // PYCOLL_ALGO=cma. Two batches decide alike (the sizes of a pair's
-          // messages match, or the tags tell); a receive that expects single
-          // copy takes a single send's chunks instead (p2p.cc).
+          // PYCOLL_ALGO=cma: a receive may come across, a send goes across if
+          // the tuner prefers it when the batch runs (below). A receive takes
+          // whichever its sender chose (batch_p2p.cc).
           const size_t bytes = it.count * dtype_size(it.dtype);
           op.cma = cma_ && bytes > 0 && (algo_ == Algo::kCma || bytes >= kP2PCmaMinBytes);
           if (op.cma) op.across = p2p_cma(it.peer, it.send);
@@ -749,7 +749,20 @@ std::shared_ptr<Work> Communicator::batch_p2p(std::vector<P2PItem> items, bool a
         return first;
       },
       [this, sig, ops, timeout_s](uint32_t seq) {
+        // This rank's sends of single-copy size go across where its tuner,
+        // timing whole batches by the bytes of those sends, prefers it (chosen
+        // here, on the engine's thread in the order operations run).
+        size_t total = 0;
+        for (const P2POp& op : *ops)
+          if (op.send && op.cma) total += op.count * dtype_size(op.dtype);
+        const CmaTuner::Choice cma = total > 0 && algo_ != Algo::kCma
+                                         ? cma_tuner_.choose(OpKind::kBatchP2P, total)
+                                         : CmaTuner::Choice{true, false};
+        if (!cma.cma)
+          for (P2POp& op : *ops) op.cma = op.cma && !op.send;
+        const auto t0 = cma.timed ? Clock::now() : Clock::time_point{};
         run_op(sig, seq, timeout_s, false, [ops](OpCtx& c) { p2p_batch(c, *ops); });
+        if (cma.timed) cma_tuner_.record(OpKind::kBatchP2P, total, cma.cma, elapsed_ns(t0));
       },
       async);
 }
