@@ -115,6 +115,21 @@ def test_cpu_round_trip_probe():
         assert 0 < _C.cpu_round_trip_ns(cpus[0], cpus[1], 1000) < 1e6
 
 
+def test_bench_goes_on_when_the_round_trip_probe_fails(monkeypatch, capsys):
+    from pycollectives import _C, PyCollectivesError
+    from pycollectives._bench_util import cpu_round_trip
+
+    def refuse(a: int, b: int) -> float:
+        raise PyCollectivesError("pycollectives: cpu_round_trip_ns: CPU 1 did not answer")
+
+    monkeypatch.setattr(_C, "cpu_round_trip_ns", refuse)
+    assert cpu_round_trip() is None
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert (
+            "round trip not measured: pycollectives: cpu_round_trip_ns" in capsys.readouterr().err
+        )
+
+
 def test_bench_registered_buffers(tmp_path):
     """-R 1: pycollectives' buffers are alloc_shared windows; every collective still
     checks out, and the JSON metadata says which buffers were used."""
