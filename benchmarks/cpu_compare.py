@@ -34,11 +34,13 @@ COLLS = ["all_reduce", "reduce_scatter", "all_gather"]
 # spoils one trial of a size (which the median rejects) and weighs on all backends alike.
 # Trials of microseconds swing most (3-4 ranks on 2 cores: 4-rank 8-byte all-reduce trials
 # spread over 9.5-17.8 us between quartiles, the same for OpenMPI), and cost little: the
-# small sizes take SMALL_TRIALS times as many trials.
+# small sizes take SMALL_TRIALS times as many trials. At least 5 warmup calls a size: the
+# single-copy tuner's (one untimed call, then two timed calls of each path) fall in them
+# (the run recorded in session 14 warmed the large sizes up with 3).
 SMALL_TRIALS = 3
 SIZE_RUNS = [
     ["-b", "16", "-e", "1M", "-f", "4", "-n", "50", "-w", "10", "--interleave", "1"],
-    ["-b", "4M", "-e", "64M", "-f", "4", "-n", "10", "-w", "3", "--interleave", "1"],
+    ["-b", "4M", "-e", "64M", "-f", "4", "-n", "10", "-w", "5", "--interleave", "1"],
 ]
 BEGIN, END = "<!-- cpu_compare:begin -->", "<!-- cpu_compare:end -->"
 
