@@ -26,6 +26,8 @@ size_t cma_total(const OpSig& sig, int nranks) {
 // both machines measured, so it is not tried there.
 bool cma_band(OpKind kind, int n, size_t total) {
   constexpr size_t KiB = 1024, MiB = 1024 * KiB;
+  // A batch's sends are candidates one by one, from 64 KiB (Communicator::batch_p2p).
+  if (kind == OpKind::kBatchP2P) return total > 0;
   if (n > 4) return false;
   switch (kind) {
     case OpKind::kAllReduce:  // 4 ranks from 32 MiB: the ring's streaming stores win

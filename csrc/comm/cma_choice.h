@@ -27,7 +27,9 @@ size_t cma_total(const OpSig& sig, int nranks);
 
 // Whether single copy can beat the slots (and, for all-gather and broadcast,
 // the one-shot areas) for a collective of `kind` moving `total` bytes on `n`
-// ranks: the bands where it measured faster on some machine.
+// ranks: the bands where it measured faster on some machine. A batch_p2p
+// (`total`: the bytes of its sends of single-copy size) is in whenever it has
+// such sends.
 bool cma_band(OpKind kind, int n, size_t total);
 
 // One rank's choice, per collective and size class (a power of two of bytes),

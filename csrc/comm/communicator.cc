@@ -286,7 +286,8 @@ void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout
                                   uint64_t where, uint64_t addr, uint64_t out) {
   // Chosen here, on the engine's thread in the order operations run, after
   // the previous one's time was recorded.
-  const CmaTuner::Choice cma = cma_choice(sig, where);
+  const size_t total = cma_total(sig, n_);
+  const CmaTuner::Choice cma = cma_choice(sig.kind, total, where);
   if (!cma.cma) addr = out = 0;
   const auto t0 = cma.timed ? Clock::now() : Clock::time_point{};
   bool ran_cma = false;
@@ -296,7 +297,7 @@ void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout
     body(c);
     ran_cma = c.path == Path::kCma;
   });
-  if (cma.timed) cma_tuner_.record(sig.kind, cma_total(sig, n_), ran_cma, elapsed_ns(t0));
+  if (cma.timed) cma_tuner_.record(sig.kind, total, ran_cma, elapsed_ns(t0));
 }
 
 void Communicator::run_op(const OpSig& sig, uint32_t seq, double timeout_s, bool collective,
@@ -403,14 +404,13 @@ bool Communicator::direct(OpCtx& c, const ShmWindow* win, size_t bytes, uint64_t
   return win && bytes >= kDirectMinBytes && symmetric(c, where);
 }
 
-CmaTuner::Choice Communicator::cma_choice(const OpSig& sig, uint64_t where) {
+CmaTuner::Choice Communicator::cma_choice(OpKind kind, size_t total, uint64_t where) {
   if (!cma_) return {false, false};
-  const size_t total = cma_total(sig, n_);
   if (algo_ == Algo::kCma) return {total > 0, false};
-  if (!cma_band(sig.kind, n_, total)) return {false, false};
+  if (!cma_band(kind, n_, total)) return {false, false};
   // A buffer in a window takes the direct path wherever every rank placed it
   // alike: its times would say nothing about single copy.
-  return where ? CmaTuner::Choice{true, false} : cma_tuner_.choose(sig.kind, total);
+  return where ? CmaTuner::Choice{true, false} : cma_tuner_.choose(kind, total);
 }
 
 bool Communicator::cma(OpCtx& c) {
@@ -755,9 +755,7 @@ std::shared_ptr<Work> Communicator::batch_p2p(std::vector<P2PItem> items, bool a
         size_t total = 0;
         for (const P2POp& op : *ops)
           if (op.send && op.cma) total += op.count * dtype_size(op.dtype);
-        const CmaTuner::Choice cma = total > 0 && algo_ != Algo::kCma
-                                         ? cma_tuner_.choose(OpKind::kBatchP2P, total)
-                                         : CmaTuner::Choice{true, false};
+        const CmaTuner::Choice cma = cma_choice(OpKind::kBatchP2P, total, 0);
         if (!cma.cma)
           for (P2POp& op : *ops) op.cma = op.cma && !op.send;
         const auto t0 = cma.timed ? Clock::now() : Clock::time_point{};

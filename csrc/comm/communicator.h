@@ -156,13 +156,14 @@ class Communicator final : public Links {
   bool direct(OpCtx& c, const ShmWindow* win, size_t bytes, uint64_t where);
   // The buffers at placement `where` in every rank's copy of `win`, and the counters.
   DirectView direct_view(const ShmWindow& win, uint64_t where);
-  // Whether this rank would take single copy (cma.cc) for the collective
-  // `sig` (its buffer at window placement `where`, or 0): CMA works between
-  // every pair of ranks and PYCOLL_ALGO=cma, or its size lies in a band where
-  // single copy can win and this rank's tuner prefers it (comm/cma_choice.h);
-  // and whether to time it for the tuner. run_collective announces no address
-  // when it is not preferred.
-  CmaTuner::Choice cma_choice(const OpSig& sig, uint64_t where);
+  // Whether this rank would take single copy (cma.cc) for an operation of
+  // `kind` moving `total` bytes (cma_total; a batch: the bytes of its sends of
+  // single-copy size), its buffer at window placement `where` (or 0): CMA
+  // works between every pair of ranks and PYCOLL_ALGO=cma, or the size lies in
+  // a band where single copy can win and this rank's tuner prefers it
+  // (comm/cma_choice.h); and whether to time it for the tuner. run_collective
+  // announces no address when it is not preferred.
+  CmaTuner::Choice cma_choice(OpKind kind, size_t total, uint64_t where);
   // Whether operation c.tag.seq runs single-copy: every rank announced the
   // same operation and an address (waits for the peers' announcements only
   // if this rank announced one).
