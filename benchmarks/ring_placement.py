@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
     from pycollectives import _C
-    from pycollectives._bench_util import parse_size
+    from pycollectives.bench.specs import parse_size
 
     nbytes, n = parse_size(args.size), args.ranks
     allowed = sorted(os.sched_getaffinity(0))

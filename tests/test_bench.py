@@ -15,8 +15,10 @@ import pytest
 
 pytest.importorskip("pycollectives", reason="pycollectives (and its extension) cannot be imported")
 
-from pycollectives._bench_util import COLLECTIVES, SPECS, Runner  # noqa: E402
-from pycollectives.bench import bench_collective, build_parser  # noqa: E402
+from pycollectives.bench.cli import build_parser  # noqa: E402
+from pycollectives.bench.runners import Runner  # noqa: E402
+from pycollectives.bench.specs import COLLECTIVES, SPECS  # noqa: E402
+from pycollectives.bench.sweep import bench_collective  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLUMNS = "#       size         count      type   redop    root     time   algbw   busbw #wrong"
@@ -117,7 +119,7 @@ def test_cpu_round_trip_probe():
 
 def test_bench_goes_on_when_the_round_trip_probe_fails(monkeypatch, capsys):
     from pycollectives import _C, PyCollectivesError
-    from pycollectives._bench_util import cpu_round_trip
+    from pycollectives.bench.meta import cpu_round_trip
 
     def refuse(a: int, b: int) -> float:
         raise PyCollectivesError("pycollectives: cpu_round_trip_ns: CPU 1 did not answer")
