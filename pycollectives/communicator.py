@@ -78,6 +78,13 @@ class Work:
             return e
         return None
 
+    @property
+    def source(self) -> int | None:
+        """A receive from any source (``recv(t, None, async_op=True)``): the
+        sender's rank once it completed; None before, and for other operations."""
+        src = self._work.source
+        return None if src < 0 else src
+
 
 class CudaWork(Work):
     """Handle of an operation on CUDA buffers, with torch.distributed/NCCL
@@ -393,19 +400,42 @@ class Communicator:
         return self._ret(self._c.send(ptr, n, dt, dst, async_op, to_seconds(timeout)), tensor)
 
     def recv(
-        self, tensor: Buffer, src: int, *, async_op: bool = False, timeout: Timeout = None
-    ) -> Work | None:
-        """Receives into `tensor` from rank `src` (count and dtype must match the send)."""
+        self, tensor: Buffer, src: int | None, *, async_op: bool = False, timeout: Timeout = None
+    ) -> int | Work:
+        """Receives into `tensor` from rank `src` (count and dtype must match the send).
+
+        `src=None` receives from any source (MPI_ANY_SOURCE): the message of
+        whichever peer sends one first, after every operation issued before
+        this one (CPU buffers only). Returns the sender's rank, or with
+        `async_op` a Work whose `source` is the sender's rank once it completed.
+        Raises ValueError for a bad `src` or buffer, and the core's errors.
+        """
+        if src is None:
+            return self._recv_any(tensor, async_op, timeout)
         if not async_op and timeout is None and self._fast.recv(tensor, src):
-            return None
+            return src
         if is_cuda_buffer(tensor):
             [(ptr, n, dt)], dev, stream = self._cuda_args("recv", (tensor, "tensor", True))
             src = self._root(src, "src", "recv")
             w = _C.cuda_recv(self._c, ptr, n, dt, src, dev, stream(), to_seconds(timeout))
-            return self._cuda_ret(w, async_op, stream, tensor)
+            w = self._cuda_ret(w, async_op, stream, tensor)
+            return src if w is None else w
         ptr, n, dt = describe(tensor, self.rank, "recv", "tensor")
         src = self._root(src, "src", "recv")
-        return self._ret(self._c.recv(ptr, n, dt, src, async_op, to_seconds(timeout)), tensor)
+        w = self._ret(self._c.recv(ptr, n, dt, src, async_op, to_seconds(timeout)), tensor)
+        return src if w is None else w
+
+    def _recv_any(self, tensor: Buffer, async_op: bool, timeout: Timeout) -> int | Work:
+        """recv(src=None): from whichever peer sends first."""
+        if is_cuda_buffer(tensor):
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: recv: src=None (any source) takes CPU "
+                "buffers; pass src for a CUDA tensor"
+            )
+        ptr, n, dt = describe(tensor, self.rank, "recv", "tensor")
+        work, source = self._c.recv_any(ptr, n, dt, async_op, to_seconds(timeout))
+        w = self._ret(work, tensor)
+        return source if w is None else w
 
     def batch_p2p(
         self,

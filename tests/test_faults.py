@@ -184,13 +184,13 @@ def _late(rank: int, world_size: int) -> str:
     t = torch.ones(1000)
     if rank == 1:
         time.sleep(2.5)
-        return expect(pc.CollectiveTimeout, lambda: comm.all_reduce(t), "timed out")
+        return expect(pc.CollectiveTimeout, lambda: comm.all_reduce(t), "Timed out")
     return expect(
         pc.CollectiveTimeout,
         lambda: comm.all_reduce(t, timeout=0.5),
         "all_reduce",
         "#1",
-        "timed out after 0.5 s",
+        "Timed out waiting 500ms for rank 1",
         "have not reached this operation: [1]",
     )
 

@@ -31,6 +31,12 @@ struct P2PCma {
   int pid = 0;
   Counter* done = nullptr;
 };
+// How many slots a point-to-point message of `count` elements takes in
+// chunks of `chunk`: at least one, so that an empty message still matches a
+// receive (which checks its count) and a receive from any source sees it.
+inline size_t p2p_slots(size_t count, size_t chunk) {
+  return count == 0 ? 1 : (count + chunk - 1) / chunk;
+}
 // A send through the slots.
 void p2p_send(OpCtx& c, const void* buf, size_t count, int peer);
 // A receive of whichever the sender chose, the slots' chunks or a single-copy
@@ -42,6 +48,13 @@ void p2p_recv(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect
 // for the slots' receive (false). Raises on a tag that is not `expect`.
 bool p2p_recv_across(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect,
                      const P2PCma& cma);
+// The source of a receive from any peer: waits until a peer's next slot to
+// this rank is the start of a point-to-point message, the one numbered
+// next_seq[p] from peer p, and returns that peer (the slot stays where it is,
+// for p2p_recv). Peers are looked at from `first` on, round robin, so one
+// busy sender cannot starve the others. A peer whose next slot belongs to
+// another operation (a collective it has started) is passed over.
+int p2p_probe_any(OpCtx& c, const uint32_t* next_seq, int first);
 // Posts a single-copy descriptor of `bytes` at `buf` to `peer` (c.tag, marked);
 // the caller waits for the acknowledgement before the buffer may change.
 void p2p_cma_post(OpCtx& c, const void* buf, size_t bytes, int peer);

@@ -68,7 +68,7 @@ void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops) {
     ctx.back().bytes_sent = ctx.back().bytes_recv = 0;
     prims.emplace_back(ctx.back(), op.send ? op.peer : -1, op.send ? -1 : op.peer);
     chunk[i] = op.cma && op.send ? std::max<size_t>(op.count, 1) : prims.back().chunk_elems();
-    rounds = std::max(rounds, (op.count + chunk[i] - 1) / chunk[i]);
+    rounds = std::max(rounds, p2p_slots(op.count, chunk[i]));
   }
   // The ops active in an iteration, per peer and direction, in list order
   // (refilled every iteration, allocated once).
@@ -82,7 +82,7 @@ void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops) {
     size_t steps = 0;
     for (size_t i = 0; i < remote.size(); ++i) {
       const P2POp& op = *remote[i];
-      if (k * chunk[i] >= op.count || came_across[i]) continue;
+      if (k >= p2p_slots(op.count, chunk[i]) || came_across[i]) continue;
       auto& list = op.send ? to[op.peer] : from[op.peer];
       list.push_back(i);
       steps = std::max(steps, list.size());

@@ -59,13 +59,15 @@ void p2p_cma_post(OpCtx& c, const void* buf, size_t bytes, int peer) {
 void p2p_send(OpCtx& c, const void* buf, size_t count, int peer) {
   Prims p(c, peer, -1);
   const size_t slot = p.chunk_elems(), es = c.esize();
-  for (size_t off = 0; off < count; off += slot)
+  size_t off = 0;
+  do {  // an empty message takes one empty slot (p2p_slots)
     p.send(static_cast<const char*>(buf) + off * es, std::min(slot, count - off));
+    off += slot;
+  } while (off < count);
 }
 
 bool p2p_recv_across(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect,
                      const P2PCma& cma) {
-  if (count == 0) return false;
   RecvConn& in = c.links->recv_from(peer);
   c.mon->peer = peer;
   const RecvSlot s = in.wait(*c.mon);  // held: the slots' receive takes it again if it is data
@@ -78,6 +80,31 @@ bool p2p_recv_across(OpCtx& c, void* buf, size_t count, int peer, const SlotTag&
   return true;
 }
 
+int p2p_probe_any(OpCtx& c, const uint32_t* next_seq, int first) {
+  int found = -1;
+  auto starts_message = [&](int p) {
+    RecvConn& in = c.links->recv_from(p);
+    if (!in.ready()) return false;
+    const RecvSlot s = in.wait(*c.mon);  // returns at once; stays held for p2p_recv
+    const OpSig sig = OpSig::unpack(s.tag.w0 & ~kCmaMark, s.tag.w1);
+    return sig.kind == OpKind::kSend && sig.root == c.rank && s.tag.seq == next_seq[p];
+  };
+  c.mon->peer = -1;  // several: a timeout names none
+  wait_until(
+      [&] {
+        for (int k = 0; k < c.nranks; ++k) {
+          const int p = c.mod(first + k);
+          if (p != c.rank && starts_message(p)) {
+            found = p;
+            return true;
+          }
+        }
+        return false;
+      },
+      *c.mon);
+  return found;
+}
+
 void p2p_recv(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect,
               const P2PCma* cma) {
   if (cma != nullptr && p2p_recv_across(c, buf, count, peer, expect, *cma)) return;
@@ -85,8 +112,11 @@ void p2p_recv(OpCtx& c, void* buf, size_t count, int peer, const SlotTag& expect
   c.tag = expect;  // the receiver checks the sender's tag
   Prims p(c, -1, peer);
   const size_t slot = p.chunk_elems(), es = c.esize();
-  for (size_t off = 0; off < count; off += slot)
+  size_t off = 0;
+  do {
     p.recv(static_cast<char*>(buf) + off * es, std::min(slot, count - off));
+    off += slot;
+  } while (off < count);
   c.tag = own;
 }
 

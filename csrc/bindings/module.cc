@@ -71,7 +71,8 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("wait", &Work::wait, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())
-      .def("is_completed", &Work::is_completed);
+      .def("is_completed", &Work::is_completed)
+      .def_property_readonly("source", &Work::source);
 
   // A symmetric window's local buffer, exported as bytes (torch.frombuffer
   // keeps this object, hence the mapping, alive as long as the tensor).
@@ -166,6 +167,17 @@ PYBIND11_MODULE(_C, m) {
             return c.recv(address(buf), n, checked_dtype(dt, "Communicator"), peer, async, to);
           },
           G())
+      .def("recv_any",  // (Work or None, the sender's rank when synchronous)
+           [](C& c, uintptr_t buf, size_t n, int dt, bool async, double to) {
+             const DataType d = checked_dtype(dt, "Communicator");
+             int source = -1;
+             std::shared_ptr<Work> w;
+             {
+               py::gil_scoped_release nogil;
+               w = c.recv_any(address(buf), n, d, async, to, &source);
+             }
+             return std::make_pair(w, source);
+           })
       .def("batch_p2p",
            // items: (is_send, ptr, count, dtype, peer) tuples
            [](C& c, const std::vector<std::tuple<bool, uintptr_t, size_t, int, int>>& items,

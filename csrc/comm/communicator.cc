@@ -330,12 +330,12 @@ std::shared_ptr<Work> Communicator::point_to_point(const OpSig& sig, int peer, d
   check_open(sig.kind);
   if (timeout_s < 0) timeout_s = timeout_s_;
   const bool is_send = sig.kind == OpKind::kSend;
-  return engine_->submit(
-      [this, peer, is_send] { return is_send ? ++p2p_sent_[peer] : ++p2p_recvd_[peer]; },
-      [this, sig, timeout_s, body = std::move(body)](uint32_t seq) {
-        run_op(sig, seq, timeout_s, false, body);
-      },
-      async);
+  return engine_->submit([] { return 0u; },
+                         [this, sig, peer, is_send, timeout_s, body = std::move(body)](uint32_t) {
+                           const uint32_t seq = is_send ? ++p2p_sent_[peer] : ++p2p_recvd_[peer];
+                           run_op(sig, seq, timeout_s, false, body);
+                         },
+                         async);
 }
 
 // ---- operations ----
@@ -685,6 +685,42 @@ std::shared_ptr<Work> Communicator::recv(void* buf, size_t count, DataType dt, i
   });
 }
 
+std::shared_ptr<Work> Communicator::recv_any(void* buf, size_t count, DataType dt, bool async,
+                                             double timeout_s, int* source) {
+  check_open(OpKind::kRecv);
+  if (n_ < 2)
+    PYC_THROW(InvalidArgument, "pycollectives: rank " << rank_
+                                                      << ": recv: from any source needs a peer "
+                                                         "(world size 1)");
+  if (timeout_s < 0) timeout_s = timeout_s_;
+  OpSig sig{OpKind::kRecv, dt, ReduceOp::kSum, -1, count};  // root -1: any peer
+  auto src = std::make_shared<std::atomic<int>>(-1);
+  std::shared_ptr<Work> work = engine_->submit(
+      [] { return 0u; },
+      [this, sig, buf, count, dt, timeout_s, src](uint32_t) {
+        run_op(sig, 0, timeout_s, false, [&](OpCtx& c) {
+          std::vector<uint32_t> next(n_);
+          for (int p = 0; p < n_; ++p) next[p] = p2p_recvd_[p] + 1;
+          const int peer = p2p_probe_any(c, next.data(), any_next_);
+          any_next_ = (peer + 1) % n_;
+          c.tag.seq = ++p2p_recvd_[peer];
+          // From here on, a receive from `peer`, as Communicator::recv's.
+          OpSig expect{OpKind::kSend, dt, ReduceOp::kSum, rank_, count};
+          const P2PCma cma = cma_ ? p2p_cma(peer, false) : P2PCma{};
+          p2p_recv(c, buf, count, peer, SlotTag{c.tag.seq, expect.word0(), expect.word1()},
+                   cma.done != nullptr ? &cma : nullptr);
+          src->store(peer);
+        });
+      },
+      async);
+  if (work) {
+    work->set_source(src);
+  } else if (source != nullptr) {
+    *source = src->load();
+  }
+  return work;
+}
+
 std::shared_ptr<Work> Communicator::batch_p2p(std::vector<P2PItem> items, bool async,
                                               double timeout_s) {
   const OpKind kind = OpKind::kBatchP2P;
@@ -716,16 +752,17 @@ std::shared_ptr<Work> Communicator::batch_p2p(std::vector<P2PItem> items, bool a
                                        << r[i]->count << " x " << dtype_name(r[i]->dtype) << ")");
   }
   if (timeout_s < 0) timeout_s = timeout_s_;
-  auto ops = std::make_shared<std::vector<P2POp>>(items.size());
   OpSig sig{kind, DataType::kUInt8, ReduceOp::kSum, -1, items.size()};
   return engine_->submit(
-      // Numbered at issue, like single sends and receives: the k-th message
-      // from a to b carries sequence number k on both sides.
-      [this, ops, items = std::move(items)] {
+      [] { return 0u; },
+      [this, sig, items = std::move(items), timeout_s](uint32_t) {
+        // Numbered as it runs, like single sends and receives: the k-th
+        // message from a to b carries sequence number k on both sides.
+        std::vector<P2POp> ops(items.size());
         uint32_t first = 0;
         for (size_t i = 0; i < items.size(); ++i) {
           const P2PItem& it = items[i];
-          P2POp& op = (*ops)[i];
+          P2POp& op = ops[i];
           op.send = it.send;
           op.buf = it.buf;
           op.count = it.count;
@@ -746,20 +783,17 @@ std::shared_ptr<Work> Communicator::batch_p2p(std::vector<P2PItem> items, bool a
           if (op.cma) op.across = p2p_cma(it.peer, it.send);
           if (first == 0) first = seq;
         }
-        return first;
-      },
-      [this, sig, ops, timeout_s](uint32_t seq) {
         // This rank's sends of single-copy size go across where its tuner,
         // timing whole batches by the bytes of those sends, prefers it (chosen
         // here, on the engine's thread in the order operations run).
         size_t total = 0;
-        for (const P2POp& op : *ops)
+        for (const P2POp& op : ops)
           if (op.send && op.cma) total += op.count * dtype_size(op.dtype);
         const CmaTuner::Choice cma = cma_choice(OpKind::kBatchP2P, total, 0);
         if (!cma.cma)
-          for (P2POp& op : *ops) op.cma = op.cma && !op.send;
+          for (P2POp& op : ops) op.cma = op.cma && !op.send;
         const auto t0 = cma.timed ? Clock::now() : Clock::time_point{};
-        run_op(sig, seq, timeout_s, false, [ops](OpCtx& c) { p2p_batch(c, *ops); });
+        run_op(sig, first, timeout_s, false, [&ops](OpCtx& c) { p2p_batch(c, ops); });
         if (cma.timed) cma_tuner_.record(OpKind::kBatchP2P, total, cma.cma, elapsed_ns(t0));
       },
       async);

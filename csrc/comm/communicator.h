@@ -89,6 +89,12 @@ class Communicator final : public Links {
                              double timeout_s);
   std::shared_ptr<Work> recv(void* buf, size_t count, DataType dt, int peer, bool async,
                              double timeout_s);
+  // Receives the next message any peer sends to this rank (MPI_ANY_SOURCE):
+  // the first peer whose message has arrived, after the operations issued
+  // before it. Synchronous: returns nullptr and sets *source to the sender;
+  // async: the Work's source() names it once complete.
+  std::shared_ptr<Work> recv_any(void* buf, size_t count, DataType dt, bool async, double timeout_s,
+                                 int* source);
   std::shared_ptr<Work> barrier(bool async, double timeout_s);
   // Sends and receives that progress together; a send to this rank pairs
   // with the next receive from this rank. Matched in order per pair of ranks.
@@ -134,6 +140,8 @@ class Communicator final : public Links {
                                    const void* out = nullptr);
   void run_collective(const OpSig& sig, uint32_t seq, double timeout_s, BodyRef body,
                       uint64_t where, uint64_t addr, uint64_t out);
+  // A send or a receive, numbered with the next message to or from `peer`
+  // when it runs (body sees it in c.tag.seq).
   std::shared_ptr<Work> point_to_point(const OpSig& sig, int peer, double timeout_s, bool async,
                                        Body body);
   // Runs one operation: its monitor and context, the abort of every rank if it
@@ -207,7 +215,11 @@ class Communicator final : public Links {
   std::vector<std::unique_ptr<ShmRecvConn>> recv_;
   OneShotAreas oneshot_{};
   std::vector<uint32_t> known_started_;  // lower bounds of peers' `started`
+  // Point-to-point messages sent to / received from each peer, numbered when
+  // they run (operations run one at a time, in issue order), so that a
+  // receive from any peer takes the number of the peer it finds.
   std::vector<uint32_t> p2p_sent_, p2p_recvd_;
+  int any_next_ = 0;      // where recv_any starts looking (round robin)
   int spin_polls_ = 256;  // see WaitMonitor::spin_polls
   int max_spin_polls_ = 256;
   uint32_t seq_ = 0;  // collectives issued (assigned under the engine's lock)

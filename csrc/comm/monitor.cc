@@ -3,6 +3,7 @@
 
 #include <errno.h>
 
+#include <cmath>
 #include <cstring>
 #include <sstream>
 #include <thread>
@@ -75,8 +76,14 @@ void OpMonitor::peer_failed(int p) {
 
 void OpMonitor::timed_out() {
   std::ostringstream os;
+  // torch's wording ("Timed out waiting <ms>ms for ..."), which gloo and NCCL
+  // use and tools match.
   os << "pycollectives: rank " << c_.rank_ << ": " << op_name(sig_, seq_, collective_)
-     << " timed out after " << timeout_s_ << " s waiting for rank " << peer;
+     << ": Timed out waiting " << std::llround(timeout_s_ * 1e3) << "ms for ";
+  if (peer >= 0)
+    os << "rank " << peer;
+  else
+    os << "its peers";
   if (collective_) {
     os << "; ranks that have not reached this operation: [";
     const char* sep = "";
@@ -116,7 +123,11 @@ void OpMonitor::check_peer(int p) {
   if (gone.empty()) return;
   std::ostringstream os;
   os << "pycollectives: rank " << p << " " << gone << " while rank " << c_.rank_ << " was in "
-     << op_name(sig_, seq_, collective_) << " (" << doing_ << " rank " << peer << ")";
+     << op_name(sig_, seq_, collective_) << " (" << doing_ << " ";
+  if (peer >= 0)
+    os << "rank " << peer << ")";
+  else
+    os << "its peers)";
   c_.set_abort(AbortKind::kPeerFailure, os.str());
   throw PeerFailure(os.str());
 }

@@ -4,6 +4,7 @@
 // (no hand-off).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -24,8 +25,13 @@ class Work {
   bool is_completed();
   std::exception_ptr error();
   void finish(std::exception_ptr err);
+  // A receive from any peer: the sender's rank once the operation completed
+  // (-1 before, and for every other operation), as torch's Work::sourceRank.
+  int source() const { return source_ ? source_->load() : -1; }
+  void set_source(std::shared_ptr<const std::atomic<int>> s) { source_ = std::move(s); }
 
  private:
+  std::shared_ptr<const std::atomic<int>> source_;
   std::mutex m_;
   std::condition_variable cv_;
   bool done_ = false;

@@ -143,7 +143,10 @@ std::string OpSig::describe() const {
       break;
     case OpKind::kSend:
     case OpKind::kRecv:
-      os << ", peer=" << root;
+      if (root < 0)
+        os << ", peer=any";
+      else
+        os << ", peer=" << root;
       break;
     default:
       break;

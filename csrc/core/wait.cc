@@ -41,6 +41,8 @@ std::chrono::microseconds yield_for() {
 constexpr int kMinSpinPolls = 4;
 constexpr std::chrono::nanoseconds kLate{2000};  // see wait_reached
 constexpr long kSleepNs = 1000000;               // futex sleep slice: 1 ms
+constexpr long kPollNs = 50000;                  // wait_until's nap between polls
+constexpr std::chrono::milliseconds kSlowEvery{1};
 
 // Doubles or halves the spin budget, within [kMinSpinPolls, max_spin_polls].
 void adapt_spin(WaitMonitor& mon, bool longer) {
@@ -105,6 +107,38 @@ uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon) {
     if (reached(v, target)) return v;
     mon.check_fast();
     mon.check_slow();
+  }
+}
+
+void wait_until(FunctionRef<bool()> ready, WaitMonitor& mon) {
+  if (ready()) return;
+  for (int i = 0; i < mon.spin_polls; ++i) {
+    PYC_PAUSE();
+    if (ready()) return;
+    if ((i & 63) == 63) mon.check_fast();
+  }
+  using Clock = std::chrono::steady_clock;
+  const auto yielded = Clock::now();
+  auto slow_at = yielded + kSlowEvery;
+  auto checks = [&] {
+    mon.check_fast();
+    const auto now = Clock::now();
+    if (now >= slow_at) {
+      mon.check_slow();
+      slow_at = now + kSlowEvery;
+    }
+    return now;
+  };
+  for (;;) {
+    sched_yield();
+    if (ready()) return;
+    if (checks() - yielded > yield_for()) break;
+  }
+  const timespec nap{0, kPollNs};
+  for (;;) {
+    nanosleep(&nap, nullptr);
+    if (ready()) return;
+    checks();
   }
 }
 

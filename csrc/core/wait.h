@@ -5,6 +5,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "core/function_ref.h"
+
 namespace pyc {
 
 // Watches a wait on behalf of the operation that waits. Either hook throws to
@@ -55,6 +57,13 @@ InterruptCheck interrupt_check();
 
 // Blocks until reached(c.value, target); returns the value seen.
 uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon);
+
+// Blocks until ready() returns true: for a wait on several counters at once
+// (a receive from whichever peer sends first). Spins, yields, then polls
+// every ~50 us, since no single futex word announces the event; the
+// monitor's hooks run as in wait_reached (check_slow about once a
+// millisecond once the spin is over).
+void wait_until(FunctionRef<bool()> ready, WaitMonitor& mon);
 
 // Stores `value` (release) and wakes sleepers, if any.
 void publish(Counter& c, uint32_t value);

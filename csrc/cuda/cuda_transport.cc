@@ -187,6 +187,12 @@ RecvSlot CudaRecvConn::wait(WaitMonitor& mon) {
   return s;
 }
 
+bool CudaRecvConn::ready() {
+  if (!reached(tail_cached_, consumed_ + 1))
+    tail_cached_ = f_.ctl->tail.value.load(std::memory_order_acquire);
+  return reached(tail_cached_, consumed_ + 1);
+}
+
 void CudaRecvConn::release() {
   pending_.push_back(l_.exec().mark());
   ++consumed_;

@@ -152,6 +152,7 @@ class CudaRecvConn final : public RecvConn {
   CudaRecvConn(CudaLinks& links, const CudaFifo& f, int peer);
   size_t slot_bytes() const override;
   RecvSlot wait(WaitMonitor& mon) override;
+  bool ready() override;
   void release() override;
   // Hands back the slots whose reading kernels have completed; true when none is left.
   bool progress();

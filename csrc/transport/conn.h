@@ -40,6 +40,8 @@ class RecvConn {
   virtual size_t slot_bytes() const = 0;
   // Waits for the next slot and returns it; it stays valid until release().
   virtual RecvSlot wait(WaitMonitor& mon) = 0;
+  // Whether the next slot has arrived (wait() would return at once); never blocks.
+  virtual bool ready() = 0;
   // Gives the slot returned by the last wait() back to the sender.
   virtual void release() = 0;
 };

@@ -52,6 +52,12 @@ RecvSlot ShmRecvConn::wait(WaitMonitor& mon) {
   return s;
 }
 
+bool ShmRecvConn::ready() {
+  if (!reached(tail_cached_, head_ + 1))
+    tail_cached_ = ctl_->tail.value.load(std::memory_order_acquire);
+  return reached(tail_cached_, head_ + 1);
+}
+
 void ShmRecvConn::release() { publish(ctl_->head, ++head_); }
 
 }  // namespace pyc

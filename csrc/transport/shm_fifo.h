@@ -30,6 +30,7 @@ class ShmRecvConn final : public RecvConn {
   ShmRecvConn(const ShmLayout& layout, void* base, int src, int dst);
   size_t slot_bytes() const override { return slot_bytes_; }
   RecvSlot wait(WaitMonitor& mon) override;
+  bool ready() override;
   void release() override;
 
  private:
