@@ -18,8 +18,8 @@ from .rendezvous import init
 
 __version__ = "0.1.0"
 
-# The torch.distributed backend "pycoll" (pycollectives/backend.py, docs/backend.md).
-from ._backend_register import register_torch_backend as _register_torch_backend  # noqa: E402
+# The torch.distributed backend "pycoll" (pycollectives/torch_backend/, docs/backend.md).
+from .torch_backend import register as _register_torch_backend  # noqa: E402
 
 _register_torch_backend()
 

@@ -103,6 +103,11 @@ def _ops(rank: int, n: int, backend: str) -> dict[str, Any]:
         dist.all_gather_into_tensor(outs[1], rnd(2))
     cm.wait()
     out["all_gather_into_tensor_coalesced"] = outs
+    # all_gather_coalesced: torch's layout is output_tensor_lists[rank][i]
+    ins = [rnd(3), rnd(2, 2)]
+    lists = [[torch.empty(3), torch.empty(2, 2)] for _ in range(n)]
+    dist.all_gather_coalesced(lists, ins)
+    out["all_gather_coalesced"] = lists
     # reduce_scatter (list), reduce_scatter_tensor (SUM and, on pycoll, AVG), coalesced
     o = torch.empty(4)
     dist.reduce_scatter(o, [rnd(4) for _ in range(n)])
@@ -172,12 +177,97 @@ def _ops(rank: int, n: int, backend: str) -> dict[str, Any]:
     for r in reqs:
         r.wait()
     out["batch_isend_irecv"] = recv_big
+    # recv from any source: rank 0 takes one message from every other rank, and
+    # irecv without a source names the sender through the Work
+    if rank == 0:
+        got = {}
+        for k in range(n - 1):
+            t = torch.empty(4)
+            if k % 2:
+                w = dist.irecv(t)
+                w.wait()
+                src = w._source_rank()
+            else:
+                src = dist.recv(t)
+            got[src] = t
+        out["recv_any_source"] = [got[s] for s in sorted(got)] + [sorted(got)]
+    else:
+        dist.send(torch.full((4,), float(10 * rank)), 0)
+        out["recv_any_source"] = None
     # sub-groups: new_group of ranks {0, 1} (every rank calls it)
     sub = dist.new_group([0, 1])
     if rank < 2:
         t = torch.full((5,), float(rank + 1))
         dist.all_reduce(t, group=sub)
         out["new_group"] = t
+    return out
+
+
+def _pg_forms(rank: int, n: int, backend: str) -> dict[str, Any]:
+    """The ProcessGroup object called directly in every form torch's binding
+    takes (no options, a ReduceOp, a root, a timeout: DDP comm hooks call
+    group.allreduce(tensors)); sparse all-reduce; the object collectives.
+    Small integers: every sum is exact whatever its order."""
+    import datetime
+
+    import torch.distributed as dist
+
+    pg = dist.distributed_c10d._get_default_group()
+    out: dict[str, Any] = {}
+
+    def mine(*shape: int) -> torch.Tensor:
+        return torch.arange(float(torch.Size(shape).numel())).reshape(shape) % 5 + rank
+
+    t = mine(6)
+    pg.allreduce([t]).wait()
+    out["allreduce_no_options"] = t
+    t = mine(6)
+    out["hook_future"] = pg.allreduce([t]).get_future().wait()
+    t = mine(6)
+    pg.allreduce([t], dist.ReduceOp.MAX).wait()
+    out["allreduce_ReduceOp"] = t
+    t = mine(6)
+    pg.allreduce(t, dist.ReduceOp.MIN).wait()
+    out["allreduce_tensor_RedOpType"] = t
+    t = mine(6)
+    pg.allreduce([t], dist.ReduceOp(dist.ReduceOp.PRODUCT)).wait()
+    out["allreduce_ReduceOp_object"] = t
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    t = mine(3)
+    pg.allreduce([t], opts).wait()
+    out["allreduce_options"] = t
+    t = mine(5)
+    pg.broadcast(t, n - 1).wait()
+    out["broadcast_root"] = t
+    t = mine(5)
+    pg.reduce(t, 0, dist.ReduceOp.MAX).wait()
+    out["reduce_root_op"] = t if rank == 0 else None
+    lst = [torch.empty(4) for _ in range(n)]
+    pg.allgather(lst, mine(4)).wait()
+    out["allgather_list_tensor"] = lst
+    o = torch.empty(3)
+    pg.reduce_scatter(o, [mine(3) * (j + 1) for j in range(n)], dist.ReduceOp.SUM).wait()
+    out["reduce_scatter_tensor_list"] = o
+    pg.barrier(datetime.timedelta(seconds=30)).wait()
+    # sparse COO all-reduce (SUM), overlapping and distinct indices
+    idx = torch.tensor([[0, 2, 3 + rank], [1, 1, rank]])
+    sp = torch.sparse_coo_tensor(idx, torch.tensor([1.0, 2.0, 3.0]) * (rank + 1), (3 + n, n))
+    dist.all_reduce(sp)
+    out["sparse_all_reduce"] = sp.to_dense()
+    # object collectives
+    objs: list[Any] = [None] * n
+    dist.all_gather_object(objs, {"rank": rank, "x": [rank] * rank})
+    out["all_gather_object"] = objs
+    lst = [{"from": rank}, "payload"] if rank == 0 else [None, None]
+    dist.broadcast_object_list(lst, src=0)
+    out["broadcast_object_list"] = lst
+    gathered: list[Any] | None = [None] * n if rank == n - 1 else None
+    dist.gather_object(("g", rank), gathered, dst=n - 1)
+    out["gather_object"] = gathered
+    got: list[Any] = [None]
+    dist.scatter_object_list(got, [f"s{j}" for j in range(n)] if rank == 0 else None, src=0)
+    out["scatter_object_list"] = got
     return out
 
 
@@ -371,7 +461,14 @@ def _tp(rank: int, n: int, backend: str) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {"ops": _ops, "funcol": _funcol, "ddp": _ddp, "fsdp": _fsdp, "tp": _tp}
+SCENARIOS = {
+    "ops": _ops,
+    "pg_forms": _pg_forms,
+    "funcol": _funcol,
+    "ddp": _ddp,
+    "fsdp": _fsdp,
+    "tp": _tp,
+}
 
 
 def _job(rank: int, n: int) -> bytes:
@@ -436,7 +533,7 @@ _EXACT_OPS = {
     "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
     "all_to_all_single", "all_to_all_single_uneven", "all_to_all", "all_to_all_uneven", "gather", "scatter",
     "send_recv", "batch_isend_irecv", "new_group", "all_reduce_int64", "all_reduce_MIN",
-    "all_reduce_MAX",
+    "all_reduce_MAX", "all_gather_coalesced", "recv_any_source",
 }  # fmt: skip
 
 
@@ -450,8 +547,10 @@ def test_pycoll_matches_gloo(n: int, scenario: str) -> None:
         for key in gloo:
             # Two ranks: every sum is a + b on both backends; DDP and TP average
             # the same way. AVG is pycoll's (a + b) / 2 against gloo's sum then / 2.
-            exact = key in _EXACT_OPS or (
-                n == 2 and scenario in ("ops", "funcol", "ddp", "tp") and "AVG" not in key
+            exact = (
+                key in _EXACT_OPS
+                or scenario == "pg_forms"
+                or (n == 2 and scenario in ("ops", "funcol", "ddp", "tp") and "AVG" not in key)
             )
             # DDP's fp16 compress hook on 3 ranks: pycoll sums fp16 in fp32 and rounds
             # once, gloo rounds after each addition: gradients differ by fp16 ulps.
@@ -502,10 +601,29 @@ def _misc(rank: int, n: int) -> dict[str, Any]:
     )
     catch("recv_self", lambda: dist.recv(torch.empty(2), rank))
     # all_gather_coalesced: one Work, its future's value every output list
-    lists = [[torch.empty(3) for _ in range(n)], [torch.empty(2, 2) for _ in range(n)]]
+    # (torch's layout: lists[r][i] is rank r's ins[i])
+    lists = [[torch.empty(3), torch.empty(2, 2)] for _ in range(n)]
     ins = [torch.full((3,), float(rank)), torch.full((2, 2), 10.0 + rank)]
     got = dist.all_gather_coalesced(lists, ins, async_op=True).wait()
     res["gather_coalesced"] = [[t.flatten().tolist() for t in lst] for lst in got]
+    bad_lists = [[torch.empty(3)] for _ in range(n)]
+    catch("gather_coalesced_bad", lambda: dist.all_gather_coalesced(bad_lists, ins))
+    # every form of the op torch accepts; one that is no op at all
+    pg = dist.distributed_c10d._get_default_group()
+    catch("op_int", lambda: pg.allreduce([torch.ones(2)], 3))
+    catch("op_bad", lambda: pg.allreduce([torch.ones(2)], op="max"))
+    # sparse: SUM only, other layouts refused, naming the layout
+    sp = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1), (3,))
+    catch("sparse_max", lambda: dist.all_reduce(sp, op=dist.ReduceOp.MAX))
+    catch("sparse_csr", lambda: dist.all_reduce(torch.eye(3).to_sparse_csr()))
+    catch("sparse_broadcast", lambda: dist.broadcast(sp, 0))
+    # a per-call timeout: rank 0 alone in a barrier of a group of its own
+    sub = dist.new_group(timeout=datetime.timedelta(seconds=300))
+    if rank == 0:
+        catch(
+            "barrier_timeout", lambda: dist.barrier(sub, timeout=datetime.timedelta(seconds=0.001))
+        )
+    dist.destroy_process_group(sub)
     # Asynchronous: the call returns while the peer is still away.
     if rank == 1:
         time.sleep(0.5)
@@ -554,16 +672,24 @@ def test_backend_errors_async_and_p2p() -> None:
         assert f"rank {rank}: all_gather" in res["gather_size"], res
         assert "input_split_sizes" in res["splits"] and f"rank {rank}" in res["splits"], res
         assert "ValueError" in res["recv_self"] and "this rank" in res["recv_self"], res
-        assert res["gather_coalesced"] == [
-            [[float(q)] * 3 for q in range(2)],
-            [[10.0 + q] * 4 for q in range(2)],
-        ], res
+        assert res["gather_coalesced"] == [[[float(q)] * 3, [10.0 + q] * 4] for q in range(2)], res
+        assert "output_lists[0] must hold 2 tensors" in res["gather_coalesced_bad"], res
+        assert "TypeError" in res["op_int"] and f"rank {rank}: allreduce" in res["op_int"], res
+        assert "TypeError" in res["op_bad"] and "'max'" in res["op_bad"], res
+        assert "ValueError" in res["sparse_max"] and "only SUM" in res["sparse_max"], res
+        assert "torch.sparse_csr" in res["sparse_csr"] and f"rank {rank}" in res["sparse_csr"]
+        assert "torch.sparse_coo" in res["sparse_broadcast"], res
+        assert "broadcast" in res["sparse_broadcast"], res
+        if rank == 0:
+            assert "Timed out waiting 1ms" in res["barrier_timeout"], res
+            assert "CollectiveTimeout" in res["barrier_timeout"], res
         assert res["async_value"] == 3.0 and res["isend_irecv"] is True, res
         if rank == 1:  # rank 0 waited on its isend only 1 s later
             assert res["unwaited_isend_ok"] and res["unwaited_isend_s"] < 0.8, res
         if rank == 0:  # rank 1 arrived 0.5 s later
             assert res["done_at_issue"] is False and res["issue_s"] < 0.25, res
             assert "TimeoutError" in res["short_wait"] and "rank 0: wait" in res["short_wait"]
+            assert "Timed out waiting 50ms" in res["short_wait"], res
             assert "CollectiveTimeout" in res["late"] and "rank 1" in res["late"], res
 
 

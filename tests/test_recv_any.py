@@ -153,3 +153,28 @@ def test_recv_from_any_source_needs_a_peer():
 
     msg = run(_alone, 1, timeout=60)[0]
     assert "rank 0: recv" in msg and "any source" in msg, msg
+
+
+def _empty_against_three(rank: int, world_size: int) -> str:
+    comm = pc.init(timeout=30)
+    try:
+        try:
+            if rank == 0:
+                comm.send(torch.empty(0), 1)
+                comm.barrier()  # the receiver's error aborts the communicator: raised here
+            else:
+                comm.recv(torch.empty(3), 0)
+        except pc.CollectiveMismatch as e:
+            return str(e)
+        return "no error"
+    finally:
+        comm.close()
+
+
+def test_empty_send_is_checked_against_its_receive():
+    """An empty message takes a slot: a receive of 3 elements sees it at once
+    and names both calls (it used to wait for a slot that never came)."""
+    from spawn import run
+
+    for msg in run(_empty_against_three, 2, timeout=60):
+        assert "recv(count=3, float32, peer=0)" in msg and "send(count=0, float32" in msg, msg

@@ -1,0 +1,33 @@
+"""The torch.distributed backend "pycoll": a ProcessGroup whose collectives run
+on a pycollectives Communicator (docs/backend.md).
+
+    import pycollectives  # registers "pycoll"
+    torch.distributed.init_process_group("pycoll")  # or "cpu:pycoll,cuda:pycoll"
+
+Modules, each importing only those listed after it:
+
+- registration: registers the backend with torch.distributed (torch optional);
+- process_group: ProcessGroupPycoll, torch's call forms, issue and lifetime;
+- collectives, p2p_collectives, sparse: what each call runs on the core (a Launch);
+- completion: the thread that completes the Works in issue order;
+- p2p: deferred sends and receives, issued as batches; groups: the live groups;
+- work: the Work returned to torch; options: torch's options, ops and timeouts;
+- launch: a planned call; args: argument checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .registration import register
+
+__all__ = ["BACKEND_NAME", "ProcessGroupPycoll", "register"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing the ProcessGroup imports torch.distributed.
+    if name in ("BACKEND_NAME", "ProcessGroupPycoll"):
+        from . import process_group
+
+        return getattr(process_group, name)
+    raise AttributeError(name)

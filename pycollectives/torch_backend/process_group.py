@@ -1,0 +1,434 @@
+"""ProcessGroupPycoll: the torch.distributed ProcessGroup of the "pycoll" backend.
+
+Every group (the default one, `new_group`, DeviceMesh dimensions) gets its
+own Communicator. Calls are issued on the caller's thread, in call order: a
+synchronous torch call (opts.asyncOp False) runs its core operations there
+and returns a completed Work; the others become asynchronous core operations
+(run by the Communicator's progress thread), and the group's completion
+thread completes the Works in issue order. Sends and receives are deferred
+and issued in batches (p2p.py). This class parses torch's call forms and
+hands each call to the module that plans it (collectives, p2p_collectives,
+sparse).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..communicator import Communicator
+from ..rendezvous import init as _init_communicator
+from . import collectives as coll
+from . import groups
+from . import p2p_collectives as p2pc
+from .args import Args
+from .completion import Completer
+from .launch import Launch
+from .options import CallOptions, call_options
+from .p2p import P2P_FLUSH_DELAY_S, Deferred, DeferredP2P
+from .sparse import is_sparse, sparse_allreduce
+from .work import PycollWork
+
+BACKEND_NAME = "pycoll"
+
+
+class ProcessGroupPycoll(dist.ProcessGroup):
+    """A torch.distributed ProcessGroup backed by one pycollectives Communicator.
+
+    Created by torch through the registered creator (`init_process_group("pycoll")`,
+    `new_group(backend="pycoll")`, DeviceMesh); every rank of the group must
+    create it. Each method takes the forms torch's ProcessGroup API takes
+    (options objects, or the ReduceOp / root / timeout overloads). Raises what
+    pycollectives.init raises (ValueError, CollectiveTimeout).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta | float,
+        group_name: str = "",
+    ) -> None:
+        super().__init__(rank, size)
+        self._args = Args(rank, size)
+        self._group_name = group_name
+        self._group_desc = ""
+        self._comm: Communicator = _init_communicator(
+            rank=rank,
+            world_size=size,
+            store=store,
+            timeout=timeout,
+            prefix=f"pycoll-pg/{group_name}",
+        )
+        self._lock = threading.RLock()  # issue order = call order across threads
+        self._p2p = DeferredP2P()
+        self._completer = Completer(
+            f"pycoll-pg-{group_name}",
+            wake_every=lambda: P2P_FLUSH_DELAY_S if self._p2p else None,
+            on_idle=self._flush_p2p_if_due,
+        )
+        self._closed = False
+        groups.add(self)
+
+    # -- identity -----------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """The backend's name, "pycoll"."""
+        return BACKEND_NAME
+
+    @property
+    def group_name(self) -> str:
+        """The name torch registered this group under."""
+        return self._group_name
+
+    def getGroupName(self) -> str:  # noqa: N802 - torch's name
+        """The name torch registered this group under."""
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's name
+        """Called by torch after creation."""
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802 - torch's name
+        """The group's description (torch's group_desc)."""
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802 - torch's name
+        """Called by torch after creation."""
+        self._group_desc = desc
+
+    @property
+    def communicator(self) -> Communicator:
+        """The pycollectives Communicator of this group."""
+        return self._comm
+
+    def __repr__(self) -> str:
+        return (
+            f"ProcessGroupPycoll(rank={self._args.rank}, size={self._args.size}, "
+            f"name={self._group_name!r})"
+        )
+
+    # -- collectives ----------------------------------------------------------------
+    def allreduce(
+        self, tensors: Any, opts: Any = None, timeout: Any = None, *, op: Any = None
+    ) -> dist.Work:
+        """All-reduce of each tensor in place (SUM, AVG, PRODUCT, MIN, MAX,
+        PREMUL_SUM; a sparse COO tensor: SUM). `opts`: AllreduceOptions, a
+        ReduceOp or RedOpType, or None (SUM)."""
+        o = call_options(self._args, "allreduce", opts, op=op, timeout=timeout)
+        ts = tensors if isinstance(tensors, (list, tuple)) else [tensors]
+        if any(is_sparse(t) for t in ts):
+            return self._launch(sparse_allreduce(self._args, list(ts), o), o)
+        ts = self._args.tensors(ts, "allreduce", "tensors")
+        value = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+        return self._launch(coll.allreduce(self._args, ts, o, value), o)
+
+    def allreduce_coalesced(self, tensors: list, opts: Any = None) -> dist.Work:
+        """All-reduce of several tensors as one call (one flat buffer per dtype)."""
+        o = call_options(self._args, "allreduce_coalesced", opts)
+        ts = self._args.tensors(tensors, "allreduce_coalesced", "tensors")
+        return self._launch(coll.allreduce_coalesced(self._args, ts, o), o)
+
+    def broadcast(
+        self, tensors: Any, opts: Any = None, timeout: Any = None, *, root: Any = None
+    ) -> dist.Work:
+        """Broadcast of the root's tensor, in place. `opts`: BroadcastOptions or the root rank."""
+        o = call_options(self._args, "broadcast", opts, root=root, timeout=timeout, rooted=True)
+        t = self._args.one(tensors, "broadcast")
+        return self._launch(coll.broadcast(self._args, t, o), o)
+
+    def allgather(
+        self, output_tensors: list, input_tensors: Any, opts: Any = None, timeout: Any = None
+    ) -> dist.Work:
+        """All-gather: output_tensors[0][r] (or output_tensors[r] with one input
+        tensor, torch's other form) gets rank r's tensor."""
+        name = "allgather"
+        o = call_options(self._args, name, opts, timeout=timeout)
+        inp = self._args.one(input_tensors, name, "input_tensors")
+        if isinstance(input_tensors, torch.Tensor):  # allgather(list, tensor)
+            outs, value = output_tensors, [output_tensors]
+        elif len(output_tensors) == 1:
+            outs, value = output_tensors[0], output_tensors
+        else:
+            raise ValueError(
+                self._args.err(name, f"output_tensors must be [list of {self._args.size} tensors]")
+            )
+        return self._launch(coll.allgather(self._args, outs, inp, o, value), o)
+
+    def allgather_coalesced(
+        self, output_lists: list, input_list: list, opts: Any = None
+    ) -> dist.Work:
+        """All-gather of several tensors as one call: output_lists[r][i] gets
+        rank r's input_list[i] (torch's layout, as gloo)."""
+        o = call_options(self._args, "allgather_coalesced", opts)
+        return self._launch(coll.allgather_coalesced(self._args, output_lists, input_list, o), o)
+
+    def all_gather_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002 - torch's name
+        opts: Any = None,
+    ) -> dist.Work:
+        """All-gather into one tensor (torch's all_gather_into_tensor)."""
+        return self.all_gather_single_coalesced([output], [input], opts, "all_gather_into_tensor")
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(
+        self, outputs: list, inputs: list, opts: Any = None, name: str = ""
+    ) -> dist.Work:
+        """Several all_gather_into_tensor as one call (completed with `outputs`)."""
+        name = name or "all_gather_into_tensor_coalesced"
+        o = call_options(self._args, name, opts)
+        return self._launch(coll.all_gather_into_tensors(self._args, name, outputs, inputs, o), o)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(
+        self,
+        output_tensors: Any,
+        input_tensors: list,
+        opts: Any = None,
+        timeout: Any = None,
+        *,
+        op: Any = None,
+    ) -> dist.Work:
+        """Reduce-scatter of input_tensors[0], a list of world_size tensors, into
+        output_tensors[0] (or of a list into one tensor, torch's other form)."""
+        name = "reduce_scatter"
+        o = call_options(self._args, name, opts, op=op, timeout=timeout)
+        out = self._args.one(output_tensors, name, "output_tensors")
+        if isinstance(output_tensors, torch.Tensor):  # reduce_scatter(tensor, list, op)
+            ins = input_tensors
+        elif len(input_tensors) == 1:
+            ins = input_tensors[0]
+        else:
+            raise ValueError(
+                self._args.err(name, f"input_tensors must be [list of {self._args.size} tensors]")
+            )
+        return self._launch(coll.reduce_scatter(self._args, out, ins, o), o)
+
+    def reduce_scatter_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002 - torch's name
+        opts: Any = None,
+    ) -> dist.Work:
+        """Reduce-scatter of one tensor (torch's reduce_scatter_tensor)."""
+        return self.reduce_scatter_single_coalesced(
+            [output], [input], opts, "reduce_scatter_tensor"
+        )
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list, inputs: list, opts: Any = None, name: str = ""
+    ) -> dist.Work:
+        """Several reduce_scatter_tensor as one call (completed with `outputs`)."""
+        name = name or "reduce_scatter_tensor_coalesced"
+        o = call_options(self._args, name, opts)
+        return self._launch(coll.reduce_scatter_tensors(self._args, name, outputs, inputs, o), o)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def reduce(
+        self,
+        tensors: Any,
+        opts: Any = None,
+        op: Any = None,
+        timeout: Any = None,
+        *,
+        root: Any = None,
+    ) -> dist.Work:
+        """Reduce into the root's tensor (the others' stay unchanged). `opts`:
+        ReduceOptions, or the root rank with `op` after it."""
+        o = call_options(self._args, "reduce", opts, op=op, root=root, timeout=timeout, rooted=True)
+        t = self._args.one(tensors, "reduce")
+        return self._launch(coll.reduce(self._args, t, o), o)
+
+    def barrier(self, opts: Any = None, timeout: Any = None) -> dist.Work:
+        """Completes once every rank of the group has entered the barrier.
+        `opts`: BarrierOptions or a timeout."""
+        o = call_options(self._args, "barrier", opts, timeout=timeout)
+        return self._launch(coll.barrier(o), o)
+
+    # -- collectives built on point to point ------------------------------------------
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002 - torch's name
+        output_split_sizes: list,
+        input_split_sizes: list,
+        opts: Any = None,
+    ) -> dist.Work:
+        """All-to-all of one tensor, even (no splits) or with split sizes along dim 0."""
+        o = call_options(self._args, "all_to_all_single", opts)
+        return self._launch(
+            p2pc.all_to_all_single(
+                self._args, output, input, output_split_sizes, input_split_sizes, o
+            ),
+            o,
+        )
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: list, input_tensors: list, opts: Any = None) -> dist.Work:
+        """All-to-all of lists: input_tensors[j] goes to rank j's output_tensors[rank]."""
+        o = call_options(self._args, "alltoall", opts)
+        return self._launch(p2pc.alltoall(self._args, output_tensors, input_tensors, o), o)
+
+    def gather(
+        self, output_tensors: Any, input_tensors: Any, opts: Any = None, timeout: Any = None
+    ) -> dist.Work:
+        """Gather to the root: output_tensors[0][r] gets rank r's input. `opts`:
+        GatherOptions, or the root rank (with a list and a tensor, torch's other form)."""
+        o = call_options(self._args, "gather", opts, timeout=timeout, rooted=True)
+        if isinstance(input_tensors, torch.Tensor):  # gather(list, tensor, root)
+            output_tensors, input_tensors = [output_tensors], [input_tensors]
+        return self._launch(
+            p2pc.rooted(self._args, "gather", output_tensors, input_tensors, o, to_root=True), o
+        )
+
+    def scatter(
+        self, output_tensors: Any, input_tensors: Any, opts: Any = None, timeout: Any = None
+    ) -> dist.Work:
+        """Scatter from the root: rank r's output gets input_tensors[0][r]. `opts`:
+        ScatterOptions, or the root rank (with a tensor and a list, torch's other form)."""
+        o = call_options(self._args, "scatter", opts, timeout=timeout, rooted=True)
+        if isinstance(output_tensors, torch.Tensor):  # scatter(tensor, list, root)
+            output_tensors, input_tensors = [output_tensors], [input_tensors]
+        return self._launch(
+            p2pc.rooted(self._args, "scatter", output_tensors, input_tensors, o, to_root=False),
+            o,
+        )
+
+    # -- point to point --------------------------------------------------------------------
+    def send(self, tensors: list, dstRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
+        """Sends the tensor to group rank dstRank (deferred: p2p.py)."""
+        t = self._args.one(tensors, "send")
+        peer = self._args.peer(dstRank, "send", "dst")
+        return self._defer("send", self._args.buf(t, None), peer, list(tensors), [])
+
+    def recv(self, tensors: list, srcRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
+        """Receives into the tensor from group rank srcRank (deferred: p2p.py)."""
+        t = self._args.one(tensors, "recv")
+        peer = self._args.peer(srcRank, "recv", "src")
+        copies: list = []
+        return self._defer("recv", self._args.buf(t, copies), peer, list(tensors), copies)
+
+    def recv_anysource(self, tensors: list, tag: int = 0) -> dist.Work:
+        """Receives into the tensor the next message any rank sends this one;
+        the Work's `_source_rank()` names the sender. Issued at once, after the
+        deferred sends and receives (it does not progress with them)."""
+        name = "recv"
+        t = self._args.one(tensors, name)
+        if self._args.size < 2:
+            raise ValueError(self._args.err(name, "no other rank to receive from"))
+        copies: list = []
+        buf = self._args.buf(t, copies)
+        core: list = []
+
+        def issue(c: Communicator, async_op: bool) -> list:
+            core.append(c.recv(buf, None, async_op=True))
+            return core
+
+        launch = Launch(name, issue, list(tensors), copies, buf, source=lambda: core[0].source)
+        return self._launch(launch, CallOptions())
+
+    def _defer(
+        self, kind: str, buf: torch.Tensor, peer: int, value: list, copies: list
+    ) -> dist.Work:
+        if self._closed:
+            raise RuntimeError(self._args.err(kind, "the process group was shut down"))
+        if peer == self._args.rank:
+            raise ValueError(self._args.err(kind, f"peer {peer} is this rank"))
+        fut = torch.futures.Future()
+        with self._lock:
+            first = self._p2p.add(Deferred(kind, buf, peer, fut, value, copies))
+        if first:  # wake the completion thread: it issues them if nothing else does
+            self._completer.submit([], [], [])
+        return self._work(fut)
+
+    def has_deferred_p2p(self) -> bool:
+        """Whether sends or receives wait to be issued."""
+        return bool(self._p2p)
+
+    def flush_p2p(self) -> None:
+        """Issues the deferred sends and receives as one batch (they progress together)."""
+        with self._lock:
+            pend = self._p2p.take()
+            if not pend:
+                return
+            try:
+                works = p2pc.batch(self._comm, [(d.kind, d.buf, d.peer) for d in pend], True)
+            except BaseException as e:  # noqa: BLE001 - handed to the Futures
+                for d in pend:
+                    d.fut.set_exception(e)
+                return
+            copies = [c for d in pend for c in d.copies]
+            self._completer.submit(
+                works, [d.fut for d in pend], [d.value for d in pend], copies, pend
+            )
+
+    def _flush_p2p_if_due(self) -> None:
+        if self._p2p.due():
+            self.flush_p2p()
+
+    # -- issue and completion -------------------------------------------------------------
+    def _work(self, fut: torch.futures.Future, launch: Launch | None = None) -> PycollWork:
+        source = launch.source if launch is not None else None
+        return PycollWork(fut, self._flush_if_deferred, self._args.err, source)
+
+    def _flush_if_deferred(self) -> None:
+        if self._p2p:
+            self.flush_p2p()
+
+    def _launch(self, launch: Launch, o: CallOptions) -> PycollWork:
+        """Issues the core operations of one torch call and returns its Work.
+
+        Where torch waits at once (o.async_op False: the synchronous
+        torch.distributed calls), the operations run synchronously (the core's
+        fast path on this thread, no hand-off to the progress and completion
+        threads) and the Work returned is complete. Otherwise they are
+        asynchronous and the completion thread completes the Work."""
+        if self._closed:
+            raise RuntimeError(self._args.err(launch.name, "the process group was shut down"))
+        if groups.any_deferred_p2p():
+            groups.flush_all_p2p()
+        fut = torch.futures.Future()
+        if not o.async_op:
+            with self._lock:
+                launch.issue(self._comm, False)
+            for dst, src in launch.copies:
+                dst.copy_(src)
+            fut.set_result(launch.value)
+            return self._work(fut, launch)
+        with self._lock:
+            works = launch.issue(self._comm, True)
+        if not works and not launch.copies:
+            fut.set_result(launch.value)
+        else:
+            self._completer.submit(works, [fut], [launch.value], launch.copies, launch.keep)
+        return self._work(fut, launch)
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Finishes pending operations, stops the completion thread, closes the
+        Communicator (idempotent)."""
+        if self._closed:
+            return
+        self.flush_p2p()
+        self._closed = True
+        self._completer.close()
+        self._comm.close()
+        groups.remove(self)
+
+    def abort(self) -> None:
+        """Closes the Communicator without waiting for the completion thread."""
+        self._closed = True
+        self._comm.close()
+        groups.remove(self)
