@@ -12,11 +12,12 @@ import platform
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+
+from pycollectives.bench.launch import bench_command
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -34,9 +35,10 @@ def run_bench(nranks: int, flags: list[str], env: dict[str, str] | None = None) 
     CalledProcessError when the benchmark fails."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, "-m", "pycollectives.bench", "--nproc", str(nranks),
-               "--json", out, *flags]  # fmt: skip
-        print("+", " ".join(cmd[1:]), flush=True)
+        args = ["--nproc", str(nranks), "--json", out, *flags]
+        print("+ pycollectives-bench", " ".join(args), flush=True)
+        # bench_command: from a clone's root, plain `python -m` would import the source tree
+        cmd = bench_command(args)
         subprocess.run(
             cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, **(env or {}))
         )

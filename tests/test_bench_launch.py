@@ -61,7 +61,7 @@ def test_ranks_ignore_a_source_tree_in_the_working_directory(tmp_path, clone_roo
 
 
 @pytest.mark.parametrize("safe_path_flag", [True, False], ids=["python-P", "bootstrap"])
-def test_rank_command_runs_the_package_not_the_working_directory(
+def test_bench_command_runs_the_package_not_the_working_directory(
     monkeypatch, capfd, clone_root, safe_path_flag
 ):
     """Both ways of keeping the working directory off the ranks' sys.path (`python -P` from
@@ -69,7 +69,7 @@ def test_rank_command_runs_the_package_not_the_working_directory(
     if safe_path_flag and sys.version_info < (3, 11):
         pytest.skip("python -P needs Python >= 3.11")
     monkeypatch.setattr(launch, "_SAFE_PATH_FLAG", safe_path_flag)
-    assert ("-P" in launch.rank_command([])) == safe_path_flag
+    assert ("-P" in launch.bench_command([])) == safe_path_flag
     for k in _TORCHRUN_VARS:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.chdir(clone_root)
@@ -81,7 +81,7 @@ def test_rank_command_runs_the_package_not_the_working_directory(
 
 
 @pytest.mark.parametrize("safe_path_flag", [True, False], ids=["python-P", "bootstrap"])
-def test_mpirun_runs_the_rank_command(monkeypatch, clone_root, safe_path_flag):
+def test_mpirun_runs_the_bench_command(monkeypatch, clone_root, safe_path_flag):
     """The mpirun job (--compare mpi) starts its ranks with the same command: what mpirun would
     run, run from the clone's root, gets to the real benchmark (its --help)."""
     if safe_path_flag and sys.version_info < (3, 11):
@@ -101,7 +101,7 @@ def test_mpirun_runs_the_rank_command(monkeypatch, clone_root, safe_path_flag):
         assert launch._mpirun(["--help"], 2, time.monotonic() + 60, {}, None) == 0
     [(cmd, env)] = started
     assert cmd[0] == "mpirun"
-    rank_cmd = launch.rank_command(["--help"])
+    rank_cmd = launch.bench_command(["--help"])
     assert cmd[-len(rank_cmd) :] == rank_cmd, cmd
     p = subprocess.run(rank_cmd, cwd=clone_root, env=env, capture_output=True, text=True,
                        timeout=60)  # fmt: skip

@@ -4,7 +4,7 @@ waits for them, runs the separate MPI job of ``--compare mpi``, and reports the 
 handed back (``PYCOLL_BENCH_RESULT``).
 
 A rank runs this same program (``python -m pycollectives.bench``) with the same arguments and the
-variables of :mod:`pycollectives.bench.rank` in its environment; :func:`rank_command` keeps the
+variables of :mod:`pycollectives.bench.rank` in its environment; :func:`bench_command` keeps the
 launcher's working directory off the rank's ``sys.path``."""
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ _BOOTSTRAP = (
 )
 
 
-def rank_command(argv: Sequence[str]) -> list[str]:
-    """The command line of one rank: this Python running ``pycollectives.bench`` with `argv`, with
-    the working directory kept off ``sys.path``.
+def bench_command(argv: Sequence[str]) -> list[str]:
+    """This Python running ``pycollectives.bench`` with `argv`, with the working directory kept
+    off ``sys.path``: the command of each rank, and of scripts that run the benchmark.
 
     ``python -m`` puts the working directory first on ``sys.path``, ahead of PYTHONPATH and
     site-packages; from the root of a clone (the README's quick start) the ranks would then import
@@ -109,7 +109,7 @@ def _run_ranks(
     """Spawn nproc ranks (rank r pinned to cpus[r] when given), wait for all; on a failure or the
     deadline stop the others."""
     port = _free_port()
-    cmd = rank_command(argv)
+    cmd = bench_command(argv)
     procs: list[subprocess.Popen] = []
     try:
         for r in range(nproc):
@@ -226,7 +226,7 @@ def _mpirun(
         *_mpirun_binding(cpus),
         "-np",
         str(nproc),
-        *rank_command(argv),
+        *bench_command(argv),
     ]
     env = _child_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
