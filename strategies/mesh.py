@@ -1,0 +1,187 @@
+"""The process grid: one object that knows how the ranks divide into data-,
+tensor- and pipeline-parallel groups, built once and passed explicitly to
+whatever needs a group (no global state; layers receive a communicator).
+
+Rank layout, outermost axis first: pp, dp, tp (torchtitan's order, picotron's
+`arange(world).view(...)`). Tensor parallelism is innermost, so a tensor-
+parallel group is a run of neighbouring ranks, which talk the most:
+
+    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+A context-parallel axis goes between dp and tp (it talks less than tp, more
+than dp): one more name in AXES and NAMES, one more keyword and its properties.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from pycollectives import Communicator
+
+__all__ = ["AXES", "ParallelDims"]
+
+AXES: tuple[str, ...] = ("pp", "dp", "tp")  # the rank layout, outermost first
+NAMES: tuple[str, ...] = ("dp", "tp", "pp")  # the order messages name them in
+
+
+def _as_size(value: Any) -> int:
+    """An axis size as requested: a positive int, or -1 (infer); anything else -> 0 (invalid)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not (value >= 1 or value == -1):
+        return 0
+    return value
+
+
+def _describe(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{a}={sizes[a]}" for a in NAMES)
+
+
+class ParallelDims:
+    """A dp x tp x pp grid of the ranks of `comm`, with one sub-communicator
+    per axis, built here with comm.split (collective over `comm`).
+
+    `dp`, `tp`, `pp` are the sizes (one of them may be -1: whatever the world
+    size leaves); `dp_rank`, `tp_rank`, `pp_rank` this rank's coordinates;
+    `dp_comm`, `tp_comm`, `pp_comm` the communicators of the ranks that differ
+    from this one only along that axis, ordered by coordinate (so
+    `tp_comm.rank == tp_rank`). An axis of size 1 still has its (one-rank)
+    communicator, so code never special-cases it.
+
+    Every rank first gathers every rank's request, so bad input raises the
+    same ValueError on every rank instead of a hang: ranks asking for
+    different sizes, a size that is not a positive int (or -1), sizes whose
+    product is not the world size (the message names each factor).
+
+        dims = ParallelDims(comm, dp=2, tp=2, pp=1)
+        dims.tp_comm.all_reduce(t)  # among ranks 2k, 2k+1
+    """
+
+    def __init__(self, comm: Communicator, *, dp: int = 1, tp: int = 1, pp: int = 1) -> None:
+        requested = {"dp": dp, "tp": tp, "pp": pp}
+        self.world = comm
+        self.sizes = _agree_on_sizes(comm, requested)
+        self.coords = dict(zip(AXES, self._unravel(comm.rank), strict=True))
+        self._comms: dict[str, Communicator] = {}
+        for axis in AXES:  # the same order on every rank: each split is collective
+            others = {a: c for a, c in self.coords.items() if a != axis}
+            color = self.rank_of(**others, **{axis: 0})
+            sub = comm.split(color, key=self.coords[axis])
+            assert sub is not None and sub.rank == self.coords[axis], (axis, sub)
+            self._comms[axis] = sub
+
+    # -- sizes, coordinates, communicators ----------------------------------------
+    @property
+    def dp(self) -> int:
+        return self.sizes["dp"]
+
+    @property
+    def tp(self) -> int:
+        return self.sizes["tp"]
+
+    @property
+    def pp(self) -> int:
+        return self.sizes["pp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords["tp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    @property
+    def dp_comm(self) -> Communicator:
+        return self._comms["dp"]
+
+    @property
+    def tp_comm(self) -> Communicator:
+        return self._comms["tp"]
+
+    @property
+    def pp_comm(self) -> Communicator:
+        return self._comms["pp"]
+
+    def comm(self, axis: str) -> Communicator:
+        """The communicator along `axis` (one of AXES). Raises KeyError for another name."""
+        return self._comms[axis]
+
+    def rank_of(self, **coords: int) -> int:
+        """The rank (in `world`) at the given coordinates, e.g. rank_of(pp=1, dp=0, tp=0).
+
+        Raises ValueError for a missing axis or a coordinate out of range."""
+        if set(coords) != set(AXES) or any(not 0 <= coords[a] < self.sizes[a] for a in AXES):
+            raise ValueError(f"ParallelDims.rank_of: {coords} is not a point of {self}")
+        rank = 0
+        for axis in AXES:
+            rank = rank * self.sizes[axis] + coords[axis]
+        return rank
+
+    def _unravel(self, rank: int) -> list[int]:
+        out = []
+        for axis in reversed(AXES):
+            rank, c = divmod(rank, self.sizes[axis])
+            out.append(c)
+        return out[::-1]
+
+    # -- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Closes the sub-communicators (not `world`)."""
+        for c in self._comms.values():
+            c.close()
+
+    def __enter__(self) -> ParallelDims:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = ", ".join(f"{a}_rank={self.coords[a]}" for a in NAMES)
+        return f"ParallelDims({_describe(self.sizes)}; rank {self.world.rank}: {where})"
+
+
+def _agree_on_sizes(comm: Communicator, requested: dict[str, Any]) -> dict[str, int]:
+    """Gathers every rank's requested sizes and checks them, on every rank alike;
+    returns the sizes with -1 resolved, or raises ValueError."""
+    names = NAMES
+    mine = torch.tensor([_as_size(requested[a]) for a in names], dtype=torch.int64)
+    every = torch.empty(comm.world_size * len(names), dtype=torch.int64)
+    comm.all_gather(every, mine)
+    every = every.view(comm.world_size, len(names))
+    who = f"ParallelDims: rank {comm.rank}"
+    differ = [r for r in range(comm.world_size) if not torch.equal(every[r], every[0])]
+    if differ:
+        asked = "; ".join(
+            f"rank {r}: " + _describe(dict(zip(names, every[r].tolist(), strict=True)))
+            for r in [0, *differ]
+        )
+        raise ValueError(f"{who}: the ranks ask for different grids ({asked}); 0 = invalid")
+    sizes = dict(zip(names, every[0].tolist(), strict=True))
+    bad = [a for a in names if sizes[a] == 0]
+    if bad:
+        shown = ", ".join(f"{a}={requested[a]!r}" for a in bad)
+        raise ValueError(f"{who}: {shown}: each size must be a positive int or -1 (infer)")
+    inferred = [a for a in names if sizes[a] == -1]
+    known = math.prod(s for s in sizes.values() if s > 0)
+    if len(inferred) > 1:
+        raise ValueError(f"{who}: {_describe(sizes)}: at most one size may be -1")
+    if inferred:
+        if comm.world_size % known:
+            raise ValueError(
+                f"{who}: {inferred[0]}=-1: the world size {comm.world_size} is not divisible by "
+                + " x ".join(f"{a}={sizes[a]}" for a in names if sizes[a] > 0)
+                + f" = {known}"
+            )
+        sizes[inferred[0]] = comm.world_size // known
+    product = math.prod(sizes.values())
+    if product != comm.world_size:
+        factors = " x ".join(f"{a}={sizes[a]}" for a in names)
+        raise ValueError(f"{who}: {factors} = {product}, but the world size is {comm.world_size}")
+    return {a: sizes[a] for a in AXES}
