@@ -624,6 +624,15 @@ def _misc(rank: int, n: int) -> dict[str, Any]:
             "barrier_timeout", lambda: dist.barrier(sub, timeout=datetime.timedelta(seconds=0.001))
         )
     dist.destroy_process_group(sub)
+    # monitored_barrier on the group itself (torch's dist.monitored_barrier is gloo-only)
+    pg.monitored_barrier(datetime.timedelta(seconds=20))
+    pg.monitored_barrier(datetime.timedelta(seconds=20), wait_all_ranks=True)
+    if rank == 0:
+        catch("mb_zero", lambda: pg.monitored_barrier(datetime.timedelta(0)))
+    sub = dist.new_group()
+    if rank == 0:
+        catch("mb_late", lambda: sub.monitored_barrier(datetime.timedelta(seconds=0.3)))
+    dist.destroy_process_group(sub)
     # Asynchronous: the call returns while the peer is still away.
     if rank == 1:
         time.sleep(0.5)
@@ -681,6 +690,8 @@ def test_backend_errors_async_and_p2p() -> None:
         assert "torch.sparse_coo" in res["sparse_broadcast"], res
         assert "broadcast" in res["sparse_broadcast"], res
         if rank == 0:
+            assert "Rank 0 timed out in monitoredBarrier" in res["mb_zero"], res
+            assert "Rank 1 failed to pass monitoredBarrier in 300 ms" in res["mb_late"], res
             assert "Timed out waiting 1ms" in res["barrier_timeout"], res
             assert "CollectiveTimeout" in res["barrier_timeout"], res
         assert res["async_value"] == 3.0 and res["isend_irecv"] is True, res

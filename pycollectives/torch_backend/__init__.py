@@ -8,11 +8,12 @@ Modules, each importing only those listed after it:
 
 - registration: registers the backend with torch.distributed (torch optional);
 - process_group: ProcessGroupPycoll, torch's call forms, issue and lifetime;
-- collectives, p2p_collectives, sparse: what each call runs on the core (a Launch);
+- monitored_barrier: gloo's debugging barrier, on this backend;
+- p2p: deferred sends and receives, issued as batches;
 - completion: the thread that completes the Works in issue order;
-- p2p: deferred sends and receives, issued as batches; groups: the live groups;
-- work: the Work returned to torch; options: torch's options, ops and timeouts;
-- launch: a planned call; args: argument checks.
+- collectives, p2p_collectives, sparse: what each call runs on the core (a Launch);
+- launch: a planned call; options: torch's options, ops and timeouts; args:
+  argument checks; work: the Work returned to torch; groups: the live groups.
 """
 
 from __future__ import annotations

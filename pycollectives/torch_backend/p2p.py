@@ -16,6 +16,11 @@ from typing import Any
 
 import torch
 
+from ..communicator import Communicator
+from .args import Args
+from .completion import Completer
+from .p2p_collectives import batch
+
 # Pending sends/recvs are issued together at the latest this long after the
 # last one was added; those of a batch_isend_irecv call wait longer, so that a
 # stalled caller cannot split its batch.
@@ -50,9 +55,16 @@ class Deferred:
 
 
 class DeferredP2P:
-    """The deferred sends and receives of one group, in issue order."""
+    """The deferred sends and receives of one group, in issue order: `defer`
+    queues one, `flush` issues every pending one as one batch_p2p on `comm`,
+    whose Works the `completer` waits for before completing their Futures.
+    `lock` is the group's issue lock (issue order = call order)."""
 
-    def __init__(self) -> None:
+    def __init__(self, comm: Communicator, lock: Any, completer: Completer, args: Args) -> None:
+        self._comm = comm
+        self._lock = lock
+        self._completer = completer
+        self._args = args
         self.pending: list[Deferred] = []
         self._last = 0.0  # when the last one was added
         self._batch = False  # one comes from batch_isend_irecv
@@ -60,20 +72,44 @@ class DeferredP2P:
     def __bool__(self) -> bool:
         return bool(self.pending)
 
-    def add(self, d: Deferred) -> bool:
-        """Queues `d`; True when it is the first pending one."""
-        first = not self.pending
-        self.pending.append(d)
-        self._last = time.monotonic()
-        self._batch = self._batch or in_batch_isend_irecv()
-        return first
+    def defer(
+        self, kind: str, buf: torch.Tensor, peer: int, value: Any, copies: list
+    ) -> torch.futures.Future:
+        """Queues a send or receive of `buf` with `peer`; returns the Future
+        completed with `value` once it is done (and `copies` are made).
+        Raises ValueError for this rank as the peer."""
+        if peer == self._args.rank:
+            raise ValueError(self._args.err(kind, f"peer {peer} is this rank"))
+        fut = torch.futures.Future()
+        with self._lock:
+            first = not self.pending
+            self.pending.append(Deferred(kind, buf, peer, fut, value, copies))
+            self._last = time.monotonic()
+            self._batch = self._batch or in_batch_isend_irecv()
+        if first:  # wake the completion thread: it issues them if nothing else does
+            self._completer.submit([], [], [])
+        return fut
 
-    def due(self) -> bool:
-        """Whether the pending ones have waited their delay."""
+    def flush(self) -> None:
+        """Issues every pending send and receive as one batch (they progress together)."""
+        with self._lock:
+            pend, self.pending, self._batch = self.pending, [], False
+            if not pend:
+                return
+            try:
+                works = batch(self._comm, [(d.kind, d.buf, d.peer) for d in pend], True)
+            except BaseException as e:  # noqa: BLE001 - handed to the Futures
+                for d in pend:
+                    d.fut.set_exception(e)
+                return
+            copies = [c for d in pend for c in d.copies]
+            self._completer.submit(
+                works, [d.fut for d in pend], [d.value for d in pend], copies, pend
+            )
+
+    def flush_if_due(self) -> None:
+        """Flushes once the pending ones have waited their delay (the completion
+        thread's idle hook)."""
         delay = P2P_BATCH_FLUSH_DELAY_S if self._batch else P2P_FLUSH_DELAY_S
-        return bool(self.pending) and time.monotonic() - self._last >= delay
-
-    def take(self) -> list[Deferred]:
-        """Removes and returns every pending one."""
-        pend, self.pending, self._batch = self.pending, [], False
-        return pend
+        if self.pending and time.monotonic() - self._last >= delay:
+            self.flush()

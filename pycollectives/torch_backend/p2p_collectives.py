@@ -1,7 +1,7 @@
 """The calls of the "pycoll" backend built on point to point: all-to-all with
 split sizes or of lists, gather and scatter, each issued as one batch of
-sends and receives (Communicator.batch_p2p). Each function checks its
-arguments and returns the call's Launch."""
+sends and receives (Communicator.batch_p2p), and the receive from any source.
+Each function checks its arguments and returns the call's Launch."""
 
 from __future__ import annotations
 
@@ -171,3 +171,21 @@ def rooted(
         return batch(c, ops, async_op, o.timeout)
 
     return Launch(name, issue, output_tensors, copies, (one, ops))
+
+
+def recv_any(a: Args, tensors: Any) -> Launch:
+    """A receive from any source into the single tensor of `tensors`; the
+    Launch's source() names the sender once it completed."""
+    name = "recv"
+    t = a.one(tensors, name)
+    if a.size < 2:
+        raise ValueError(a.err(name, "no other rank to receive from"))
+    copies: list = []
+    buf = a.buf(t, copies)
+    core: list = []
+
+    def issue(c: Communicator, async_op: bool) -> list:
+        core.append(c.recv(buf, None, async_op=True))
+        return core
+
+    return Launch(name, issue, list(tensors), copies, buf, source=lambda: core[0].source)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..communicator import Communicator
+from ..communicator import Communicator, to_seconds
 from ..rendezvous import init as _init_communicator
 from . import collectives as coll
 from . import groups
@@ -28,8 +28,9 @@ from . import p2p_collectives as p2pc
 from .args import Args
 from .completion import Completer
 from .launch import Launch
+from .monitored_barrier import monitored_barrier as run_monitored_barrier
 from .options import CallOptions, call_options
-from .p2p import P2P_FLUSH_DELAY_S, Deferred, DeferredP2P
+from .p2p import P2P_FLUSH_DELAY_S, DeferredP2P
 from .sparse import is_sparse, sparse_allreduce
 from .work import PycollWork
 
@@ -65,13 +66,14 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             timeout=timeout,
             prefix=f"pycoll-pg/{group_name}",
         )
+        self._timeout = to_seconds(timeout)  # the default of the group's operations
         self._lock = threading.RLock()  # issue order = call order across threads
-        self._p2p = DeferredP2P()
         self._completer = Completer(
             f"pycoll-pg-{group_name}",
             wake_every=lambda: P2P_FLUSH_DELAY_S if self._p2p else None,
-            on_idle=self._flush_p2p_if_due,
+            on_idle=lambda: self._p2p.flush_if_due(),
         )
+        self._p2p = DeferredP2P(self._comm, self._lock, self._completer, self._args)
         self._closed = False
         groups.add(self)
 
@@ -256,6 +258,26 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         o = call_options(self._args, "barrier", opts, timeout=timeout)
         return self._launch(coll.barrier(o), o)
 
+    def monitored_barrier(
+        self, timeout: datetime.timedelta | float | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """gloo's debugging barrier: rank 0 names the ranks that did not arrive
+        within `timeout` (the group's by default), the first or, with
+        `wait_all_ranks`, all of them; RuntimeError on every rank that took
+        part (monitored_barrier.py)."""
+        seconds = call_options(self._args, "monitored_barrier", None, timeout=timeout).timeout
+        if timeout is not None and seconds is None:  # 0 or negative: no time at all
+            seconds = 0.0
+        if groups.any_deferred_p2p():
+            groups.flush_all_p2p()
+        with self._lock:
+            run_monitored_barrier(
+                self._comm,
+                self._args,
+                self._timeout if seconds is None else seconds,
+                wait_all_ranks,
+            )
+
     # -- collectives built on point to point ------------------------------------------
     def all_to_all_single(
         self,
@@ -324,34 +346,14 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         """Receives into the tensor the next message any rank sends this one;
         the Work's `_source_rank()` names the sender. Issued at once, after the
         deferred sends and receives (it does not progress with them)."""
-        name = "recv"
-        t = self._args.one(tensors, name)
-        if self._args.size < 2:
-            raise ValueError(self._args.err(name, "no other rank to receive from"))
-        copies: list = []
-        buf = self._args.buf(t, copies)
-        core: list = []
-
-        def issue(c: Communicator, async_op: bool) -> list:
-            core.append(c.recv(buf, None, async_op=True))
-            return core
-
-        launch = Launch(name, issue, list(tensors), copies, buf, source=lambda: core[0].source)
-        return self._launch(launch, CallOptions())
+        return self._launch(p2pc.recv_any(self._args, tensors), CallOptions())
 
     def _defer(
         self, kind: str, buf: torch.Tensor, peer: int, value: list, copies: list
     ) -> dist.Work:
         if self._closed:
             raise RuntimeError(self._args.err(kind, "the process group was shut down"))
-        if peer == self._args.rank:
-            raise ValueError(self._args.err(kind, f"peer {peer} is this rank"))
-        fut = torch.futures.Future()
-        with self._lock:
-            first = self._p2p.add(Deferred(kind, buf, peer, fut, value, copies))
-        if first:  # wake the completion thread: it issues them if nothing else does
-            self._completer.submit([], [], [])
-        return self._work(fut)
+        return self._work(self._p2p.defer(kind, buf, peer, value, copies))
 
     def has_deferred_p2p(self) -> bool:
         """Whether sends or receives wait to be issued."""
@@ -359,24 +361,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     def flush_p2p(self) -> None:
         """Issues the deferred sends and receives as one batch (they progress together)."""
-        with self._lock:
-            pend = self._p2p.take()
-            if not pend:
-                return
-            try:
-                works = p2pc.batch(self._comm, [(d.kind, d.buf, d.peer) for d in pend], True)
-            except BaseException as e:  # noqa: BLE001 - handed to the Futures
-                for d in pend:
-                    d.fut.set_exception(e)
-                return
-            copies = [c for d in pend for c in d.copies]
-            self._completer.submit(
-                works, [d.fut for d in pend], [d.value for d in pend], copies, pend
-            )
-
-    def _flush_p2p_if_due(self) -> None:
-        if self._p2p.due():
-            self.flush_p2p()
+        self._p2p.flush()
 
     # -- issue and completion -------------------------------------------------------------
     def _work(self, fut: torch.futures.Future, launch: Launch | None = None) -> PycollWork:
@@ -385,7 +370,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     def _flush_if_deferred(self) -> None:
         if self._p2p:
-            self.flush_p2p()
+            self._p2p.flush()
 
     def _launch(self, launch: Launch, o: CallOptions) -> PycollWork:
         """Issues the core operations of one torch call and returns its Work.
