@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from strategies.pipeline.actions import Action, Kind, parse_action
 
-__all__ = ["MATPLOTLIB_MISSING", "draw_timeline", "missing_matplotlib"]
+__all__ = ["MATPLOTLIB_MISSING", "draw_timeline", "draw_timelines", "missing_matplotlib"]
 
 MATPLOTLIB_MISSING = (
     "drawing a pipeline timeline needs matplotlib, which is not installed: "
@@ -71,27 +71,61 @@ def draw_timeline(
     Raises ImportError with MATPLOTLIB_MISSING when matplotlib is not
     installed, ValueError for a record with end < start.
     """
+    return draw_timelines([(title, records)], path, time_unit=time_unit)
+
+
+def draw_timelines(
+    panels: Sequence[tuple[str | None, Iterable[Sequence[object]]]],
+    path: str | os.PathLike[str],
+    *,
+    time_unit: str = "",
+) -> str:
+    """Draws several timelines (as draw_timeline does one) stacked in one
+    PNG, each panel titled, on one time axis: e.g. a measured step above its
+    simulation. Returns `path` as a string.
+
+    Raises ImportError with MATPLOTLIB_MISSING when matplotlib is not
+    installed, ValueError for a record with end < start.
+    """
     if missing_matplotlib():
         raise ImportError(MATPLOTLIB_MISSING)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    rows = [(int(r), float(t0), float(t1), a) for r, t0, t1, a in records]
-    for r, t0, t1, a in rows:
+    rows = [[(int(r), float(t0), float(t1), a) for r, t0, t1, a in recs] for _, recs in panels]
+    for r, t0, t1, a in (x for panel in rows for x in panel):
         if t1 < t0:
             raise ValueError(f"draw_timeline: record ({r}, {t0}, {t1}, {a}) ends before it starts")
-    n_ranks = max((r for r, *_ in rows), default=0) + 1
-    end = max((t1 for _, _, t1, _ in rows), default=1.0) or 1.0
+    ranks = [max((r for r, *_ in panel), default=0) + 1 for panel in rows]
+    end = max((t1 for panel in rows for _, _, t1, _ in panel), default=1.0) or 1.0
+    per_rank = max(len(panel) / n for panel, n in zip(rows, ranks, strict=True))
+    width = min(18.0, max(8.0, 4.0 + 0.12 * per_rank))
+    heights = [0.8 + 0.45 * n for n in ranks]
+    fig = Figure(figsize=(width, 0.4 + sum(heights)))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(rows), 1, squeeze=False, height_ratios=heights, sharex=True)[:, 0]
+    seen: set[Kind] = set()
+    for ax, (title, _), panel, n in zip(axes, panels, rows, ranks, strict=True):
+        seen |= _draw_panel(ax, panel, n, end, width)
+        if title:
+            ax.set_title(title, fontsize=10)
+    axes[-1].set_xlabel(f"time ({time_unit})" if time_unit else "time")
+    handles = [Patch(color=_COLORS[k], label=_NAMES[k]) for k in Kind if k in seen]
+    if handles:
+        axes[0].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), dpi=120)
+    return os.fspath(path)
+
+
+def _draw_panel(ax: object, rows: list, n_ranks: int, end: float, width: float) -> set[Kind]:
+    """One timeline on `ax`; returns the kinds of compute drawn."""
     stages: dict[int, set[int]] = {}
     parsed = [(r, t0, t1, a, _as_action(a)) for r, t0, t1, a in rows]
     for r, _, _, _, act in parsed:
         if act is not None and act.is_compute:
             stages.setdefault(r, set()).add(act.stage)
-    width = min(18.0, max(8.0, 4.0 + 0.12 * len(rows) / n_ranks))
-    fig = Figure(figsize=(width, 1.2 + 0.45 * n_ranks))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
     seen: set[Kind] = set()
     for r, t0, t1, a, act in parsed:
         y = n_ranks - 1 - r
@@ -118,12 +152,4 @@ def draw_timeline(
     ax.set_yticks(range(n_ranks), [f"rank {n_ranks - 1 - y}" for y in range(n_ranks)])
     ax.set_ylim(-0.6, n_ranks - 0.4)
     ax.set_xlim(0, end)
-    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
-    if title:
-        ax.set_title(title)
-    handles = [Patch(color=_COLORS[k], label=_NAMES[k]) for k in Kind if k in seen]
-    if handles:
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=120)
-    return os.fspath(path)
+    return seen
