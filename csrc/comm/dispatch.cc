@@ -1,0 +1,181 @@
+// Communicator: how one operation is set up and run (numbered, announced,
+// monitored), and the choice of its path: one-shot, direct (windows), single
+// copy (CMA) or the slots (see communicator.h).
+#include <atomic>
+#include <cstdint>
+
+#include "algo/prims.h"
+#include "comm/cma_choice.h"
+#include "comm/communicator.h"
+#include "comm/monitor.h"
+#include "core/clock.h"
+#include "core/error.h"
+
+namespace pyc {
+
+void Communicator::announce(uint32_t seq, const OpSig& sig, uint64_t where, uint64_t addr,
+                            uint64_t out) {
+  RankCtl* me = layout_.rank_ctl(seg_.data(), rank_);
+  SigEntry& e = me->sig[seq % kSigHistory];
+  e.seq.store(0, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  e.w0 = sig.word0();
+  e.w1 = sig.word1();
+  e.where = where;
+  e.addr = addr;
+  e.out = out;
+  e.seq.store(seq, std::memory_order_release);
+  publish(me->started, seq);
+}
+
+void Communicator::wait_started(uint32_t seq, WaitMonitor& mon) {
+  for (int p = 0; p < n_; ++p) {
+    if (p == rank_ || reached(known_started_[p], seq)) continue;
+    mon.peer = p;
+    known_started_[p] = wait_reached(layout_.rank_ctl(seg_.data(), p)->started, seq, mon);
+  }
+}
+
+void Communicator::account(OpKind kind, const OpCtx& c, uint64_t ns) {
+  OpStats& s = stats_[static_cast<int>(kind)];
+  s.calls.fetch_add(1, std::memory_order_relaxed);
+  s.bytes_sent.fetch_add(c.bytes_sent, std::memory_order_relaxed);
+  s.bytes_recv.fetch_add(c.bytes_recv, std::memory_order_relaxed);
+  s.time_ns.fetch_add(ns, std::memory_order_relaxed);
+  s.taken_over.fetch_add(c.taken_over, std::memory_order_relaxed);
+  s.paths[static_cast<int>(c.path)].fetch_add(1, std::memory_order_relaxed);
+}
+
+void Communicator::run_collective(const OpSig& sig, uint32_t seq, double timeout_s, BodyRef body,
+                                  uint64_t where, uint64_t addr, uint64_t out) {
+  // Chosen here, on the engine's thread in the order operations run, after
+  // the previous one's time was recorded.
+  const size_t total = cma_total(sig, n_);
+  const CmaTuner::Choice cma = cma_choice(sig.kind, total, where);
+  if (!cma.cma) addr = out = 0;
+  const auto t0 = cma.timed ? Clock::now() : Clock::time_point{};
+  bool ran_cma = false;
+  run_op(sig, seq, timeout_s, true, [&](OpCtx& c) {
+    announce(seq, sig, where, addr, out);
+    if (seq > static_cast<uint32_t>(kMaxLead)) wait_started(seq - kMaxLead, *c.mon);
+    body(c);
+    ran_cma = c.path == Path::kCma;
+  });
+  if (cma.timed) cma_tuner_.record(sig.kind, total, ran_cma, elapsed_ns(t0));
+}
+
+void Communicator::run_op(const OpSig& sig, uint32_t seq, double timeout_s, bool collective,
+                          BodyRef body) {
+  if (aborted()) throw_abort();
+  OpMonitor mon(*this, sig, seq, collective, timeout_s);
+  OpCtx c;
+  c.rank = rank_;
+  c.nranks = n_;
+  c.dtype = sig.dtype;
+  c.op = sig.op;
+  c.tag = SlotTag{seq, sig.word0(), sig.word1()};
+  c.links = this;
+  c.mon = &mon;
+  if (collective) c.out_store = output_store(sig);
+  try {
+    body(c);
+  } catch (const std::exception& e) {
+    // The peers must not wait for a rank that gave up: abort them all. The
+    // monitor and the transport have usually recorded the error already (the
+    // first one wins), this covers every other failure.
+    set_abort(AbortKind::kError, e.what());
+    throw;
+  }
+  account(sig.kind, c, elapsed_ns(mon.start()));
+}
+
+bool Communicator::oneshot(OpCtx& c, size_t bytes) {
+  if (algo_ == Algo::kRing || (algo_ == Algo::kCma && cma_) || !oneshot_fits(oneshot_, n_, bytes))
+    return false;
+  wait_started(c.tag.seq - 1, *c.mon);  // peers are done reading our area of op seq-2
+  return true;
+}
+
+void Communicator::saw_flags(uint32_t seq, int only) {
+  for (int p = 0; p < n_; ++p)
+    if (only < 0 || p == only) known_started_[p] = seq;  // a peer's flag means it started seq
+}
+
+bool Communicator::direct(OpCtx& c, const ShmWindow* win, size_t bytes, uint64_t where) {
+  // Below a few KiB per rank the one-shot path's single handshake beats the
+  // direct path's two; above, the direct reduce-scatter and all-gather move
+  // less (every rank decides alike: the size is part of the signature).
+  constexpr size_t kDirectMinBytes = 4096;
+  return win && bytes >= kDirectMinBytes && symmetric(c, where);
+}
+
+CmaTuner::Choice Communicator::cma_choice(OpKind kind, size_t total, uint64_t where) {
+  if (!cma_) return {false, false};
+  if (algo_ == Algo::kCma) return {total > 0, false};
+  if (!cma_band(kind, n_, total)) return {false, false};
+  // A buffer in a window takes the direct path wherever every rank placed it
+  // alike: its times would say nothing about single copy.
+  return where ? CmaTuner::Choice{true, false} : cma_tuner_.choose(kind, total);
+}
+
+bool Communicator::cma(OpCtx& c) {
+  // A rank announces an address only where it prefers single copy
+  // (run_collective); else it need not wait for the peers' announcements.
+  const SigEntry& mine = layout_.rank_ctl(seg_.data(), rank_)->sig[c.tag.seq % kSigHistory];
+  return mine.addr != 0 && announced_alike(c, [](const SigEntry& e) { return e.addr != 0; });
+}
+
+Store Communicator::output_store(const OpSig& sig) const {
+  // An output this large is out of the caches before the caller reads it, so
+  // ordinary stores would only add a read of every line they write (docs/
+  // benchmarks.md, "Streaming stores into the output"). Below, it stays where
+  // the caller reads it.
+  const bool blocks = sig.kind == OpKind::kAllGather || sig.kind == OpKind::kAllToAll;
+  const uint64_t bytes = sig.count * dtype_size(sig.dtype) * (blocks ? n_ : 1);
+  return bytes >= stream_bytes_ ? Store::kStreaming : Store::kCached;
+}
+
+CmaView Communicator::cma_view(uint32_t seq) {
+  constexpr size_t kChunk = 256 << 10;  // a chunk of every rank stays in L2 while it is reduced
+  if (!cma_scratch_) {
+    cma_scratch_.reset(new char[n_ * kChunk + 64]);
+  }
+  CmaView v;
+  for (int p = 0; p < n_; ++p) {
+    RankCtl* ctl = layout_.rank_ctl(seg_.data(), p);
+    v.pid[p] = ctl->pid;
+    const SigEntry& e = ctl->sig[seq % kSigHistory];
+    v.addr[p] = e.addr;
+    v.out[p] = e.out;
+    v.next[p] = &ctl->cma_next;
+    v.gathered[p] = &ctl->gathered;
+    if (p != rank_) {
+      v.from[p] = &layout_.fifo_ctl(seg_.data(), p, rank_)->cma_next;
+      v.to[p] = &layout_.fifo_ctl(seg_.data(), rank_, p)->cma_next;
+    }
+  }
+  const auto base = reinterpret_cast<uintptr_t>(cma_scratch_.get());
+  v.scratch = reinterpret_cast<char*>((base + 63) / 64 * 64);
+  v.chunk = kChunk;
+  return v;
+}
+
+bool Communicator::symmetric(OpCtx& c, uint64_t where) {
+  return announced_alike(c, [where](const SigEntry& e) { return e.where == where; });
+}
+
+template <class Also>
+bool Communicator::announced_alike(OpCtx& c, Also also) {
+  if (n_ > kMaxDirectRanks) return false;
+  const uint32_t seq = c.tag.seq;
+  wait_started(seq, *c.mon);  // every peer's buffer is in place and its op announced
+  for (int p = 0; p < n_; ++p) {
+    const SigEntry& e = layout_.rank_ctl(seg_.data(), p)->sig[seq % kSigHistory];
+    if (e.seq.load(std::memory_order_acquire) != seq || e.w0 != c.tag.w0 || e.w1 != c.tag.w1 ||
+        !also(e))
+      return false;  // the ring runs (and reports a mismatched operation)
+  }
+  return true;
+}
+
+}  // namespace pyc
