@@ -1,5 +1,5 @@
 """Where streaming (non-temporal) stores into the caller's output pay: the evidence behind
-PYCOLL_STREAM_BYTES' default (csrc/comm/communicator.cc, output_store).
+PYCOLL_STREAM_BYTES' default (csrc/comm/dispatch.cc, output_store).
 
 For each world size, runs pycollectives-bench on all-reduce and all-gather, on plain buffers and
 on registered ones (-R 1), rounds interleaved: PYCOLL_STREAM_BYTES=0 (every copy into an output

@@ -1,7 +1,8 @@
 // The CUDA path of a Communicator: the same collectives on device memory,
 // stream-ordered like torch.distributed with NCCL. This header includes no
 // CUDA header, so the bindings compile against it in every build; it is
-// implemented (cuda/cuda_path.cc) only when PYCOLL_WITH_CUDA is defined.
+// implemented (cuda/cuda_path.cc, cuda_setup.cc, cuda_ops.cc) only when PYCOLL_WITH_CUDA is
+// defined.
 //
 // Stream semantics (see docs/cuda.md):
 // - at issue, on the caller's thread, an event is recorded on the caller's
