@@ -38,7 +38,11 @@ if torch is not None:
     _Tensor = torch.Tensor
     from . import _C
 
-    _C.set_torch(torch.Tensor, [d for d, _ in sorted(_TORCH_CODES.items(), key=lambda kv: kv[1])])
+    _C.set_torch(
+        torch.Tensor,
+        [d for d, _ in sorted(_TORCH_CODES.items(), key=lambda kv: kv[1])],
+        torch.UntypedStorage,
+    )
 else:
     _Tensor = ()
 DTYPE_NAMES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
@@ -53,6 +57,23 @@ def _check_not_negated(buf: Any, rank: int, op: str, arg: str) -> None:
         raise ValueError(
             f"pycollectives: rank {rank}: {op}: {arg} is a negated view (its negative bit is "
             "set, as in z.conj().imag): call .resolve_neg() and copy the result back"
+        )
+
+
+def _check_in_storage(buf: Any, rank: int, op: str, arg: str) -> None:
+    """Raises ValueError for a tensor whose bytes are not all inside its storage: torch
+    keeps a tensor's sizes when its storage is resized under it (FSDP frees a parameter
+    by resizing its storage to 0), so they alone would send the core past the memory."""
+    nbytes = buf.numel() * buf.element_size()
+    if nbytes == 0:
+        return
+    storage = buf.untyped_storage()
+    start = buf.data_ptr() - storage.data_ptr()
+    if buf.data_ptr() == 0 or start < 0 or start + nbytes > storage.nbytes():
+        raise ValueError(
+            f"pycollectives: rank {rank}: {op}: {arg} needs {nbytes} bytes at offset "
+            f"{max(start, 0)} of its storage, which holds {storage.nbytes()} (was the storage "
+            "resized, as FSDP does to free a parameter?)"
         )
 
 
@@ -90,6 +111,7 @@ def describe(buf: Any, rank: int, op: str, arg: str, writable: bool = True) -> t
                 "(call .contiguous() and copy the result back)"
             )
         _check_not_negated(buf, rank, op, arg)
+        _check_in_storage(buf, rank, op, arg)
         return buf.data_ptr(), buf.numel(), code
     if isinstance(buf, np.ndarray):
         code = _NUMPY_CODES.get(buf.dtype)
@@ -199,6 +221,7 @@ def describe_cuda(
                 "(call .contiguous() and copy the result back)"
             )
         _check_not_negated(buf, rank, op, arg)
+        _check_in_storage(buf, rank, op, arg)
         dev = buf.device.index if buf.device.index is not None else torch.cuda.current_device()
         return (
             buf.data_ptr(),

@@ -3,9 +3,13 @@ C++ core over shared memory."""
 
 from __future__ import annotations
 
+import atexit
 import collections
 import datetime
 import enum
+import math
+import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +34,9 @@ class ReduceOp(enum.IntEnum):
 def to_seconds(timeout: Timeout, what: str = "timeout") -> float:
     """Converts a timeout (seconds or timedelta; None: -1, the default) to seconds.
 
-    Raises ValueError for a non-positive timeout and TypeError for another type.
+    An infinite or immense one (inf, 1e300, timedelta.max) waits forever (the
+    core treats anything from 1e9 s on as no limit). Raises ValueError for a
+    non-positive timeout or NaN, and TypeError for another type.
     """
     if timeout is None:
         return -1.0
@@ -40,9 +46,14 @@ def to_seconds(timeout: Timeout, what: str = "timeout") -> float:
         raise TypeError(
             f"pycollectives: {what} must be seconds or a timedelta, not {type(timeout).__name__}"
         )
+    if isinstance(timeout, float) and math.isnan(timeout):
+        raise ValueError(f"pycollectives: {what} must be > 0 seconds (inf: no limit), not nan")
     if timeout <= 0:
         raise ValueError(f"pycollectives: {what} must be > 0, not {timeout}")
-    return float(timeout)
+    try:
+        return float(timeout)
+    except OverflowError:  # an int beyond any float
+        return math.inf
 
 
 class Work:
@@ -137,6 +148,9 @@ def _check_no_overlap(a: tuple, b: tuple, allowed: int | None, rank: int, name: 
     raise ValueError(f"pycollectives: rank {rank}: {name}: input and output overlap")
 
 
+_live: weakref.WeakSet = weakref.WeakSet()  # closed at exit: see _close_all_at_exit
+
+
 class Communicator:
     """A group of ranks on one host; create with pycollectives.init() or split()."""
 
@@ -152,6 +166,13 @@ class Communicator:
         self._cuda_device: int | None = None  # set by the first CUDA operation
         # all_reduce_coalesced's window buckets, by (shapes and dtypes, cap): see bucketing.py
         self._coalesced_buckets: dict = {}
+        _live.add(self)
+
+    def _issue_from_any_thread(self) -> None:
+        """Lets any thread issue operations: the caller serializes its calls (the
+        torch backend does, under its lock). By default only the first thread
+        that issues one may (a second raises ValueError)."""
+        self._c.set_any_thread(True)
 
     # -- helpers --------------------------------------------------------------
     def _ret(self, work: Any, *buffers: Buffer) -> Work | None:
@@ -583,9 +604,18 @@ class Communicator:
         return self._c.cma
 
     def close(self) -> None:
-        """Finishes pending operations and releases the communicator (idempotent)."""
-        self._c.close()
+        """Releases the communicator (idempotent). Pending operations run on,
+        but one that waits for a peer that has not reached it is aborted (its
+        peers raise too) rather than left to its timeout; a warning names each
+        pending operation that failed (its Work raises the error)."""
+        failed = self._c.close()
         self._inflight.clear()
+        for msg in failed:
+            warnings.warn(
+                f"pycollectives: rank {self.rank}: close(): a pending {msg}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def __enter__(self) -> Communicator:
         return self
@@ -595,3 +625,12 @@ class Communicator:
 
     def __repr__(self) -> str:
         return f"<pycollectives.Communicator rank={self.rank} world_size={self.world_size}>"
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    """Closes the communicators still open at exit, while Python still runs: a
+    pending operation is then aborted (or finishes) and reported, instead of
+    holding the exit until its timeout."""
+    for comm in list(_live):
+        comm.close()

@@ -217,7 +217,8 @@ def test_shared_memory_is_unlinked_after_init():
 def test_dev_shm_too_small_says_how_to_fix(monkeypatch):
     from pycollectives import _C
 
-    monkeypatch.setenv("PYCOLL_SLOT_BYTES", str(1 << 40))
+    monkeypatch.setenv("PYCOLL_SLOT_BYTES", "1G")  # the largest slots, and the most of them
+    monkeypatch.setenv("PYCOLL_NSLOTS", "1024")
     expect(
         pc.PyCollectivesError,
         lambda: _C.Communicator(0, 2, _C.unique_segment_name(), True, 5.0),
@@ -236,7 +237,7 @@ def test_one_slot_per_connection_is_refused(monkeypatch):
     expect(
         ValueError,
         lambda: _C.Communicator(0, 2, _C.unique_segment_name(), True, 5.0),
-        "PYCOLL_NSLOTS must be >= 2, not 1",
+        "PYCOLL_NSLOTS must be in [2, 1024], not 1",
     )
 
 

@@ -99,6 +99,9 @@ struct CmaView {
   Counter* gathered[kMaxDirectRanks];
   char* scratch;
   size_t chunk;
+  // This rank's RankCtl::cma_busy: seq << 1 | 1 while it may copy into its
+  // peers' buffers (an aborting peer waits for it to drop).
+  std::atomic<uint64_t>* busy;
 };
 void cma_all_reduce(OpCtx& c, const CmaView& v, void* buf, size_t count);
 // in (this rank's, = addr[rank]): nranks blocks of `count`; out may be in's own block.

@@ -31,6 +31,12 @@
 // place operations need no more ordering than that. A rank that finds nothing
 // left to claim raises `gathered` and waits for every peer's: after that all
 // chunks are done and nobody reads or writes its buffers any more.
+//
+// If a rank aborts instead (an error, a timeout, Ctrl-C), its caller may free
+// its buffers once the error is raised: so every rank looks at the abort word
+// before each chunk it copies, and says while it may still copy (v.busy);
+// the aborting rank waits for its peers' flags to drop (Communicator::
+// wait_peers_copied).
 #include "transport/cma.h"
 
 #include <algorithm>
@@ -58,16 +64,38 @@ uint32_t claim(std::atomic<uint64_t>& next, uint32_t seq, uint32_t total) {
   }
 }
 
+// While it lives, this rank may copy into its peers' buffers for operation
+// c.tag.seq (v.busy).
+class Busy {
+ public:
+  Busy(const OpCtx& c, const CmaView& v) : busy_(v.busy), seq_(c.tag.seq) {
+    // seq_cst, as the aborting rank's abort word: either it sees this flag,
+    // or this rank's next look at the abort word sees its abort.
+    busy_->store(uint64_t{seq_} << 1 | 1, std::memory_order_seq_cst);
+  }
+  ~Busy() { busy_->store(uint64_t{seq_} << 1, std::memory_order_release); }
+  Busy(const Busy&) = delete;
+  Busy& operator=(const Busy&) = delete;
+
+ private:
+  std::atomic<uint64_t>* busy_;
+  uint32_t seq_;
+};
+
 // Runs work(p, i) for every chunk i < chunks(p) of every part p that this rank
 // claims (its own part first), then waits until every rank has run out.
 template <class Chunks, class Work>
 void share(OpCtx& c, const CmaView& v, Chunks chunks, Work work) {
-  for (int s = 0; s < c.nranks; ++s) {
-    const int p = (c.rank + s) % c.nranks;
-    const auto total = static_cast<uint32_t>(chunks(p));
-    for (uint32_t i; (i = claim(*v.next[p], c.tag.seq, total)) < total;) {
-      work(p, i);
-      if (p != c.rank) ++c.taken_over;
+  {
+    Busy busy(c, v);
+    for (int s = 0; s < c.nranks; ++s) {
+      const int p = (c.rank + s) % c.nranks;
+      const auto total = static_cast<uint32_t>(chunks(p));
+      for (uint32_t i; (i = claim(*v.next[p], c.tag.seq, total)) < total;) {
+        c.mon->check_fast();  // an aborted peer's buffers are no longer its caller's
+        work(p, i);
+        if (p != c.rank) ++c.taken_over;
+      }
     }
   }
   finish_gathered(c, v.gathered);
@@ -195,12 +223,19 @@ void cma_all_to_all(OpCtx& c, const CmaView& v, size_t count) {
   // output. Only its two ends claim its chunks, each in one copy (the receiver
   // reads, the sender writes); a third rank would need two. Step s pairs this
   // rank with the ranks s away on either side, as receiver and as sender.
-  for (int s = 1; s < n; ++s) {
-    const int q = (r + s) % n, p = (r + n - s) % n;
-    for (uint32_t i; (i = claim(*v.from[q], c.tag.seq, chunks)) < chunks;)
-      relay(c, v, q, v.addr[q] + r * bytes + at(i), r, v.out[r] + q * bytes + at(i), len(i));
-    for (uint32_t i; (i = claim(*v.to[p], c.tag.seq, chunks)) < chunks; ++c.taken_over)
-      relay(c, v, r, v.addr[r] + p * bytes + at(i), p, v.out[p] + r * bytes + at(i), len(i));
+  {
+    Busy busy(c, v);
+    for (int s = 1; s < n; ++s) {
+      const int q = (r + s) % n, p = (r + n - s) % n;
+      for (uint32_t i; (i = claim(*v.from[q], c.tag.seq, chunks)) < chunks;) {
+        c.mon->check_fast();
+        relay(c, v, q, v.addr[q] + r * bytes + at(i), r, v.out[r] + q * bytes + at(i), len(i));
+      }
+      for (uint32_t i; (i = claim(*v.to[p], c.tag.seq, chunks)) < chunks; ++c.taken_over) {
+        c.mon->check_fast();
+        relay(c, v, r, v.addr[r] + p * bytes + at(i), p, v.out[p] + r * bytes + at(i), len(i));
+      }
+    }
   }
   finish_gathered(c, v.gathered);
 }

@@ -39,6 +39,9 @@ void take_across(OpCtx& c, RecvConn& in, const RecvSlot& s, void* buf, size_t by
   PYC_ASSERT(d.bytes == bytes);  // the tag carries the count and dtype
   in.release();
   cma_read(cma.pid, peer, buf, d.addr, bytes, *c.mon);
+  // A sender that aborted meanwhile may have let its buffer go: what was read
+  // is not its message.
+  c.mon->check_fast();
   c.bytes_recv += bytes;
   publish(*cma.done, s.tag.seq);
 }

@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <functional>
+
 #include "bindings/convert.h"
 #include "bindings/cuda_bindings.h"
 #include "bindings/cuda_comm_bindings.h"
@@ -15,6 +17,7 @@
 #include "core/cpu_probe.h"
 #include "core/error.h"
 #include "reduce/reduce.h"
+#include "transport/ptracer.h"
 
 namespace py = pybind11;
 using namespace pyc;
@@ -25,6 +28,21 @@ OpKind op_kind_named(const std::string& name) {
   for (int k = 0; k < kNumOpKinds; ++k)
     if (name == op_kind_name(static_cast<OpKind>(k))) return static_cast<OpKind>(k);
   throw py::value_error("pycollectives: no operation named '" + name + "'");
+}
+
+// A C++ check that calls the Python callable `check` (None: no check) with
+// the GIL; what it raises propagates through the core to the caller.
+FunctionRef<void()> python_check(const py::object& check) {
+  static const auto none = [] {};
+  if (check.is_none()) return none;
+  // The FunctionRef refers to this lambda for the call only: it lives in the
+  // caller's frame through a thread_local, one per thread, rebound per call.
+  thread_local std::function<void()> fn;
+  fn = [&check] {
+    py::gil_scoped_acquire gil;
+    check();
+  };
+  return fn;
 }
 
 bool python_finalizing() {
@@ -64,13 +82,26 @@ PYBIND11_MODULE(_C, m) {
     return raised;
   });
   m.def("unique_segment_name", &ShmSegment::unique_name);
+  m.def("unlink_segment", &ShmSegment::unlink_name, py::arg("name"),
+        "Removes a segment's name from /dev/shm (ENOENT: already gone).");
+  m.def(
+      "ptracer",
+      [] {
+        bool applied = false;
+        const long wanted = ptracer_wanted(&applied);
+        return std::make_pair(wanted, applied);
+      },
+      "(tracer, applied): what this process's communicators call for under Yama (0 none, -1 "
+      "any process of the user, else a pid), and whether it is in force (ptrace_scope 1)");
   m.def("cpu_round_trip_ns", &cpu_round_trip_ns, py::arg("cpu_a"), py::arg("cpu_b"),
         py::arg("round_trips") = 20000, py::call_guard<py::gil_scoped_release>());
   bind_tensor_view(m);
   bind_fast_path(m);
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
-      .def("wait", &Work::wait, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "wait", [](Work& w, double timeout) { return w.wait(timeout); },
+          py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &Work::is_completed)
       .def_property_readonly("source", &Work::source);
 
@@ -103,13 +134,23 @@ PYBIND11_MODULE(_C, m) {
   using C = Communicator;
   using G = py::call_guard<py::gil_scoped_release>;
   py::class_<C, std::shared_ptr<C>>(m, "Communicator")
-      .def(py::init([](int rank, int n, const std::string& name, bool creator, double timeout) {
-             return std::make_shared<C>(rank, n, name, creator, CommConfig::from_env(), timeout);
+      .def(py::init([](int rank, int n, const std::string& name, bool creator, double timeout,
+                       const py::object& check) {
+             const CommConfig cfg = CommConfig::from_env();
+             py::gil_scoped_release nogil;
+             return std::make_shared<C>(rank, n, name, creator, cfg, timeout, python_check(check));
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("name"), py::arg("creator"),
-           py::arg("timeout"), G())
-      .def("connect", &C::connect, G())
+           py::arg("timeout"), py::arg("check") = py::none())
+      .def(
+          "connect",
+          [](C& c, const py::object& check) {
+            py::gil_scoped_release nogil;
+            c.connect(python_check(check));
+          },
+          py::arg("check") = py::none())
       .def("close", &C::close, G())
+      .def("set_any_thread", &C::set_any_thread, py::arg("any"))
       .def_property_readonly("rank", &C::rank)
       .def_property_readonly("world_size", &C::world_size)
       .def_property_readonly("algo", &C::algo_name)

@@ -29,7 +29,8 @@ struct TorchAttr {
 };
 struct Torch {
   PyObject* tensor_type = nullptr;
-  TorchAttr dtype, is_cpu, is_contiguous, data_ptr, numel, is_neg;
+  TorchAttr dtype, is_cpu, is_contiguous, data_ptr, numel, is_neg, untyped_storage;
+  TorchAttr storage_nbytes, storage_data_ptr;  // of torch.UntypedStorage
   std::vector<PyObject*> dtypes;                  // torch.float32, ... in DataType order
   dlpack::TensorFromPyObject describe = nullptr;  // from the exchange table, if any
 };
@@ -116,23 +117,26 @@ PyObject* call0(PyObject* obj, const TorchAttr& m) {
 
 }  // namespace
 
-void set_torch(py::handle tensor_type, py::sequence dtypes) {
-  auto attr = [&](const char* name) {
+void set_torch(py::handle tensor_type, py::sequence dtypes, py::handle storage_type) {
+  auto attr = [&](const char* name, py::handle type) {
     TorchAttr a;
     a.name = PyUnicode_InternFromString(name);
     if (a.name == nullptr) throw py::error_already_set();
-    a.descr = PyObject_GetAttr(tensor_type.ptr(), a.name);
+    a.descr = PyObject_GetAttr(type.ptr(), a.name);
     if (a.descr == nullptr) throw py::error_already_set();
     return a;
   };
   Torch t;
   t.tensor_type = tensor_type.inc_ref().ptr();
-  t.dtype = attr("dtype");
-  t.is_cpu = attr("is_cpu");
-  t.is_contiguous = attr("is_contiguous");
-  t.data_ptr = attr("data_ptr");
-  t.numel = attr("numel");
-  t.is_neg = attr("is_neg");
+  t.dtype = attr("dtype", tensor_type);
+  t.is_cpu = attr("is_cpu", tensor_type);
+  t.is_contiguous = attr("is_contiguous", tensor_type);
+  t.data_ptr = attr("data_ptr", tensor_type);
+  t.numel = attr("numel", tensor_type);
+  t.is_neg = attr("is_neg", tensor_type);
+  t.untyped_storage = attr("untyped_storage", tensor_type);
+  t.storage_nbytes = attr("nbytes", storage_type);
+  t.storage_data_ptr = attr("data_ptr", storage_type);
   for (py::handle d : dtypes) t.dtypes.push_back(d.inc_ref().ptr());
   t.describe = exchange_describe(t.tensor_type);
   g_torch = std::move(t);  // once per process: nothing released
@@ -149,12 +153,45 @@ bool negated(PyObject* obj) {
   return neg != Py_False;
 }
 
+// m(obj) for a method descriptor m of obj's exact type, as an unsigned
+// integer; false (error cleared) on failure.
+bool call_u64(PyObject* obj, const TorchAttr& m, uint64_t* out) {
+  PyObject* r = PyObject_Vectorcall(m.descr, &obj, 1, nullptr);
+  if (r == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  *out = PyLong_Check(r) ? PyLong_AsUnsignedLongLong(r) : 0;
+  const bool ok = PyLong_Check(r) && !PyErr_Occurred();
+  PyErr_Clear();
+  Py_DECREF(r);
+  return ok;
+}
+
+// Whether the tensor's `bytes` at `ptr` lie inside its storage: torch's
+// metadata (sizes, offset) survives a storage resized under it (FSDP frees
+// a parameter by resizing its storage to 0), the memory does not. False also
+// when asking fails.
+bool in_storage(PyObject* obj, uintptr_t ptr, size_t bytes) {
+  if (bytes == 0) return true;
+  if (ptr == 0) return false;  // resized to 0: no memory at all (cheap, common)
+  PyObject* st = call0(obj, g_torch.untyped_storage);
+  if (st == nullptr) return false;
+  uint64_t base = 0, nbytes = 0;
+  const bool ok = call_u64(st, g_torch.storage_data_ptr, &base) &&
+                  call_u64(st, g_torch.storage_nbytes, &nbytes);
+  Py_DECREF(st);
+  return ok && ptr >= base && ptr - base <= nbytes && bytes <= nbytes - (ptr - base);
+}
+
 }  // namespace
 
 bool view_tensor(PyObject* obj, TensorView* out) {
   const Torch& t = g_torch;
   if (t.tensor_type == nullptr) return false;
-  if (t.describe != nullptr && exact_tensor(obj)) return view_dlpack(obj, out) && !negated(obj);
+  if (t.describe != nullptr && exact_tensor(obj))
+    return view_dlpack(obj, out) && !negated(obj) &&
+           in_storage(obj, out->ptr, out->numel * dtype_size(static_cast<DataType>(out->dtype)));
   PyObject* dt = get_attr(obj, t.dtype);
   if (dt == nullptr) return false;
   int code = -1;
@@ -184,7 +221,8 @@ bool view_tensor(PyObject* obj, TensorView* out) {
   }
   Py_XDECREF(p);
   Py_XDECREF(n);
-  return ok && !negated(obj);
+  return ok && !negated(obj) &&
+         in_storage(obj, out->ptr, out->numel * dtype_size(static_cast<DataType>(out->dtype)));
 }
 
 namespace {

@@ -18,12 +18,14 @@ struct TensorView {
   int dtype = -1;
 };
 
-// Registers torch.Tensor and the torch dtype objects in DataType order
-// (called once by Python).
-void set_torch(pybind11::handle tensor_type, pybind11::sequence dtypes);
+// Registers torch.Tensor, the torch dtype objects in DataType order and
+// torch.UntypedStorage (called once by Python).
+void set_torch(pybind11::handle tensor_type, pybind11::sequence dtypes,
+               pybind11::handle storage_type);
 
 // Fills `out` and returns true for a contiguous CPU torch tensor of a
-// supported dtype whose negative bit is clear; returns false for anything else.
+// supported dtype whose negative bit is clear and whose bytes lie inside its
+// storage; returns false for anything else (the Python layer then says why).
 bool view_tensor(PyObject* obj, TensorView* out);
 
 // Adds set_torch, view_tensor(obj) (METH_O: (address, numel, dtype code) or

@@ -5,7 +5,6 @@
 
 #include "algo/algorithms.h"
 #include "comm/communicator.h"
-#include "comm/monitor.h"
 
 namespace pyc {
 
@@ -100,16 +99,21 @@ std::shared_ptr<Work> Communicator::broadcast(void* buf, size_t count, DataType 
       sig, timeout_s, async,
       [this, buf, count, root](OpCtx& c) {
         const size_t bytes = count * c.esize();
-        if (cma(c)) {
+        if (cma(c)) {  // every rank announced the same operation, root included
           c.path = Path::kCma;
           cma_broadcast(c, cma_view(c.tag.seq), count, root);
-        } else if (oneshot(c, bytes)) {
+          return;
+        }
+        if (oneshot(c, bytes)) {
           c.path = Path::kOneShot;
           oneshot_broadcast(c, oneshot_, buf, count, root);
           if (c.rank != root) saw_flags(c.tag.seq, root);
         } else {
           chain_broadcast(c, buf, count, root);
         }
+        // A root only sends, and two ranks that each think they are the root
+        // only send: without this, each would keep its own data silently.
+        confirm_alike(c);
       },
       0, buf, buf);
 }
@@ -149,10 +153,8 @@ std::shared_ptr<Work> Communicator::all_to_all(void* out, const void* in, size_t
 
 std::shared_ptr<Work> Communicator::barrier(bool async, double timeout_s) {
   OpSig sig{OpKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, -1, 0};
-  return collective(sig, timeout_s, async, [this](OpCtx& c) {
-    wait_started(c.tag.seq, *c.mon);
-    static_cast<OpMonitor*>(c.mon)->check_slow();  // a peer may have started another collective
-  });
+  // Every peer started this operation, and announced a barrier too.
+  return collective(sig, timeout_s, async, [this](OpCtx& c) { confirm_alike(c); });
 }
 
 }  // namespace pyc

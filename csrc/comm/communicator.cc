@@ -1,6 +1,6 @@
-// Communicator: construction over shared memory, connecting the ranks (the
-// segment's mapping, single copy's agreement) and closing (see communicator.h).
-// The operations: dispatch.cc (set-up and path choice), collectives.cc,
+// Communicator: construction over shared memory, the issue checks, and
+// closing (see communicator.h). Connecting the ranks: connect.cc; the
+// operations: dispatch.cc (set-up and path choice), collectives.cc,
 // point_to_point.cc, windows.cc; the watchdog: monitor.cc.
 #include "comm/communicator.h"
 
@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -18,17 +19,24 @@
 #include "core/clock.h"
 #include "core/env.h"
 #include "core/error.h"
-#include "transport/cma.h"
+#include "core/process.h"
+#include "transport/ptracer.h"
 
 namespace pyc {
 
 CommConfig CommConfig::from_env() {
+  // Every size is range-checked (env_size): a value that once wrapped the
+  // segment's layout to a few bytes, or a slot count to 1, is refused naming
+  // the variable. The ones read elsewhere are checked here too, so that a bad
+  // value fails init rather than the first operation.
   CommConfig c;
-  c.slot_bytes = env_size("PYCOLL_SLOT_BYTES", 0);
-  c.nslots = static_cast<uint32_t>(env_size("PYCOLL_NSLOTS", 0, kMinSlots));
-  c.oneshot_bytes = env_size("PYCOLL_ONESHOT_BYTES", 0);
-  c.stream_bytes = env_size("PYCOLL_STREAM_BYTES", c.stream_bytes);
-  c.cma_tune = env_size("PYCOLL_CMA_TUNE", 1) != 0;
+  c.slot_bytes = env_size("PYCOLL_SLOT_BYTES", 0, 64, kMaxSlotBytes);
+  c.nslots = static_cast<uint32_t>(env_size("PYCOLL_NSLOTS", 0, kMinSlots, kMaxNSlots));
+  c.oneshot_bytes = env_size("PYCOLL_ONESHOT_BYTES", 0, 0, kMaxOneShotBytes);
+  c.stream_bytes = env_size("PYCOLL_STREAM_BYTES", c.stream_bytes, 0, size_t{1} << 60);
+  c.cma_tune = env_size("PYCOLL_CMA_TUNE", 1, 0, 1) != 0;
+  (void)env_size("PYCOLL_CMA", 1, 0, 1);
+  (void)env_size("PYCOLL_YIELD_US", 1000, 0, kMaxYieldUs);
   const char* a = std::getenv("PYCOLL_ALGO");
   std::string algo = a ? a : "auto";
   if (algo == "auto" || algo.empty())
@@ -60,18 +68,19 @@ const char* Communicator::algo_name() const {
 }
 
 Communicator::Communicator(int rank, int n, const std::string& name, bool creator,
-                           const CommConfig& cfg, double timeout_s)
+                           const CommConfig& cfg, double timeout_s, FunctionRef<void()> check)
     : rank_(rank),
       n_(n),
       timeout_s_(timeout_s),
       creator_(creator),
+      fork_gen_(fork_generation()),
       stream_bytes_(cfg.stream_bytes),
       cma_tuner_(cfg.cma_tune) {
   if (n < 1) PYC_THROW(InvalidArgument, "pycollectives: init: world_size must be >= 1, not " << n);
   if (rank < 0 || rank >= n)
     PYC_THROW(InvalidArgument,
               "pycollectives: init: rank " << rank << " is out of range for world_size " << n);
-  if (timeout_s <= 0)
+  if (!(timeout_s > 0))  // NaN too
     PYC_THROW(InvalidArgument, "pycollectives: init: timeout must be > 0, not " << timeout_s);
   if (creator) {
     size_t slot = cfg.slot_bytes ? cfg.slot_bytes
@@ -80,9 +89,9 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
                                  : 64 << 10;
     uint32_t nslots = cfg.nslots ? cfg.nslots : 4;
     size_t oneshot = cfg.oneshot_bytes ? cfg.oneshot_bytes : 32 << 10;
-    if (slot < 64) PYC_THROW(InvalidArgument, "pycollectives: PYCOLL_SLOT_BYTES must be >= 64");
     layout_ = ShmLayout(n, nslots, slot, oneshot);
     seg_ = ShmSegment::create(name, layout_.total);
+    fault_point("segment.created");
     hdr_ = layout_.header(seg_.data());
     hdr_->world_size = n;
     hdr_->nslots = layout_.nslots;
@@ -94,30 +103,12 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
     PYC_ERRCHECK(pthread_mutexattr_init(&attr));
     PYC_ERRCHECK(pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED));
     PYC_ERRCHECK(pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST));
-    for (int r = 0; r < n; ++r)
-      PYC_ERRCHECK(pthread_mutex_init(&layout_.rank_ctl(seg_.data(), r)->alive, &attr));
+    for (int r = 0; r < n; ++r) PYC_ERRCHECK(pthread_mutex_init(&ctl(r)->alive, &attr));
     pthread_mutexattr_destroy(&attr);
     hdr_->magic = kShmMagic;
     hdr_->ready.store(1, std::memory_order_release);
   } else {
-    seg_ = ShmSegment::open(name, sizeof(SegmentHeader), timeout_s);
-    hdr_ = reinterpret_cast<SegmentHeader*>(seg_.data());
-    auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
-    while (hdr_->ready.load(std::memory_order_acquire) == 0) {
-      if (Clock::now() > deadline)
-        PYC_THROW(TimeoutError, "pycollectives: rank " << rank << ": init: segment " << name
-                                                       << " was not initialized within "
-                                                       << timeout_s << " s");
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-    if (hdr_->magic != kShmMagic)
-      PYC_THROW(Error, "pycollectives: " << name << " is not a pycollectives segment");
-    if (static_cast<int>(hdr_->world_size) != n)
-      PYC_THROW(InvalidArgument, "pycollectives: rank " << rank << ": init: world_size " << n
-                                                        << " differs from rank 0's "
-                                                        << hdr_->world_size);
-    layout_ = ShmLayout(n, hdr_->nslots, hdr_->slot_bytes, hdr_->oneshot_bytes);
-    PYC_ASSERT(layout_.total == hdr_->total_bytes && seg_.size() >= layout_.total);
+    open_segment(name, timeout_s, check);
   }
   algo_ = static_cast<Algo>(hdr_->algo);
   void* base = seg_.data();
@@ -141,7 +132,7 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
   known_started_.assign(n, 0);
   p2p_sent_.assign(n, 0);
   p2p_recvd_.assign(n, 0);
-  RankCtl* me = layout_.rank_ctl(base, rank);
+  RankCtl* me = ctl(rank);
   me->pid = getpid();
   if (sched_getaffinity(0, sizeof(me->cpus), &me->cpus) != 0)  // unknown: assume plenty
     for (int c = 0; c < CPU_SETSIZE; ++c) CPU_SET(c, &me->cpus);
@@ -151,15 +142,61 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
                (static_cast<uint64_t>(getpid()) << 32) ^ reinterpret_cast<uintptr_t>(this);
   me->cma_token = cma_token_;
   me->cma_addr = reinterpret_cast<uintptr_t>(&cma_token_);
-  if (cma_wanted()) cma_allow_peers();
+  interrupt_hook_ = std::make_shared<InterruptHook>([this](const char* what) {
+    const std::string msg = "pycollectives: rank " + std::to_string(rank_) +
+                            " was interrupted (signal) while waiting for " + what;
+    set_abort(AbortKind::kError, msg);  // the peers must not wait for this rank
+    return msg;
+  });
   // The engine's thread holds this rank's robust mutex for the communicator's
   // life: peers see EOWNERDEAD the moment this process dies, however it dies.
   engine_ = std::make_unique<ProgressEngine>([me] { PYC_ERRCHECK(pthread_mutex_lock(&me->alive)); },
                                              [me] {
                                                me->closed.store(1);
                                                pthread_mutex_unlock(&me->alive);
-                                             });
-  hdr_->attached.fetch_add(1);
+                                             },
+                                             interrupt_hook_);
+  me->attached.store(1, std::memory_order_release);
+}
+
+void Communicator::open_segment(const std::string& name, double timeout_s,
+                                FunctionRef<void()> check) {
+  seg_ = ShmSegment::open(name, sizeof(SegmentHeader), timeout_s, check);
+  hdr_ = reinterpret_cast<SegmentHeader*>(seg_.data());
+  const auto deadline = deadline_after(Clock::now(), timeout_s);
+  for (auto next_check = Clock::now(); hdr_->ready.load(std::memory_order_acquire) == 0;) {
+    const auto now = Clock::now();
+    if (now > deadline)
+      PYC_THROW(TimeoutError, "pycollectives: rank " << rank_ << ": init: segment " << name
+                                                     << " was not initialized within " << timeout_s
+                                                     << " s");
+    if (now >= next_check) {
+      check();
+      next_check = now + std::chrono::milliseconds(10);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  // The header is this user's (ShmSegment::open checked), but its sizes
+  // still decide every offset: check them as any input.
+  const SegmentHeader& h = *hdr_;
+  if (h.magic != kShmMagic)
+    PYC_THROW(Error, "pycollectives: " << name << " is not a pycollectives segment");
+  if (static_cast<int>(h.world_size) != n_)
+    PYC_THROW(InvalidArgument, "pycollectives: rank " << rank_ << ": init: world_size " << n_
+                                                      << " differs from rank 0's " << h.world_size);
+  if (h.nslots < kMinSlots || h.nslots > kMaxNSlots || h.slot_bytes < 64 ||
+      h.slot_bytes > kMaxSlotBytes || h.oneshot_bytes > kMaxOneShotBytes ||
+      h.algo > static_cast<uint32_t>(Algo::kCma))
+    PYC_THROW(Error, "pycollectives: rank "
+                         << rank_ << ": init: segment " << name << " has an invalid header ("
+                         << h.nslots << " slots of " << h.slot_bytes << " bytes, one-shot "
+                         << h.oneshot_bytes << " bytes, algorithm " << h.algo << ")");
+  layout_ = ShmLayout(n_, h.nslots, h.slot_bytes, h.oneshot_bytes);
+  if (layout_.total != h.total_bytes || seg_.size() < layout_.total)
+    PYC_THROW(Error, "pycollectives: rank " << rank_ << ": init: segment " << name << " has "
+                                            << seg_.size() << " bytes, its header says "
+                                            << h.total_bytes << ", its sizes make "
+                                            << layout_.total);
 }
 
 Communicator::~Communicator() {
@@ -169,67 +206,68 @@ Communicator::~Communicator() {
   }
 }
 
-void Communicator::connect() {
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(timeout_s_));
-  while (static_cast<int>(hdr_->attached.load()) < n_) {
-    if (Clock::now() > deadline)
-      PYC_THROW(TimeoutError, "pycollectives: rank "
-                                  << rank_ << ": init: only " << hdr_->attached.load() << " of "
-                                  << n_ << " ranks attached within " << timeout_s_ << " s");
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
+std::vector<std::string> Communicator::close() {
+  if (fork_gen_ != fork_generation()) {
+    release_in_child();
+    return {};
   }
-  if (creator_) seg_.unlink();  // every rank has it mapped: nothing stays in /dev/shm
-  // More ranks than the CPUs they may run on between them (not: than this
-  // rank's CPUs, which is one for every rank pinned to its own): spin
-  // briefly, then give the core to a peer.
-  cpu_set_t all;
-  CPU_ZERO(&all);
-  for (int p = 0; p < n_; ++p) CPU_OR(&all, &all, &layout_.rank_ctl(seg_.data(), p)->cpus);
-  if (CPU_COUNT(&all) < n_) spin_polls_ = max_spin_polls_ = 16;
-  agree_cma(deadline);
+  if (closed_.exchange(true)) return {};
+  // Pending operations that wait for a peer that will not come abort now
+  // instead of at their timeout (OpMonitor::check_closing).
+  closing_.store(true);
+  std::vector<std::string> failed = engine_->shutdown();
+  interrupt_hook_->clear();
+  {
+    std::lock_guard<std::mutex> lk(cuda_mu_);
+    cuda_.reset();  // the engine has stopped: no kernel of ours is in flight
+  }
+  ptracer_.reset();  // the last communicator that needed it resets the process's setting
+  return failed;
 }
 
-bool Communicator::cma_wanted() const {
-  return n_ > 1 && n_ <= kMaxDirectRanks && algo_ != Algo::kRing && algo_ != Algo::kOneShot &&
-         env_size("PYCOLL_CMA", 1) != 0;
-}
-
-void Communicator::agree_cma(Clock::time_point deadline) {
-  RankCtl* me = layout_.rank_ctl(seg_.data(), rank_);
-  bool ok = cma_wanted();
-  for (int p = 0; p < n_ && ok; ++p) {
-    const RankCtl* peer = layout_.rank_ctl(seg_.data(), p);
-    if (p != rank_) ok = cma_probe(peer->pid, peer->cma_addr, peer->cma_token);
-  }
-  me->cma_state.store(ok ? 1 : 2, std::memory_order_release);
-  bool all = true;  // every rank decides alike: CMA only if every rank reached every peer
-  for (int p = 0; p < n_; ++p) {
-    const RankCtl* peer = layout_.rank_ctl(seg_.data(), p);
-    uint32_t st;
-    while ((st = peer->cma_state.load(std::memory_order_acquire)) == 0) {
-      if (Clock::now() > deadline)
-        PYC_THROW(TimeoutError, "pycollectives: rank " << rank_ << ": init: rank " << p
-                                                       << " did not finish connecting within "
-                                                       << timeout_s_ << " s");
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-    all = all && st == 1;
-  }
-  cma_ = all;
-}
-
-void Communicator::close() {
+void Communicator::release_in_child() {
+  // fork() copied this communicator, not its threads: the progress thread
+  // (and any waiter on the engine's condition variable, which glibc's
+  // destroy would wait for) is the parent's, and so are the robust mutex it
+  // holds and the segment's state. Nothing here may be joined, unlocked or
+  // written: this process's copies are forgotten (leaked), the mappings go
+  // with the process.
   if (closed_.exchange(true)) return;
-  engine_->shutdown();
-  std::lock_guard<std::mutex> lk(cuda_mu_);
-  cuda_.reset();  // the engine has stopped: no kernel of ours is in flight
+  (void)engine_.release();
+  if (cuda_) new std::shared_ptr<CudaPath>(std::move(cuda_));
+  if (ptracer_) ptracer_->forget();
+  interrupt_hook_->clear();
 }
 
-void Communicator::check_open(OpKind kind) const {
+void Communicator::check_issue_slow(OpKind kind, uint64_t self) {
+  if (fork_gen_ != fork_generation())
+    PYC_THROW(Aborted, "pycollectives: rank "
+                           << rank_ << ": " << op_kind_name(kind)
+                           << ": this communicator was made by the parent of this process (a "
+                              "fork() does not copy its threads or its place among the ranks); "
+                              "create one in this process");
   if (closed_.load())
     PYC_THROW(Aborted, "pycollectives: rank " << rank_ << ": " << op_kind_name(kind)
                                               << " on a closed communicator");
+  if (any_thread_) return;
+  uint64_t first = 0;
+  if (issuer_.compare_exchange_strong(first, self) || first == self) return;
+  // Operations are numbered in issue order on each rank: two threads issuing
+  // at once would pair different calls across ranks (docs/api.md).
+  PYC_THROW(InvalidArgument, "pycollectives: rank "
+                                 << rank_ << ": " << op_kind_name(kind)
+                                 << ": issued from a second thread; one thread issues the "
+                                    "operations of a communicator (the first one that issued: "
+                                    "ranks pair operations by their order of issue, which two "
+                                    "threads would make differ). Use a communicator per thread "
+                                    "(split), or serialize the calls");
+}
+
+double Communicator::op_timeout(double timeout_s, OpKind kind) const {
+  if (std::isnan(timeout_s))
+    PYC_THROW(InvalidArgument, "pycollectives: rank " << rank_ << ": " << op_kind_name(kind)
+                                                      << ": timeout must be > 0 seconds, not nan");
+  return timeout_s < 0 ? timeout_s_ : timeout_s;
 }
 
 void Communicator::check_rank(int r, const char* what, OpKind kind) const {

@@ -3,6 +3,9 @@
 // Like NCCL's API, operations take pointers, element counts, a dtype and an op.
 #pragma once
 
+#include <pthread.h>
+#include <sys/types.h>
+
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -14,7 +17,9 @@
 #include "algo/algorithms.h"
 #include "comm/cma_choice.h"
 #include "comm/progress.h"
+#include "core/clock.h"
 #include "core/function_ref.h"
+#include "core/process.h"
 #include "core/types.h"
 #include "transport/shm_fifo.h"
 #include "transport/shm_segment.h"
@@ -22,7 +27,11 @@
 
 namespace pyc {
 
-class CudaPath;  // cuda/cuda_path.h: the CUDA transport of a communicator
+class CudaPath;      // cuda/cuda_path.h: the CUDA transport of a communicator
+class PtracerGrant;  // transport/ptracer.h
+
+// A check that never fails (Communicator's default `check`).
+inline const auto kNoCheck = [] {};
 
 enum class Algo : uint32_t { kAuto = 0, kRing = 1, kOneShot = 2, kCma = 3 };
 
@@ -52,18 +61,33 @@ enum class AbortKind : int32_t { kNone = 0, kError, kTimeout, kPeerFailure, kMis
 
 class Communicator final : public Links {
  public:
-  // The creator (rank 0 of the group) makes segment `name`; the others open it.
+  // The creator (rank 0 of the group) makes segment `name`; the others open it
+  // (only a segment of this user, readable by no other: see shm_segment.h).
+  // `check` runs about every 10 ms while a rank waits for the others (init
+  // passes one that raises a peer's published error, or names a rank that
+  // died before it attached); the waits are bounded by timeout_s.
   Communicator(int rank, int world_size, const std::string& name, bool creator,
-               const CommConfig& cfg, double timeout_s);
+               const CommConfig& cfg, double timeout_s, FunctionRef<void()> check = kNoCheck);
   ~Communicator() override;
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  // Waits until every rank has mapped the segment, then the creator unlinks it;
-  // then every rank probes whether it can read and write its peers with CMA.
-  void connect();
-  // Finishes pending work and releases the segment. Idempotent.
-  void close();
+  // Waits until every rank has mapped the segment, then removes its name
+  // (every rank: a creator that dies then leaves nothing behind); then agrees
+  // with the peers on single copy (agree_cma). Raises PeerFailure for a rank
+  // that dies meanwhile, and whatever `check` raises.
+  void connect(FunctionRef<void()> check = kNoCheck);
+  // Releases the communicator (idempotent). Pending operations run on, but
+  // one that waits for a peer that has not reached it (a point-to-point one:
+  // that waits at all) is aborted instead of waiting for its timeout, and so
+  // are the ones after it. Returns "<operation>: <error>" for each pending
+  // operation that failed. In a forked child, releases this process's copy
+  // without touching the parent's threads or shared state.
+  std::vector<std::string> close();
+  // Whether operations may be issued by any thread: the caller serializes
+  // them (the torch backend does, under its lock). Otherwise the first
+  // thread to issue one is the only one that may (check_issue).
+  void set_any_thread(bool any) { any_thread_ = any; }
 
   int rank() const { return rank_; }
   int world_size() const { return n_; }
@@ -128,7 +152,39 @@ class Communicator final : public Links {
   using BodyRef = FunctionRef<void(OpCtx&)>;
 
   void check_rank(int r, const char* what, OpKind kind) const;
-  void check_open(OpKind kind) const;
+  // Every issue of an operation: the communicator is open, this process made
+  // it (not a forked child) and this thread may issue (set_any_thread).
+  void check_issue(OpKind kind) {
+    const auto self = static_cast<uint64_t>(pthread_self());
+    if (closed_.load(std::memory_order_relaxed) || fork_gen_ != fork_generation() ||
+        (!any_thread_ && issuer_.load(std::memory_order_relaxed) != self))
+      check_issue_slow(kind, self);
+  }
+  // The first issue records its thread; anything else raises.
+  void check_issue_slow(OpKind kind, uint64_t self);
+  // timeout_s < 0: the default; NaN: InvalidArgument naming the operation.
+  double op_timeout(double timeout_s, OpKind kind) const;
+  RankCtl* ctl(int r) const { return layout_.rank_ctl(seg_.data(), r); }
+  // Maps and checks the segment of a rank other than the creator.
+  void open_segment(const std::string& name, double timeout_s, FunctionRef<void()> check);
+  // connect(): waits until ready(p) for every rank p, naming `what` in a
+  // timeout; raises for a peer that died (once attached), an abort, and
+  // whatever `check` raises.
+  template <class Ready>
+  void wait_all(const char* what, Clock::time_point deadline, FunctionRef<void()> check,
+                Ready ready);
+  // The collective point of alloc_window: every rank reached it (kind
+  // kAllocShared, so a rank in another collective gets a mismatch).
+  void sync(const OpSig& sig, double timeout_s);
+  // Broadcast: every rank announced operation c.tag.seq alike (its root
+  // included), else CollectiveMismatch on every rank. A rank that only sends
+  // (the root) would otherwise return before anyone could tell it.
+  void confirm_alike(OpCtx& c);
+  // A single-copy collective failed here: waits (bounded) until no peer
+  // still copies into this rank's buffers for it (RankCtl::cma_busy).
+  void wait_peers_copied(uint32_t seq);
+  // A forked child's close(): forgets what belongs to the parent.
+  void release_in_child();
   // Queues a collective: numbered at issue, announced and run in order.
   // `where`: the buffer's window placement (see SigEntry::where), announced with the op.
   // `in`, `out`: the buffers peers read and write with CMA (SigEntry::addr, out), likewise.
@@ -185,8 +241,11 @@ class Communicator final : public Links {
   Store output_store(const OpSig& sig) const;
   // Whether this rank would use CMA (PYCOLL_CMA, PYCOLL_ALGO, world size).
   bool cma_wanted() const;
-  // Probes every peer with CMA and agrees with them on cma_ (in connect()).
-  void agree_cma(std::chrono::steady_clock::time_point deadline);
+  // Agrees with the peers on cma_ (in connect()): every rank wants it, every
+  // peer runs as this user (checked here, through /proc, with a pidfd), each
+  // lets its peers access it (PtracerGrant), and every rank can read and
+  // write every peer's probe word.
+  void agree_cma(Clock::time_point deadline, FunctionRef<void()> check);
   // Waits until every peer has started collective `seq` (or a later one).
   void wait_started(uint32_t seq, WaitMonitor& mon);
   void account(OpKind kind, const OpCtx& c, uint64_t ns);
@@ -206,6 +265,12 @@ class Communicator final : public Links {
   int rank_, n_;
   double timeout_s_;
   bool creator_;
+  uint64_t fork_gen_;                 // fork_generation() at construction
+  bool any_thread_ = false;           // set_any_thread
+  std::atomic<uint64_t> issuer_{0};   // pthread_self() of the first issue (0: none yet)
+  std::atomic<bool> closing_{false};  // close() has begun: see OpMonitor::check_closing
+  std::mutex abort_mu_;               // set_abort: this process's threads, one at a time
+  std::shared_ptr<InterruptHook> interrupt_hook_;
   ShmSegment seg_;
   ShmLayout layout_;
   SegmentHeader* hdr_ = nullptr;
@@ -233,7 +298,9 @@ class Communicator final : public Links {
   // Created by the first CUDA operation (cuda/); released by close() once the
   // engine has stopped. Stays null in a CPU-only build.
   std::shared_ptr<CudaPath> cuda_;
-  bool cma_ = false;                     // agreed by every rank in connect()
+  bool cma_ = false;             // agreed by every rank in connect()
+  std::vector<pid_t> peer_pid_;  // checked in connect(): CMA copies go to these only
+  std::unique_ptr<PtracerGrant> ptracer_;
   CmaTuner cma_tuner_;                   // where this rank prefers single copy
   uint64_t cma_token_ = 0;               // what peers' probes read here
   std::unique_ptr<char[]> cma_scratch_;  // n chunks, made by the first CMA operation
@@ -244,8 +311,8 @@ template <class F>
 std::shared_ptr<Work> Communicator::collective(const OpSig& sig, double timeout_s, bool async,
                                                F&& body, uint64_t where, const void* in,
                                                const void* out) {
-  check_open(sig.kind);
-  if (timeout_s < 0) timeout_s = timeout_s_;
+  check_issue(sig.kind);
+  timeout_s = op_timeout(timeout_s, sig.kind);
   const uint64_t a = cma_ ? reinterpret_cast<uintptr_t>(in) : 0;
   const uint64_t o = cma_ ? reinterpret_cast<uintptr_t>(out) : 0;
   auto next = [this] { return ++seq_; };
@@ -254,7 +321,8 @@ std::shared_ptr<Work> Communicator::collective(const OpSig& sig, double timeout_
   };
   if (!async && engine_->run_if_idle(next, [&](uint32_t seq) { run(seq, body); })) return nullptr;
   return engine_->submit(
-      next, [run, body = std::forward<F>(body)](uint32_t seq) { run(seq, body); }, async);
+      next, [run, body = std::forward<F>(body)](uint32_t seq) { run(seq, body); }, async,
+      op_kind_name(sig.kind));
 }
 
 }  // namespace pyc

@@ -3,6 +3,7 @@
 // copy (CMA) or the slots (see communicator.h).
 #include <atomic>
 #include <cstdint>
+#include <thread>
 
 #include "algo/prims.h"
 #include "comm/cma_choice.h"
@@ -15,15 +16,17 @@ namespace pyc {
 
 void Communicator::announce(uint32_t seq, const OpSig& sig, uint64_t where, uint64_t addr,
                             uint64_t out) {
-  RankCtl* me = layout_.rank_ctl(seg_.data(), rank_);
+  // A seqlock: readers (OpMonitor::check_mismatch) may read the entry while
+  // it changes, and then see the sequence number change under them.
+  RankCtl* me = ctl(rank_);
   SigEntry& e = me->sig[seq % kSigHistory];
   e.seq.store(0, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
-  e.w0 = sig.word0();
-  e.w1 = sig.word1();
-  e.where = where;
-  e.addr = addr;
-  e.out = out;
+  e.w0.store(sig.word0(), std::memory_order_relaxed);
+  e.w1.store(sig.word1(), std::memory_order_relaxed);
+  e.where.store(where, std::memory_order_relaxed);
+  e.addr.store(addr, std::memory_order_relaxed);
+  e.out.store(out, std::memory_order_relaxed);
   e.seq.store(seq, std::memory_order_release);
   publish(me->started, seq);
 }
@@ -32,7 +35,7 @@ void Communicator::wait_started(uint32_t seq, WaitMonitor& mon) {
   for (int p = 0; p < n_; ++p) {
     if (p == rank_ || reached(known_started_[p], seq)) continue;
     mon.peer = p;
-    known_started_[p] = wait_reached(layout_.rank_ctl(seg_.data(), p)->started, seq, mon);
+    known_started_[p] = wait_reached(ctl(p)->started, seq, mon);
   }
 }
 
@@ -84,6 +87,10 @@ void Communicator::run_op(const OpSig& sig, uint32_t seq, double timeout_s, bool
     // monitor and the transport have usually recorded the error already (the
     // first one wins), this covers every other failure.
     set_abort(AbortKind::kError, e.what());
+    // Peers may be writing into this rank's buffers (single copy), which the
+    // caller may free once this raises.
+    if (collective && ctl(rank_)->sig[seq % kSigHistory].addr.load(std::memory_order_relaxed) != 0)
+      wait_peers_copied(seq);
     throw;
   }
   account(sig.kind, c, elapsed_ns(mon.start()));
@@ -121,8 +128,9 @@ CmaTuner::Choice Communicator::cma_choice(OpKind kind, size_t total, uint64_t wh
 bool Communicator::cma(OpCtx& c) {
   // A rank announces an address only where it prefers single copy
   // (run_collective); else it need not wait for the peers' announcements.
-  const SigEntry& mine = layout_.rank_ctl(seg_.data(), rank_)->sig[c.tag.seq % kSigHistory];
-  return mine.addr != 0 && announced_alike(c, [](const SigEntry& e) { return e.addr != 0; });
+  const SigEntry& mine = ctl(rank_)->sig[c.tag.seq % kSigHistory];
+  return mine.addr.load(std::memory_order_relaxed) != 0 &&
+         announced_alike(c, [](const SigEntry& e) { return e.addr.load() != 0; });
 }
 
 Store Communicator::output_store(const OpSig& sig) const {
@@ -142,13 +150,13 @@ CmaView Communicator::cma_view(uint32_t seq) {
   }
   CmaView v;
   for (int p = 0; p < n_; ++p) {
-    RankCtl* ctl = layout_.rank_ctl(seg_.data(), p);
-    v.pid[p] = ctl->pid;
-    const SigEntry& e = ctl->sig[seq % kSigHistory];
-    v.addr[p] = e.addr;
-    v.out[p] = e.out;
-    v.next[p] = &ctl->cma_next;
-    v.gathered[p] = &ctl->gathered;
+    RankCtl* rc = ctl(p);
+    v.pid[p] = peer_pid_[p];  // checked at connect, never re-read from the segment
+    const SigEntry& e = rc->sig[seq % kSigHistory];
+    v.addr[p] = e.addr.load(std::memory_order_relaxed);
+    v.out[p] = e.out.load(std::memory_order_relaxed);
+    v.next[p] = &rc->cma_next;
+    v.gathered[p] = &rc->gathered;
     if (p != rank_) {
       v.from[p] = &layout_.fifo_ctl(seg_.data(), p, rank_)->cma_next;
       v.to[p] = &layout_.fifo_ctl(seg_.data(), rank_, p)->cma_next;
@@ -157,11 +165,50 @@ CmaView Communicator::cma_view(uint32_t seq) {
   const auto base = reinterpret_cast<uintptr_t>(cma_scratch_.get());
   v.scratch = reinterpret_cast<char*>((base + 63) / 64 * 64);
   v.chunk = kChunk;
+  v.busy = &ctl(rank_)->cma_busy;
   return v;
 }
 
+void Communicator::wait_peers_copied(uint32_t seq) {
+  // A peer sees the abort before its next chunk (algo/cma.cc checks before
+  // each), so it stops within one chunk's copy, ~0.1 ms. The bound covers a
+  // peer that is stopped or descheduled between its check and its copy:
+  // past it this rank gives up, and such a peer may still write one chunk
+  // (up to 256 KiB) into a buffer the caller has let go. Dead or closed
+  // peers copy nothing.
+  constexpr auto kGrace = std::chrono::seconds(2);
+  const uint64_t busy = uint64_t{seq} << 1 | 1;
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // the abort, then the peers' flags
+  const auto until = Clock::now() + kGrace;
+  for (int p = 0; p < n_; ++p) {
+    if (p == rank_) continue;
+    while (ctl(p)->cma_busy.load(std::memory_order_seq_cst) == busy && peer_gone(p).empty() &&
+           Clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+void Communicator::confirm_alike(OpCtx& c) {
+  const uint32_t seq = c.tag.seq;
+  wait_started(seq, *c.mon);
+  for (int p = 0; p < n_; ++p) {
+    if (p == rank_) continue;
+    const SigEntry& e = ctl(p)->sig[seq % kSigHistory];
+    // Announced before `started` (acquired above), overwritten only 64
+    // operations later, past the lead any rank may take (kMaxLead).
+    if (e.seq.load(std::memory_order_acquire) != seq) continue;
+    const SlotTag got{seq, e.w0.load(std::memory_order_relaxed),
+                      e.w1.load(std::memory_order_relaxed)};
+    if (!(got == c.tag)) tag_mismatch(p, got, c.tag);
+  }
+}
+
+void Communicator::sync(const OpSig& sig, double timeout_s) {
+  collective(sig, timeout_s, false, [this](OpCtx& c) { confirm_alike(c); });
+}
+
 bool Communicator::symmetric(OpCtx& c, uint64_t where) {
-  return announced_alike(c, [where](const SigEntry& e) { return e.where == where; });
+  return announced_alike(c, [where](const SigEntry& e) { return e.where.load() == where; });
 }
 
 template <class Also>
@@ -170,9 +217,10 @@ bool Communicator::announced_alike(OpCtx& c, Also also) {
   const uint32_t seq = c.tag.seq;
   wait_started(seq, *c.mon);  // every peer's buffer is in place and its op announced
   for (int p = 0; p < n_; ++p) {
-    const SigEntry& e = layout_.rank_ctl(seg_.data(), p)->sig[seq % kSigHistory];
-    if (e.seq.load(std::memory_order_acquire) != seq || e.w0 != c.tag.w0 || e.w1 != c.tag.w1 ||
-        !also(e))
+    const SigEntry& e = ctl(p)->sig[seq % kSigHistory];
+    if (e.seq.load(std::memory_order_acquire) != seq ||
+        e.w0.load(std::memory_order_relaxed) != c.tag.w0 ||
+        e.w1.load(std::memory_order_relaxed) != c.tag.w1 || !also(e))
       return false;  // the ring runs (and reports a mismatched operation)
   }
   return true;

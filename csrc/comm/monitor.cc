@@ -1,19 +1,27 @@
-// Timeouts, dead peers, mismatched collectives and the shared abort flag.
+// Timeouts, dead peers, mismatched collectives and the shared abort word.
 #include "comm/monitor.h"
 
 #include <errno.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <sstream>
 #include <thread>
+#include <vector>
 
+#include "core/clock.h"
 #include "core/error.h"
 
 namespace pyc {
 namespace {
 
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);
+// A rank in an operation that has not checked in for this long (a quarter
+// of the timeout, within these bounds) is not waiting there: it is stopped
+// (SIGSTOP, a debugger), descheduled, or busy. A waiting rank checks in about
+// every millisecond.
+constexpr double kMinStaleS = 0.02, kMaxStaleS = 0.25;
 
 std::string op_name(const OpSig& sig, uint32_t seq, bool collective) {
   std::ostringstream os;
@@ -21,32 +29,48 @@ std::string op_name(const OpSig& sig, uint32_t seq, bool collective) {
   return os.str();
 }
 
+int64_t now_ns(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
 }  // namespace
 
 OpMonitor::OpMonitor(Communicator& comm, const OpSig& sig, uint32_t seq, bool collective,
                      double timeout_s)
-    : c_(comm), sig_(sig), seq_(seq), collective_(collective), timeout_s_(timeout_s) {
-  start_ = std::chrono::steady_clock::now();
-  deadline_ = start_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                           std::chrono::duration<double>(timeout_s));
+    : c_(comm),
+      sig_(sig),
+      seq_(seq),
+      collective_(collective),
+      timeout_s_(timeout_s),
+      stale_ns_(
+          static_cast<int64_t>(1e9 * std::min(kMaxStaleS, std::max(kMinStaleS, timeout_s / 4)))) {
+  start_ = Clock::now();
+  deadline_ = deadline_after(start_, timeout_s);
   next_liveness_ = start_ + kLivenessPeriod;
   spin_polls = comm.spin_polls_;
   max_spin_polls = comm.max_spin_polls_;
 }
 
-OpMonitor::~OpMonitor() { c_.spin_polls_ = spin_polls; }
+OpMonitor::~OpMonitor() {
+  c_.spin_polls_ = spin_polls;
+  if (published_) c_.ctl(c_.rank_)->waiting.store(0, std::memory_order_relaxed);
+}
 
 void OpMonitor::check_fast() {
-  if (c_.hdr_->abort_state.load(std::memory_order_acquire) == 2) c_.throw_abort();
+  if (c_.hdr_->abort_rank.load(std::memory_order_acquire) != 0) c_.throw_abort();
 }
 
 void OpMonitor::check_slow() {
-  auto now = std::chrono::steady_clock::now();
-  if (collective_) check_mismatch();
+  const auto now = Clock::now();
+  if (collective_) {
+    publish_wait(now);
+    check_mismatch();
+  }
   if (now >= next_liveness_) {
     check_peers();
     next_liveness_ = now + kLivenessPeriod;
   }
+  if (c_.closing_.load(std::memory_order_relaxed)) check_closing();
   if (now >= deadline_) timed_out();
   if (InterruptCheck interrupted = interrupt_check(); interrupted != nullptr && interrupted()) {
     std::ostringstream os;
@@ -57,21 +81,66 @@ void OpMonitor::check_slow() {
   }
 }
 
+void OpMonitor::publish_wait(Clock::time_point now) {
+  RankCtl* me = c_.ctl(c_.rank_);
+  me->waiting.store(uint64_t{seq_} << 32 | static_cast<uint32_t>(peer + 1),
+                    std::memory_order_relaxed);
+  me->beat_ns.store(now_ns(now), std::memory_order_relaxed);
+  published_ = true;
+}
+
 void OpMonitor::peer_failed(int p) {
   // A peer's death shows in its `alive` mutex once the kernel has released
   // its robust futexes, which it does before the process's memory goes away
   // (what made the copy fail); the grace covers any other order.
   constexpr auto kGrace = std::chrono::milliseconds(100);
   // Only that peer: another may be gone too by now, having raised this very
-  // error (the abort flag, checked first, then carries its report).
+  // error (the abort word, checked first, then carries its report).
   peer = p;
   doing_ = "copying into or out of";
-  const auto until = std::chrono::steady_clock::now() + kGrace;
+  const auto until = Clock::now() + kGrace;
   do {
     check_fast();
     check_peer(p);
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  } while (std::chrono::steady_clock::now() < until);
+  } while (Clock::now() < until);
+}
+
+int OpMonitor::culprit(std::string* why) const {
+  const int n = c_.n_;
+  std::vector<int> late;
+  for (int p = 0; p < n; ++p)
+    if (!reached(c_.ctl(p)->started.value.load(std::memory_order_acquire), seq_)) late.push_back(p);
+  if (!late.empty()) {  // the one this rank waits for if it is late, else the first
+    for (int p : late)
+      if (p == peer) return p;
+    return late.front();
+  }
+  // Every rank is in the operation: follow who waits for whom.
+  const int64_t now = now_ns(Clock::now());
+  std::vector<bool> seen(n, false);
+  seen[c_.rank_] = true;
+  for (int p = peer; p >= 0 && p < n;) {
+    if (seen[p]) {
+      *why = " (the ranks in this operation wait for each other)";
+      return p;
+    }
+    seen[p] = true;
+    const RankCtl* ctl = c_.ctl(p);
+    const uint64_t w = ctl->waiting.load(std::memory_order_relaxed);
+    const int64_t idle = now - ctl->beat_ns.load(std::memory_order_relaxed);
+    if (static_cast<uint32_t>(w >> 32) != seq_ || idle > stale_ns_) {
+      std::ostringstream os;
+      os << " (it reached this operation but has not waited or made progress in it for "
+         << (static_cast<uint32_t>(w >> 32) == seq_ ? std::to_string(idle / 1000000) + " ms"
+                                                    : std::string("a while"))
+         << ": stopped, descheduled or busy)";
+      *why = os.str();
+      return p;
+    }
+    p = static_cast<int>(static_cast<uint32_t>(w)) - 1;  // whom p waits for
+  }
+  return peer;
 }
 
 void OpMonitor::timed_out() {
@@ -80,16 +149,17 @@ void OpMonitor::timed_out() {
   // use and tools match.
   os << "pycollectives: rank " << c_.rank_ << ": " << op_name(sig_, seq_, collective_)
      << ": Timed out waiting " << std::llround(timeout_s_ * 1e3) << "ms for ";
-  if (peer >= 0)
-    os << "rank " << peer;
+  std::string why;
+  const int blamed = collective_ ? culprit(&why) : peer;
+  if (blamed >= 0)
+    os << "rank " << blamed << why;
   else
     os << "its peers";
   if (collective_) {
     os << "; ranks that have not reached this operation: [";
     const char* sep = "";
     for (int p = 0; p < c_.n_; ++p) {
-      uint32_t s = c_.layout_.rank_ctl(c_.seg_.data(), p)->started.value.load();
-      if (!reached(s, seq_)) {
+      if (!reached(c_.ctl(p)->started.value.load(), seq_)) {
         os << sep << p;
         sep = ", ";
       }
@@ -104,9 +174,9 @@ void OpMonitor::check_mismatch() {
   const SlotTag mine{seq_, sig_.word0(), sig_.word1()};
   for (int p = 0; p < c_.n_; ++p) {
     if (p == c_.rank_) continue;
-    SigEntry& e = c_.layout_.rank_ctl(c_.seg_.data(), p)->sig[seq_ % kSigHistory];
+    SigEntry& e = c_.ctl(p)->sig[seq_ % kSigHistory];
     if (e.seq.load(std::memory_order_acquire) != seq_) continue;
-    SlotTag got{seq_, e.w0, e.w1};
+    SlotTag got{seq_, e.w0.load(std::memory_order_relaxed), e.w1.load(std::memory_order_relaxed)};
     std::atomic_thread_fence(std::memory_order_acquire);
     if (e.seq.load(std::memory_order_relaxed) != seq_) continue;  // overwritten meanwhile
     if (!(got == mine)) c_.tag_mismatch(p, got, mine);
@@ -132,27 +202,56 @@ void OpMonitor::check_peer(int p) {
   throw PeerFailure(os.str());
 }
 
-// ---- Communicator: abort state, liveness and mismatch reports ----
-
-bool Communicator::aborted() const {
-  return hdr_->abort_state.load(std::memory_order_acquire) == 2;
+void OpMonitor::check_closing() {
+  int absent = -1;
+  if (collective_) {
+    for (int p = 0; p < c_.n_ && absent < 0; ++p)
+      if (!reached(c_.ctl(p)->started.value.load(std::memory_order_acquire), seq_)) absent = p;
+    if (absent < 0) return;  // every rank is in it: it finishes, or times out
+  }
+  std::ostringstream os;
+  os << "pycollectives: rank " << c_.rank_ << " closed its communicator with "
+     << op_name(sig_, seq_, collective_) << " pending";
+  if (collective_)
+    os << ", which rank " << absent << " has not reached";
+  else if (peer >= 0)
+    os << " (waiting for rank " << peer << ")";
+  c_.set_abort(AbortKind::kError, os.str());
+  throw Aborted(os.str());
 }
 
+// ---- Communicator: abort state, liveness and mismatch reports ----
+
+bool Communicator::aborted() const { return hdr_->abort_rank.load(std::memory_order_acquire) != 0; }
+
 void Communicator::set_abort(AbortKind kind, const std::string& msg) {
+  // The record goes into this rank's own control block, then one CAS of the
+  // header's word publishes it: a rank killed at any point leaves no abort
+  // (its death is seen through its mutex) or a complete one, never a claim
+  // that blocks every later abort. The record is written only while no abort
+  // is set, and only by this process (the lock: its threads), so nobody reads
+  // it while it changes.
+  std::lock_guard<std::mutex> lk(abort_mu_);
+  if (aborted()) return;  // the first error wins
+  RankCtl* me = ctl(rank_);
+  me->abort_kind = static_cast<int32_t>(kind);
+  std::strncpy(me->abort_msg, msg.c_str(), sizeof(me->abort_msg) - 1);
+  me->abort_msg[sizeof(me->abort_msg) - 1] = '\0';
   uint32_t expect = 0;
-  if (!hdr_->abort_state.compare_exchange_strong(expect, 1)) return;  // first error wins
-  hdr_->abort_kind = static_cast<int32_t>(kind);
-  hdr_->abort_rank = rank_;
-  std::strncpy(hdr_->abort_msg, msg.c_str(), sizeof(hdr_->abort_msg) - 1);
-  hdr_->abort_state.store(2, std::memory_order_release);
+  // seq_cst: an aborting rank then reads its peers' cma_busy (wait_peers_copied).
+  hdr_->abort_rank.compare_exchange_strong(expect, static_cast<uint32_t>(rank_) + 1);
 }
 
 void Communicator::throw_abort() const {
-  std::string msg(hdr_->abort_msg);
-  if (hdr_->abort_rank != rank_)
-    msg += " [reported by rank " + std::to_string(hdr_->abort_rank) + "; raised on rank " +
+  const uint32_t word = hdr_->abort_rank.load(std::memory_order_acquire);
+  PYC_ASSERT(word != 0 && word <= static_cast<uint32_t>(n_));
+  const int from = static_cast<int>(word) - 1;
+  const RankCtl* rec = ctl(from);
+  std::string msg(rec->abort_msg, strnlen(rec->abort_msg, sizeof(rec->abort_msg)));
+  if (from != rank_)
+    msg += " [reported by rank " + std::to_string(from) + "; raised on rank " +
            std::to_string(rank_) + "]";
-  switch (static_cast<AbortKind>(hdr_->abort_kind)) {
+  switch (static_cast<AbortKind>(rec->abort_kind)) {
     case AbortKind::kTimeout:
       throw TimeoutError(msg);
     case AbortKind::kPeerFailure:
@@ -165,13 +264,13 @@ void Communicator::throw_abort() const {
 }
 
 std::string Communicator::peer_gone(int p) {
-  RankCtl* ctl = layout_.rank_ctl(seg_.data(), p);
-  int rc = pthread_mutex_trylock(&ctl->alive);
+  RankCtl* c = ctl(p);
+  int rc = pthread_mutex_trylock(&c->alive);
   if (rc == EBUSY) return "";
-  if (rc == EOWNERDEAD) pthread_mutex_consistent(&ctl->alive);
-  if (rc == 0 || rc == EOWNERDEAD) pthread_mutex_unlock(&ctl->alive);
-  if (ctl->closed.load() != 0) return "closed its communicator";
-  return "died (pid " + std::to_string(ctl->pid) + ", exited without closing the communicator)";
+  if (rc == EOWNERDEAD) pthread_mutex_consistent(&c->alive);
+  if (rc == 0 || rc == EOWNERDEAD) pthread_mutex_unlock(&c->alive);
+  if (c->closed.load() != 0) return "closed its communicator";
+  return "died (pid " + std::to_string(c->pid) + ", exited without closing the communicator)";
 }
 
 void Communicator::tag_mismatch(int peer, const SlotTag& got, const SlotTag& want) {

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
+#include <string>
 
 #include "comm/communicator.h"
 
@@ -12,7 +14,7 @@ class OpMonitor final : public WaitMonitor {
  public:
   // collective: seq is a collective sequence number (else a point-to-point one).
   OpMonitor(Communicator& comm, const OpSig& sig, uint32_t seq, bool collective, double timeout_s);
-  ~OpMonitor() override;  // hands the adapted spin budget back to the communicator
+  ~OpMonitor() override;  // hands the adapted spin budget back; clears the published wait
   void check_fast() override;
   void check_slow() override;
   void peer_failed(int peer) override;
@@ -20,15 +22,26 @@ class OpMonitor final : public WaitMonitor {
 
  private:
   [[noreturn]] void timed_out();
+  // Who the timeout is for: a rank that has not reached the operation, else,
+  // following who waits for whom from `peer`, the first rank in the operation
+  // that is not waiting for another (stopped, or busy), written into *why.
+  int culprit(std::string* why) const;
   void check_mismatch();
   void check_peers();
   void check_peer(int p);  // throws PeerFailure if rank p died or closed
+  // This rank is closing with the operation pending: aborts it if a peer has
+  // not reached it (a point-to-point operation: as soon as it waits).
+  void check_closing();
+  // Publishes what this rank waits for (RankCtl::waiting, beat_ns).
+  void publish_wait(std::chrono::steady_clock::time_point now);
 
   Communicator& c_;
   OpSig sig_;
   uint32_t seq_;
   bool collective_;
+  bool published_ = false;  // RankCtl::waiting holds this operation's wait
   double timeout_s_;
+  int64_t stale_ns_;                   // see culprit()
   const char* doing_ = "waiting for";  // what this rank did with `peer`, for the messages
   std::chrono::steady_clock::time_point start_, deadline_, next_liveness_;
 };

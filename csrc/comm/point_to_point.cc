@@ -19,20 +19,20 @@ constexpr size_t kP2PCmaMinBytes = 64 << 10;
 
 std::shared_ptr<Work> Communicator::point_to_point(const OpSig& sig, int peer, double timeout_s,
                                                    bool async, Body body) {
-  check_open(sig.kind);
-  if (timeout_s < 0) timeout_s = timeout_s_;
+  check_issue(sig.kind);
+  timeout_s = op_timeout(timeout_s, sig.kind);
   const bool is_send = sig.kind == OpKind::kSend;
   return engine_->submit([] { return 0u; },
                          [this, sig, peer, is_send, timeout_s, body = std::move(body)](uint32_t) {
                            const uint32_t seq = is_send ? ++p2p_sent_[peer] : ++p2p_recvd_[peer];
                            run_op(sig, seq, timeout_s, false, body);
                          },
-                         async);
+                         async, op_kind_name(sig.kind));
 }
 
 P2PCma Communicator::p2p_cma(int peer, bool send) {
   P2PCma c;
-  c.pid = layout_.rank_ctl(seg_.data(), peer)->pid;
+  c.pid = peer_pid_[peer];  // checked at connect, never re-read from the segment
   c.done = send ? &layout_.fifo_ctl(seg_.data(), rank_, peer)->cma_done
                 : &layout_.fifo_ctl(seg_.data(), peer, rank_)->cma_done;
   return c;
@@ -73,12 +73,12 @@ std::shared_ptr<Work> Communicator::recv(void* buf, size_t count, DataType dt, i
 
 std::shared_ptr<Work> Communicator::recv_any(void* buf, size_t count, DataType dt, bool async,
                                              double timeout_s, int* source) {
-  check_open(OpKind::kRecv);
+  check_issue(OpKind::kRecv);
   if (n_ < 2)
     PYC_THROW(InvalidArgument, "pycollectives: rank " << rank_
                                                       << ": recv: from any source needs a peer "
                                                          "(world size 1)");
-  if (timeout_s < 0) timeout_s = timeout_s_;
+  timeout_s = op_timeout(timeout_s, OpKind::kRecv);
   OpSig sig{OpKind::kRecv, dt, ReduceOp::kSum, -1, count};  // root -1: any peer
   auto src = std::make_shared<std::atomic<int>>(-1);
   std::shared_ptr<Work> work = engine_->submit(
@@ -98,7 +98,7 @@ std::shared_ptr<Work> Communicator::recv_any(void* buf, size_t count, DataType d
           src->store(peer);
         });
       },
-      async);
+      async, "recv");
   if (work) {
     work->set_source(src);
   } else if (source != nullptr) {
@@ -110,7 +110,7 @@ std::shared_ptr<Work> Communicator::recv_any(void* buf, size_t count, DataType d
 std::shared_ptr<Work> Communicator::batch_p2p(std::vector<P2PItem> items, bool async,
                                               double timeout_s) {
   const OpKind kind = OpKind::kBatchP2P;
-  check_open(kind);
+  check_issue(kind);
   int self_balance = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     const P2PItem& it = items[i];
@@ -137,7 +137,7 @@ std::shared_ptr<Work> Communicator::batch_p2p(std::vector<P2PItem> items, bool a
                                        << ") does not match receive from self #" << i << " ("
                                        << r[i]->count << " x " << dtype_name(r[i]->dtype) << ")");
   }
-  if (timeout_s < 0) timeout_s = timeout_s_;
+  timeout_s = op_timeout(timeout_s, kind);
   OpSig sig{kind, DataType::kUInt8, ReduceOp::kSum, -1, items.size()};
   return engine_->submit(
       [] { return 0u; },
@@ -182,7 +182,7 @@ std::shared_ptr<Work> Communicator::batch_p2p(std::vector<P2PItem> items, bool a
         run_op(sig, first, timeout_s, false, [&ops](OpCtx& c) { p2p_batch(c, ops); });
         if (cma.timed) cma_tuner_.record(OpKind::kBatchP2P, total, cma.cma, elapsed_ns(t0));
       },
-      async);
+      async, "batch_p2p");
 }
 
 }  // namespace pyc

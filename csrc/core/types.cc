@@ -96,6 +96,8 @@ const char* op_kind_name(OpKind k) {
       return "split";
     case OpKind::kBatchP2P:
       return "batch_p2p";
+    case OpKind::kAllocShared:
+      return "alloc_shared";
   }
   return "invalid_kind";
 }
@@ -127,6 +129,10 @@ std::string OpSig::describe() const {
   if (kind == OpKind::kBarrier || kind == OpKind::kSplit) return os.str() + ")";
   if (kind == OpKind::kBatchP2P) {
     os << count << " sends and receives)";
+    return os.str();
+  }
+  if (kind == OpKind::kAllocShared) {
+    os << "nbytes=" << count << ")";
     return os.str();
   }
   os << "count=" << count << ", " << dtype_name(dtype);

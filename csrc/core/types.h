@@ -47,9 +47,10 @@ enum class OpKind : uint8_t {
   kSend,
   kRecv,
   kSplit,
-  kBatchP2P,  // count: the number of sends and receives in the batch
+  kBatchP2P,     // count: the number of sends and receives in the batch
+  kAllocShared,  // count: the bytes each rank asked for
 };
-constexpr int kNumOpKinds = 11;
+constexpr int kNumOpKinds = 12;
 const char* op_kind_name(OpKind k);
 
 // The fingerprint of one operation, published by every rank so that peers

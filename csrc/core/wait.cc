@@ -8,10 +8,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <climits>
 
 #include "core/env.h"
+#include "core/error.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -34,8 +36,12 @@ namespace {
 // all-reduce, 14-34 us per call with 256 yields (~0.1 ms) before sleeping,
 // 7-12 us with ~1 ms. Alone on its core a yielding wait burns that core for as
 // long.
+// Liveness does not depend on it: the monitor's slow checks (timeouts, dead
+// peers, mismatches, Ctrl-C) run every kSlowEvery while yielding too.
+// Range-checked by CommConfig::from_env before any wait.
 std::chrono::microseconds yield_for() {
-  static const auto us = std::chrono::microseconds(env_size("PYCOLL_YIELD_US", 1000));
+  static const auto us =
+      std::chrono::microseconds(env_size("PYCOLL_YIELD_US", 1000, 0, kMaxYieldUs));
   return us;
 }
 constexpr int kMinSpinPolls = 4;
@@ -52,9 +58,14 @@ void adapt_spin(WaitMonitor& mon, bool longer) {
     mon.spin_polls = std::max(mon.spin_polls / 2, kMinSpinPolls);
 }
 
-// Shared (not private) futex: the word lives in memory mapped by several processes.
-long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {
-  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
+// Shared (not private) futex: the word lives in memory mapped by several
+// processes. EAGAIN (the value changed), EINTR and ETIMEDOUT just mean: look
+// again; anything else (EFAULT, EINVAL, ENOSYS) is a bug or a broken mapping.
+void futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {
+  if (syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0) == -1 &&
+      errno != EAGAIN && errno != EINTR && errno != ETIMEDOUT)
+    detail::throw_sys(__FILE__, __LINE__,
+                      op == FUTEX_WAKE ? "futex(FUTEX_WAKE)" : "futex(FUTEX_WAIT)", errno);
 }
 
 std::atomic<InterruptCheck> g_interrupt_check{nullptr};
@@ -83,6 +94,7 @@ uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon) {
   // system call: spin longer next time. Data that takes longer needed this
   // core (a peer on it ran) or a peer that was descheduled: spin less.
   const auto yielded = std::chrono::steady_clock::now();
+  auto slow_at = yielded + kSlowEvery;
   for (int r = 1;; ++r) {
     sched_yield();
     v = c.value.load(std::memory_order_acquire);
@@ -91,7 +103,13 @@ uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon) {
       return v;
     }
     mon.check_fast();
-    if (r % 16 == 0 && std::chrono::steady_clock::now() - yielded > yield_for()) break;
+    if (r % 16 != 0) continue;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - yielded > yield_for()) break;
+    if (now >= slow_at) {
+      mon.check_slow();
+      slow_at = now + kSlowEvery;
+    }
   }
   adapt_spin(mon, false);
   const timespec slice{0, kSleepNs};
@@ -99,8 +117,12 @@ uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon) {
     c.sleepers.fetch_add(1, std::memory_order_seq_cst);
     v = c.value.load(std::memory_order_seq_cst);
     if (!reached(v, target)) {
-      // EAGAIN (value changed), EINTR and ETIMEDOUT all just mean: look again.
-      futex(&c.value, FUTEX_WAIT, v, &slice);
+      try {
+        futex(&c.value, FUTEX_WAIT, v, &slice);
+      } catch (...) {
+        c.sleepers.fetch_sub(1, std::memory_order_relaxed);
+        throw;
+      }
     }
     c.sleepers.fetch_sub(1, std::memory_order_relaxed);
     v = c.value.load(std::memory_order_acquire);

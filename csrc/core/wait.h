@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 
 #include "core/function_ref.h"
@@ -36,6 +37,9 @@ class WaitMonitor {
   // caller to raise the copy's own error.
   virtual void peer_failed(int peer) = 0;
 };
+
+// PYCOLL_YIELD_US's largest value (10 s).
+constexpr size_t kMaxYieldUs = 10'000'000;
 
 // True when counter `value` has reached `target` (wrap-around safe).
 inline bool reached(uint32_t value, uint32_t target) {

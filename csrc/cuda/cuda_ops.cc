@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "algo/algorithms.h"
+#include "core/clock.h"
 #include "cuda/check.h"
 #include "cuda/cuda_path_impl.h"
 #include "cuda/ipc_algos.h"
@@ -33,16 +34,19 @@ void CudaWork::set_failed() {
 bool CudaWork::wait_stream(uintptr_t stream, double timeout_s) {
   bool recorded, host_only;
   {
-    using Clock = std::chrono::steady_clock;
-    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                             std::chrono::duration<double>(timeout_s));
+    const auto deadline =
+        timeout_s < 0 ? Clock::time_point::max() : deadline_after(Clock::now(), timeout_s);
     std::unique_lock<std::mutex> lk(m_);
     // The operation may also fail before its body runs (an abort, a peer's
     // error, the lead check): then only the core Work completes, so look at
-    // it too, every millisecond.
-    while (!recorded_ && !failed_ && !work->is_completed()) {
-      if (timeout_s >= 0 && Clock::now() >= deadline) return false;
+    // it too, every millisecond; and for Ctrl-C, as Work::wait does.
+    for (int polls = 1; !recorded_ && !failed_ && !work->is_completed(); ++polls) {
+      if (Clock::now() >= deadline) return false;
       cv_.wait_for(lk, std::chrono::milliseconds(1));
+      if (polls % 5 != 0) continue;
+      lk.unlock();
+      work->check_interrupt();
+      lk.lock();
     }
     recorded = recorded_;
     host_only = host_only_;

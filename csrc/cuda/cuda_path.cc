@@ -39,7 +39,7 @@ CudaPath::~CudaPath() {
 
 std::shared_ptr<CudaPath> CudaPath::get(Communicator& comm, const CudaCall& call, OpKind kind) {
   std::lock_guard<std::mutex> lk(comm.cuda_mu_);
-  comm.check_open(kind);
+  comm.check_issue(kind);
   if (!comm.cuda_) {
     cuda::require_device(op_kind_name(kind));
     const int ndev = cuda::device_count();
@@ -160,8 +160,14 @@ void CudaPath::run(OpCtx& c, CudaWork& w, bool collective, const OpFn& fn) {
     links_->drain(*c.mon);
     if (ctl_linked_ && ctl_.data() &&
         static_cast<CtlHeader*>(ctl_.data())->attached.load() == static_cast<uint32_t>(nranks())) {
-      ctl_.unlink();  // every rank has mapped it: nothing stays in /dev/shm
+      // Every rank has mapped it: nothing stays in /dev/shm. Every rank
+      // removes the name (the first succeeds), so that rank 0 dying now
+      // leaves nothing behind either.
       ctl_linked_ = false;
+      if (rank() == 0)
+        ctl_.unlink();
+      else
+        ShmSegment::unlink_name(ctl_.name());
     }
   } catch (...) {
     w.set_failed();

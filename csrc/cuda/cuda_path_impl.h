@@ -82,7 +82,7 @@ class CudaPath : public std::enable_shared_from_this<CudaPath> {
   void* staging_ = nullptr;
   std::vector<void*> peer_base_;
   ShmSegment ctl_;
-  bool ctl_linked_ = false;  // rank 0: the control segment still has its name
+  bool ctl_linked_ = false;  // the control segment may still have its name
 };
 
 }  // namespace pyc

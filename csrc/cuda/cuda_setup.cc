@@ -22,6 +22,10 @@ namespace {
 // smaller ones as the staging memory, (n-1) x nslots x slot, grows with n.
 size_t default_slot_bytes(int n) { return n <= 4 ? 16 << 20 : n <= 8 ? 8 << 20 : 4 << 20; }
 constexpr uint32_t kDefaultNSlots = 4;  // PYCOLL_CUDA_NSLOTS
+// The largest values of PYCOLL_CUDA_SLOT_BYTES and PYCOLL_CUDA_NSLOTS: their
+// product, times the peers, is device memory, computed without wrapping.
+constexpr size_t kMaxCudaSlotBytes = size_t{4} << 30;
+constexpr size_t kMaxCudaNSlots = 1024;
 
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -63,8 +67,10 @@ void CudaPath::setup(OpCtx& c) {
   }
   PeerInfo mine;
   std::memset(&mine, 0, sizeof(mine));
-  mine.slot_bytes = round_up(env_size("PYCOLL_CUDA_SLOT_BYTES", default_slot_bytes(n), 1), 4096);
-  mine.nslots = static_cast<uint32_t>(env_size("PYCOLL_CUDA_NSLOTS", kDefaultNSlots, kMinSlots));
+  mine.slot_bytes = round_up(
+      env_size("PYCOLL_CUDA_SLOT_BYTES", default_slot_bytes(n), 1, kMaxCudaSlotBytes), 4096);
+  mine.nslots = static_cast<uint32_t>(
+      env_size("PYCOLL_CUDA_NSLOTS", kDefaultNSlots, kMinSlots, kMaxCudaNSlots));
   mine.pid = static_cast<int32_t>(getpid());
   cudaDeviceProp prop{};
   PYC_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
@@ -116,7 +122,8 @@ void CudaPath::setup(OpCtx& c) {
                     << "; set them alike on every rank");
   if (r != 0) {
     all[0].ctl_name[sizeof(all[0].ctl_name) - 1] = '\0';
-    ctl_ = ShmSegment::open(all[0].ctl_name, cbytes, comm_.timeout_s_);
+    ctl_ = ShmSegment::open(all[0].ctl_name, cbytes, comm_.timeout_s_, kNoCheck);
+    ctl_linked_ = true;
   }
   auto* hdr = static_cast<CtlHeader*>(ctl_.data());
   hdr->attached.fetch_add(1);

@@ -1,25 +1,13 @@
 #include "transport/cma.h"
 
-#include <sys/prctl.h>
 #include <sys/uio.h>
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 
 #include "core/error.h"
 
 namespace pyc {
-
-void cma_allow_peers() {
-  std::ifstream f("/proc/sys/kernel/yama/ptrace_scope");
-  int scope = 0;
-  if (!(f >> scope) || scope != 1) return;  // no Yama, or it allows or forbids regardless
-#ifdef PR_SET_PTRACER
-  // Failure leaves CMA to the probe, which then falls back to the slots.
-  (void)prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
-#endif
-}
 
 namespace {
 

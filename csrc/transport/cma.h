@@ -5,8 +5,11 @@
 // single-copy path.
 //
 // It needs ptrace access to the peer (same user; Yama's ptrace_scope <= 1 with
-// the peer's consent, which cma_allow_peers gives) and a seccomp profile that
-// allows the calls; cma_probe tells whether a given peer is accessible.
+// the peer's consent, which a PtracerGrant gives, transport/ptracer.h) and a
+// seccomp profile that allows the calls; cma_probe tells whether a given peer
+// is accessible. The pids and addresses come from the peers' announcements in
+// the shared segment (of this user only, transport/shm_segment.h); the pids
+// are checked at connect (same user) and kept privately from then on.
 #pragma once
 
 #include <sys/types.h>
@@ -18,9 +21,6 @@
 
 namespace pyc {
 
-// Lets processes of this user access this one when Yama's ptrace_scope is 1
-// (prctl PR_SET_PTRACER, as OpenMPI does for CMA). A no-op without Yama.
-void cma_allow_peers();
 // Whether the word at `addr` in process `pid` reads as `expect` and can be
 // written back.
 bool cma_probe(pid_t pid, uint64_t addr, uint64_t expect);

@@ -1,22 +1,57 @@
 // Offsets of the shared-memory segment (see shm_layout.h).
 #include "transport/shm_layout.h"
 
+#include "core/error.h"
+
 namespace pyc {
 namespace {
-size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// Overflow-checked size arithmetic: the sizes come from the environment or
+// from a peer's header, and a wrapped total once made a tiny segment that
+// every rank then wrote past.
+struct Sizes {
+  int n;
+  uint32_t nslots;
+  size_t slot_bytes, oneshot_bytes;
+
+  size_t add(size_t a, size_t b) const {
+    size_t r;
+    if (__builtin_add_overflow(a, b, &r)) fail();
+    return r;
+  }
+  size_t mul(size_t a, size_t b) const {
+    size_t r;
+    if (__builtin_mul_overflow(a, b, &r)) fail();
+    return r;
+  }
+  size_t round_up(size_t x, size_t a) const { return add(x, a - 1) / a * a; }
+  [[noreturn]] void fail() const {
+    PYC_THROW(InvalidArgument, "pycollectives: the shared-memory segment of "
+                                   << n << " ranks with " << nslots << " slots of " << slot_bytes
+                                   << " bytes (PYCOLL_NSLOTS, PYCOLL_SLOT_BYTES) and one-shot "
+                                      "areas of "
+                                   << oneshot_bytes
+                                   << " bytes (PYCOLL_ONESHOT_BYTES) would not fit the address "
+                                      "space");
+  }
+};
+
 }  // namespace
 
-ShmLayout::ShmLayout(int n, uint32_t ns, size_t sb, size_t ob)
-    : world_size(n),
-      nslots(ns),
-      slot_bytes(round_up(sb, kAlign)),
-      oneshot_bytes(round_up(ob, kAlign)) {
-  const size_t pairs = static_cast<size_t>(n) * static_cast<size_t>(n - 1);
-  rank_ctl_off = round_up(sizeof(SegmentHeader), 4096);
-  fifo_ctl_off = round_up(rank_ctl_off + n * sizeof(RankCtl), 4096);
-  fifo_data_off = round_up(fifo_ctl_off + pairs * sizeof(FifoCtl), 4096);
-  oneshot_off = round_up(fifo_data_off + pairs * nslots * slot_stride(), 4096);
-  total = round_up(oneshot_off + static_cast<size_t>(n) * 2 * oneshot_stride(), 4096);
+ShmLayout::ShmLayout(int n, uint32_t ns, size_t sb, size_t ob) : world_size(n), nslots(ns) {
+  const Sizes z{n, ns, sb, ob};
+  if (n < 1) z.fail();
+  slot_bytes = z.round_up(sb, kAlign);
+  oneshot_bytes = z.round_up(ob, kAlign);
+  const size_t ranks = static_cast<size_t>(n);
+  const size_t pairs = z.mul(ranks, ranks - 1);
+  rank_ctl_off = z.round_up(sizeof(SegmentHeader), 4096);
+  fifo_ctl_off = z.round_up(z.add(rank_ctl_off, z.mul(ranks, sizeof(RankCtl))), 4096);
+  fifo_data_off = z.round_up(z.add(fifo_ctl_off, z.mul(pairs, sizeof(FifoCtl))), 4096);
+  const size_t stride = z.add(sizeof(SlotHeader), slot_bytes);
+  oneshot_off = z.round_up(z.add(fifo_data_off, z.mul(z.mul(pairs, nslots), stride)), 4096);
+  const size_t oneshot_stride = z.add(sizeof(OneShotHeader), oneshot_bytes);
+  total = z.round_up(z.add(oneshot_off, z.mul(z.mul(ranks, 2), oneshot_stride)), 4096);
 }
 
 RankCtl* ShmLayout::rank_ctl(void* base, int r) const {

@@ -25,22 +25,29 @@ struct SegmentHeader {
   uint64_t slot_bytes;
   uint64_t oneshot_bytes;
   uint64_t total_bytes;
-  uint32_t algo;                   // the creator's PYCOLL_ALGO choice, binding on all ranks
-  std::atomic<uint32_t> ready;     // creator sets 1 once everything is initialized
-  std::atomic<uint32_t> attached;  // ranks that mapped the segment
-  alignas(64) std::atomic<uint32_t> abort_state;  // 0 none, 1 being written, 2 set
-  int32_t abort_kind;                             // an AbortKind
-  int32_t abort_rank;                             // the rank that reported it
-  char abort_msg[1024];
+  uint32_t algo;                // the creator's PYCOLL_ALGO choice, binding on all ranks
+  std::atomic<uint32_t> ready;  // creator sets 1 once everything is initialized
+  // The communicator's error: 0 none, r + 1 rank r's (RankCtl::abort_kind and
+  // abort_msg, complete before the rank claimed this word with one CAS, so a
+  // rank killed at any point leaves either no abort or a whole one).
+  alignas(64) std::atomic<uint32_t> abort_rank;
 };
 
+// The largest sizes a segment's header may announce (PYCOLL_* ranges).
+constexpr size_t kMaxSlotBytes = size_t{1} << 30;
+constexpr uint32_t kMaxNSlots = 1024;
+constexpr size_t kMaxOneShotBytes = size_t{64} << 20;
+
+// One operation's announcement (Communicator::announce): a seqlock, written
+// by its rank while peers may read it, hence atomics throughout.
 struct SigEntry {
   std::atomic<uint32_t> seq;
   uint32_t pad;
-  uint64_t w0, w1;
-  uint64_t where;  // symmetric-window placement of the buffer (window id << 40 | offset), or 0
-  uint64_t addr;   // the (input) buffer's address in this rank's process, for CMA, or 0
-  uint64_t out;    // the output buffer's address likewise (all-reduce: = addr)
+  std::atomic<uint64_t> w0, w1;
+  // symmetric-window placement of the buffer (window id << 40 | offset), or 0
+  std::atomic<uint64_t> where;
+  std::atomic<uint64_t> addr;  // the (input) buffer's address in this rank's process, for CMA, or 0
+  std::atomic<uint64_t> out;   // the output buffer's address likewise (all-reduce: = addr)
 };
 
 struct alignas(64) RankCtl {
@@ -51,15 +58,30 @@ struct alignas(64) RankCtl {
   // operation, sequence number << 32 | next unclaimed chunk.
   alignas(64) std::atomic<uint64_t> cma_next;
   alignas(64) int32_t pid;
-  // CMA (transport/cma.h): a word of this process at cma_addr holds cma_token;
-  // cma_state is 1 once this rank read (and wrote back) every peer's token, 2
-  // if it could not.
+  std::atomic<uint32_t> attached;  // 1 once this rank holds `alive` (its death shows from then on)
+  // Connecting single copy (Communicator::agree_cma), each 1 for yes, 2 for
+  // no: cma_want, this rank would use it; cma_ready, it found every peer of
+  // its user and let them access it (Yama); cma_state, it read (and wrote
+  // back) every peer's token, the word at cma_addr in its process.
+  std::atomic<uint32_t> cma_want;
+  std::atomic<uint32_t> cma_ready;
   std::atomic<uint32_t> cma_state;
   uint64_t cma_addr;
   uint64_t cma_token;
   cpu_set_t cpus;                     // the CPUs this rank may run on
   std::atomic<uint32_t> closed;       // set by close() before `alive` is released
   alignas(64) pthread_mutex_t alive;  // robust; held while the rank's communicator lives
+  // What this rank is doing, for a timeout's verdict (OpMonitor::culprit):
+  // the collective it waits in and for whom, seq << 32 | (peer + 1), or 0;
+  // and the steady clock (ns) of its latest check in that wait.
+  alignas(64) std::atomic<uint64_t> waiting;
+  std::atomic<int64_t> beat_ns;
+  // Single copy: seq << 1 | 1 while this rank may still copy into its peers'
+  // buffers for collective seq (algo/cma.cc); an aborting peer waits for it.
+  std::atomic<uint64_t> cma_busy;
+  // This rank's error, written before it claims SegmentHeader::abort_rank.
+  int32_t abort_kind;  // an AbortKind
+  char abort_msg[1024];
   alignas(64) SigEntry sig[kSigHistory];
 };
 
@@ -100,6 +122,8 @@ struct ShmLayout {
   size_t total = 0;
 
   ShmLayout() = default;
+  // Throws InvalidArgument when the segment would not fit the address space
+  // (the sizes come from the environment, or a peer's header).
   ShmLayout(int world_size, uint32_t nslots, size_t slot_bytes, size_t oneshot_bytes);
 
   size_t slot_stride() const { return sizeof(SlotHeader) + slot_bytes; }

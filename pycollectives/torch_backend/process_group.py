@@ -68,6 +68,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         )
         self._timeout = to_seconds(timeout)  # the default of the group's operations
         self._lock = threading.RLock()  # issue order = call order across threads
+        self._comm._issue_from_any_thread()  # the lock serializes them (the completion thread too)
         self._completer = Completer(
             f"pycoll-pg-{group_name}",
             wake_every=lambda: P2P_FLUSH_DELAY_S if self._p2p else None,
