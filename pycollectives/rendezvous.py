@@ -1,5 +1,6 @@
 """Bootstrap the torchrun way: a torch.distributed Store carries the name of the
-shared-memory segment; nothing else goes through it."""
+shared-memory segment, and (bootstrap.py) who the ranks are and the error that
+stopped one of them during set-up; no data goes through it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import os
 from typing import Any
 
 from . import _C
+from .bootstrap import Bootstrap, fault
 from .communicator import Communicator, Timeout, to_seconds
 
 _inits: dict[str, int] = {}
+_STORE_MAX_TIMEOUT_S = 365 * 86400.0  # a TCPStore's timeout (an infinite one waits this long)
 
 
 def _env_int(name: str) -> int:
@@ -71,6 +74,7 @@ def init(
     if seconds < 0:
         seconds = 600.0
     own_store = store is None
+    agent_store = False
     if own_store:
         import torch.distributed as dist
 
@@ -85,7 +89,7 @@ def init(
             port,
             world_size,
             rank == 0 and not agent_store,
-            datetime.timedelta(seconds=seconds),
+            datetime.timedelta(seconds=min(seconds, _STORE_MAX_TIMEOUT_S)),
             wait_for_workers=False,
         )
     if rank is None or world_size is None:
@@ -97,21 +101,41 @@ def init(
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"pycollectives: init: rank={rank!r} is out of range [0, {world_size})")
 
-    _bind(rank, world_size)
     generation = _inits.get(prefix, 0)
     _inits[prefix] = generation + 1
-    key = f"{prefix}/{generation}/segment"
+    serving = own_store and not agent_store
+    boot = Bootstrap(store, f"{prefix}/{generation}", rank, world_size, 0 if serving else None)
+    try:
+        _bind(rank, world_size)
+        core = _connect(boot, rank, world_size, seconds)
+        boot.finish(seconds)
+    except BaseException as e:
+        boot.fail(e, seconds)
+        raise
+    # Every rank is done with the store (finish): its server, if this
+    # process's, can go, freeing MASTER_PORT for the caller.
+    del boot, store
+    return Communicator(core)
+
+
+def _connect(boot: Bootstrap, rank: int, world_size: int, seconds: float) -> Any:
+    """Creates (rank 0) or opens the segment and connects the core communicator.
+
+    Rank 0 publishes the segment's name before it creates the segment: every
+    peer then knows the name as soon as it exists, and removes it if rank 0
+    dies or fails before the ranks have all attached (see Bootstrap.fail).
+    Every wait runs boot.check: another rank's published error, or its death,
+    raises at once."""
     if rank == 0:
         name = _C.unique_segment_name()
-        core = _C.Communicator(0, world_size, name, True, seconds)
-        store.set(key, name)
+        fault("init.named")
+        boot.segment = name
+        boot.set("segment", name)
+        fault("init.published")
+        core = _C.Communicator(0, world_size, name, True, seconds, boot.check)
     else:
-        store.wait([key], datetime.timedelta(seconds=seconds))
-        name = store.get(key).decode()
-        core = _C.Communicator(rank, world_size, name, False, seconds)
-    core.connect()
-    if own_store:
-        # Every rank has read the name (connect() saw them all attach): the
-        # store's server can go, freeing MASTER_PORT for the caller.
-        del store
-    return Communicator(core)
+        name = boot.segment = boot.wait_for("segment", seconds)
+        core = _C.Communicator(rank, world_size, name, False, seconds, boot.check)
+    fault("init.constructed")
+    core.connect(boot.check)
+    return core
