@@ -1,0 +1,250 @@
+"""The ranks' side of test_fault_injection.py: each function runs in every rank
+(spawn.run, RankPool) and returns what the test checks, or raises."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import pycollectives as pc
+from pycollectives import _C
+
+
+def caught(fn, *args, **kwargs) -> tuple[str, str, float]:
+    """Runs fn; returns (exception class name or "ok", message, seconds taken)."""
+    t0 = time.monotonic()
+    try:
+        fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "ok", "", time.monotonic() - t0
+
+
+def own_segment_name() -> str:
+    """The name of this process's communicator segment, from its mapping (the
+    name itself is gone from /dev/shm)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "/dev/shm/pycoll-" in line and ".w" not in line.split("/dev/shm/")[1]:
+                return "/" + line.split("/dev/shm/")[1].split()[0]
+    raise AssertionError("no communicator segment is mapped")
+
+
+def file_store(path: str, rank: int, n: int) -> pc.Communicator:
+    return pc.init(rank, n, store=dist.FileStore(path, n), timeout=20)
+
+
+# ---- pool jobs (the communicator stays usable) --------------------------------------------
+
+
+def job_resized_storage(comm: pc.Communicator) -> list[tuple]:
+    freed = torch.ones(1000)
+    freed.untyped_storage().resize_(0)  # as FSDP frees a parameter
+    shrunk = torch.ones(1 << 16)
+    shrunk.untyped_storage().resize_(1024)
+    out = [caught(comm.all_reduce, freed), caught(comm.broadcast, shrunk, 0)]
+    out.append(caught(comm.all_reduce, freed, async_op=True))
+    t = torch.ones(4)
+    comm.all_reduce(t)  # nothing was communicated: the communicator still works
+    return out + [("sum", str(t[0].item()), 0.0)]
+
+
+def job_timeouts(comm: pc.Communicator) -> list[tuple]:
+    n, out = comm.world_size, []
+    for timeout in (float("inf"), 1e300, datetime.timedelta.max, 10**400):
+        if comm.rank == 1:
+            time.sleep(0.2)  # the peer waits: an infinite timeout must not expire at once
+        t = torch.ones(8)
+        out.append(caught(comm.all_reduce, t, timeout=timeout) + (t[0].item() == n,))
+    t = torch.ones(8)
+    w = comm.all_reduce(t, async_op=True)
+    out.append(("wait(inf)", str(w.wait(timeout=float("inf"))), 0.0, t[0].item() == n))
+    out.append(caught(comm.all_reduce, t, timeout=float("nan")) + (True,))
+    out.append(caught(w.wait, float("nan")) + (True,))
+    return out
+
+
+def job_second_thread(comm: pc.Communicator) -> tuple:
+    comm.all_reduce(torch.ones(4))  # this thread issues first
+    result: list = []
+    th = threading.Thread(target=lambda: result.append(caught(comm.all_reduce, torch.ones(4))))
+    th.start()
+    th.join()
+    t = torch.ones(4)
+    comm.all_reduce(t)  # the refused call communicated nothing
+    return result[0], t[0].item()
+
+
+def job_predictable_window_names(comm: pc.Communicator) -> tuple:
+    """Another user (here: this one) creates the window names the library once
+    derived from the segment's name; alloc_shared must not depend on them."""
+    seg = own_segment_name()
+    planted = []
+    for wid in range(64):
+        for r in range(comm.world_size):
+            path = f"/dev/shm{seg}.w{wid}.{r}"
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                continue
+            os.close(fd)
+            planted.append(path)
+    comm.barrier()
+    try:
+        result = caught(comm.alloc_shared, 1024)
+    finally:
+        comm.barrier()
+        for path in planted:
+            os.unlink(path)
+    return result
+
+
+def job_ptracer(rank: int, n: int) -> list:
+    comm = pc.init(timeout=20)
+    pids = torch.zeros(n, dtype=torch.int64)
+    comm.all_gather(pids, torch.tensor([os.getpid()]))
+    out = [comm.single_copy, _C.ptracer()[0], int(pids[1 - rank])]
+    if rank == 1:
+        os.environ["PYCOLL_CMA"] = "0"  # this rank will not take single copy in the child
+    child = comm.split(0)
+    comm.close()  # the grant of the parent goes; the child, without single copy, has none
+    out += [child.single_copy, _C.ptracer()[0]]
+    child.close()
+    return out
+
+
+# ---- spawned jobs -------------------------------------------------------------------------
+
+
+def job_init_failures(rank: int, n: int, tmp: str) -> list[tuple]:
+    """Init fails on rank 0, then rank 1 (a bad setting), then /dev/shm is too
+    small for rank 0; then a split leader cannot create the child."""
+    out = []
+    bad = {"PYCOLL_SLOT_BYTES": "12 parsecs"}
+    for step, (who, env) in enumerate(
+        [(0, bad), (1, bad), (0, {"PYCOLL_SLOT_BYTES": "1G", "PYCOLL_NSLOTS": "1024"})]
+    ):
+        saved = dict(os.environ)
+        if rank == who:
+            os.environ.update(env)
+        try:  # the first init serves its own TCPStore (rank 0), as under torchrun
+            if step == 0:
+                out.append(caught(pc.init, timeout=20))
+            else:
+                out.append(caught(file_store, f"{tmp}/store{step}", rank, n))
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    comm = file_store(f"{tmp}/store-split", rank, n)
+    if rank == 0:
+        os.environ["PYCOLL_SLOT_BYTES"] = "-1"
+    out.append(caught(comm.split, 0))
+    return out
+
+
+def job_mismatches(rank: int, n: int) -> list[tuple]:
+    """Each on its own sub-communicator (a mismatch aborts one)."""
+    comm = pc.init(timeout=20)
+    out = []
+    for nbytes in (16 << 10, 1 << 20):  # one-shot, then the chain (or single copy)
+        c = comm.split(0)
+        t = torch.full((nbytes // 4,), float(rank))
+        out.append(caught(c.broadcast, t, rank, timeout=10))  # every rank says it is the root
+    c = comm.split(0)
+    out.append(caught(c.alloc_shared, 1024 * (rank + 1), timeout=10))
+    return out
+
+
+def job_yield(rank: int, n: int) -> tuple:
+    comm = pc.init(timeout=20)
+    comm.barrier()
+    if rank == 1:
+        time.sleep(3)
+        return caught(comm.all_reduce, torch.ones(1000))
+    return caught(comm.all_reduce, torch.ones(1000), timeout=0.5)
+
+
+def job_close_pending(rank: int, n: int) -> tuple:
+    comm = pc.init(timeout=20)
+    comm.barrier()
+    if rank == 1:
+        time.sleep(2)  # alive, and not in the operation
+        return caught(comm.all_reduce, torch.ones(8))
+    w = comm.all_reduce(torch.ones(8), async_op=True)
+    t0 = time.monotonic()
+    comm.close()
+    return time.monotonic() - t0, type(w.exception()).__name__, str(w.exception())
+
+
+def job_interrupted(rank: int, n: int) -> list[tuple]:
+    """Ctrl-C in Work.wait(), then in a synchronous call queued behind async work."""
+    comm = pc.init(timeout=20)
+    other = comm.split(0)
+    comm.barrier()
+    if rank == 1:
+        time.sleep(4)  # late for both
+        return [caught(comm.all_reduce, torch.ones(8)), caught(other.all_reduce, torch.ones(8))]
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    out = []
+    for c, sync_behind in ((comm, False), (other, True)):
+        w = c.all_reduce(torch.ones(8), async_op=True)
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        if sync_behind:
+            out.append(caught(c.all_reduce, torch.ones(8)))
+        else:
+            out.append(caught(w.wait))
+    return out
+
+
+def job_stopped(rank: int, n: int, victim: int, in_op: bool) -> str | None:
+    """Rank 0 stops `victim` (SIGSTOP), before it reaches the operation or in
+    it; the timeout must name the victim, not a neighbour waiting for it."""
+    comm = pc.init(timeout=20)
+    pids = torch.zeros(n, dtype=torch.int64)
+    comm.all_gather(pids, torch.tensor([os.getpid()]))
+    t = torch.ones((512 << 10) // 4)
+    if rank == victim:
+        if in_op:
+            comm.all_reduce(t)  # stopped inside it
+        time.sleep(60)
+        return None
+    if rank == 0:
+        time.sleep(0.3 if in_op else 0.0)
+        os.kill(int(pids[victim]), signal.SIGSTOP)
+    else:
+        time.sleep(0.6)  # rank 0 starts first, and times out first
+    try:
+        comm.all_reduce(t, timeout=1.5)
+    except pc.CollectiveTimeout as e:
+        return str(e)
+    finally:
+        if rank == 0:
+            os.kill(int(pids[victim]), signal.SIGKILL)
+    return "no timeout"
+
+
+def job_killed_at(rank: int, n: int, victim: int, step: str, tmp: str) -> tuple:
+    """`victim` dies at set-up step `step`; the others must say so at once."""
+    with open(f"{tmp}/pid{rank}", "w") as f:
+        f.write(str(os.getpid()))
+    if rank == victim:
+        os.environ["PYCOLL_TEST_KILL_AT"] = step
+    init = lambda: file_store(f"{tmp}/store", rank, n)  # noqa: E731
+    if not step.startswith("window."):
+        return caught(init)
+    comm = init()
+    return caught(comm.alloc_shared, 1 << 20)
+
+
+def job_other_user(rank: int, n: int) -> tuple:
+    """Rank 1 runs as another user: it must refuse rank 0's segment, naming its
+    owner, and rank 0 must hear why at once."""
+    if rank == 1:
+        os.setuid(65534)
+    return caught(pc.init, timeout=20)
