@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from typing import Any
 
 from . import _C
@@ -26,6 +27,23 @@ def _env_int(name: str) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"pycollectives: init: {name}={value!r} is not an integer") from None
+
+
+def _listen(addr: str, port: int) -> int:
+    """A socket listening on MASTER_ADDR only, for the TCPStore server to take
+    over: on its own it would listen on every interface, where anyone on the
+    network could read and write the bootstrap's keys. The ranks all run on
+    this host and connect to MASTER_ADDR, so nothing else is needed."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    s = socket.socket(family, kind, proto)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(sockaddr)
+        s.listen(128)
+    except BaseException:
+        s.close()
+        raise
+    return s.detach()  # the store owns it from now on
 
 
 def _bind(rank: int, world_size: int) -> None:
@@ -84,13 +102,16 @@ def init(
         port = _env_int("MASTER_PORT")
         # Under torchrun the agent already serves a store on MASTER_PORT: connect to it.
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        serve = rank == 0 and not agent_store
+        listen = {"master_listen_fd": _listen(addr, port)} if serve else {}
         store = dist.TCPStore(
             addr,
             port,
             world_size,
-            rank == 0 and not agent_store,
+            serve,
             datetime.timedelta(seconds=min(seconds, _STORE_MAX_TIMEOUT_S)),
             wait_for_workers=False,
+            **listen,
         )
     if rank is None or world_size is None:
         raise ValueError("pycollectives: init: rank and world_size are required with store=")

@@ -16,7 +16,7 @@ import time
 
 import fault_jobs as jobs
 import pytest
-from spawn import run
+from spawn import free_port, run
 
 from pycollectives import _C
 
@@ -83,6 +83,36 @@ def test_another_user_cannot_join_and_rank_0_hears_why():
     (r0, m0, t0), (r1, m1, _) = run(jobs.job_other_user, 2, timeout=40)
     assert r1 == "PyCollectivesError" and "belongs to uid 0" in m1, m1
     assert "belongs to uid 0" in m0 and "reported by rank 1" in m0 and t0 < 10, (r0, m0, t0)
+
+
+def listeners(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* write them) listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, p = local.rsplit(":", 1)
+                if state == "0A" and int(p, 16) == port:  # 0A: LISTEN
+                    found.add(addr)
+    return found
+
+
+def test_the_bootstrap_store_listens_on_master_addr_only():
+    port = free_port()
+    script = "import pycollectives as pc; pc.init(timeout=4)"
+    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env.update(RANK="0", WORLD_SIZE="2")  # rank 1 never comes: rank 0 serves, then times out
+    p = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline, found = time.monotonic() + 20, set()
+        while not found and time.monotonic() < deadline and p.poll() is None:
+            found = listeners(port)
+            time.sleep(0.05)
+    finally:
+        p.kill()
+        p.wait()
+    assert found == {"0100007F"}, found  # 127.0.0.1, not 0.0.0.0 or ::
 
 
 def test_window_names_cannot_be_taken_first(pool):
