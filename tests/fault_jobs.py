@@ -248,3 +248,48 @@ def job_other_user(rank: int, n: int) -> tuple:
     if rank == 1:
         os.setuid(65534)
     return caught(pc.init, timeout=20)
+
+
+def job_yama(rank: int, n: int) -> tuple:
+    """Under Yama (ptrace_scope 1), as an unprivileged user: a process that is
+    not a rank (here a child of rank 0) must not be able to read rank 0's
+    memory, whether single copy is on (the grant names the peer only) or off
+    (no grant at all). Returns (single copy on, errno of each read)."""
+    import ctypes
+
+    os.setgid(65534)
+    os.setuid(65534)
+    if rank == 1:
+        os.environ["PYCOLL_CMA"] = "0"
+    comm = pc.init(timeout=20)  # single copy off: no grant at all
+    os.environ.pop("PYCOLL_CMA", None)
+    child = comm.split(0)  # single copy on: a grant to the peer only
+    word = ctypes.c_uint64(42)
+    out = [child.single_copy, comm.single_copy]
+    for c in (comm, child):
+        c.barrier()
+        if rank == 0:
+            out.append(_read_from_child(os.getpid(), ctypes.addressof(word)))
+        c.barrier()
+    return tuple(out)
+
+
+def _read_from_child(pid: int, addr: int) -> int:
+    """errno of process_vm_readv(pid, addr) done by a fresh child (0: it read)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class Iovec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        buf = ctypes.c_uint64(0)
+        local, remote = Iovec(ctypes.addressof(buf), 8), Iovec(addr, 8)
+        got = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        os.write(w, str(0 if got == 8 else ctypes.get_errno()).encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+    return int(os.read(r, 16))

@@ -127,6 +127,26 @@ def test_ptrace_access_follows_single_copy():
         assert not child_cma and after == 0, (r, after)  # reset: nothing needs it any more
 
 
+def yama_scope() -> int:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read())
+    except OSError:
+        return -1
+
+
+@pytest.mark.skipif(
+    yama_scope() != 1 or os.geteuid() != 0,
+    reason="needs Yama's ptrace_scope 1 (this kernel has no Yama, or another scope) and root "
+    "(to run the ranks as uid 65534); the grant's bookkeeping is tested above everywhere",
+)
+def test_yama_lets_only_the_peers_in():
+    for r, (cma, child_cma, *errnos) in enumerate(run(jobs.job_yama, 2, timeout=60)):
+        assert cma and not child_cma, (r, cma, child_cma)
+        if r == 0:
+            assert errnos == [1, 1], errnos  # EPERM, with single copy on and off
+
+
 def test_environment_sizes_are_range_checked():
     values = [
         ("PYCOLL_SLOT_BYTES", "2305843009213693952"),
