@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 from typing import Any
 
@@ -30,13 +29,6 @@ _CLASSES: dict[str, type[BaseException]] = {
     )
 }
 _CHECK_EVERY_S = 0.02  # the core calls check() every ~10 ms while it waits
-
-
-def fault(step: str) -> None:
-    """Fault injection for tests: SIGKILLs this process at `step` when
-    PYCOLL_TEST_KILL_AT names it (as the core's fault points)."""
-    if os.environ.get("PYCOLL_TEST_KILL_AT") == step:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _pid_namespace() -> str:

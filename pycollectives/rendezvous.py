@@ -10,7 +10,7 @@ import socket
 from typing import Any
 
 from . import _C
-from .bootstrap import Bootstrap, fault
+from .bootstrap import Bootstrap
 from .communicator import Communicator, Timeout, to_seconds
 
 _inits: dict[str, int] = {}
@@ -149,14 +149,11 @@ def _connect(boot: Bootstrap, rank: int, world_size: int, seconds: float) -> Any
     raises at once."""
     if rank == 0:
         name = _C.unique_segment_name()
-        fault("init.named")
         boot.segment = name
         boot.set("segment", name)
-        fault("init.published")
         core = _C.Communicator(0, world_size, name, True, seconds, boot.check)
     else:
         name = boot.segment = boot.wait_for("segment", seconds)
         core = _C.Communicator(rank, world_size, name, False, seconds, boot.check)
-    fault("init.constructed")
     core.connect(boot.check)
     return core

@@ -8,12 +8,13 @@ import os
 import signal
 import threading
 import time
+import types
 
 import torch
 import torch.distributed as dist
 
 import pycollectives as pc
-from pycollectives import _C
+from pycollectives import _C, rendezvous
 
 
 def caught(fn, *args, **kwargs) -> tuple[str, str, float]:
@@ -174,7 +175,7 @@ def job_close_pending(rank: int, n: int) -> tuple:
     comm = pc.init(timeout=20)
     comm.barrier()
     if rank == 1:
-        time.sleep(2)  # alive, and not in the operation
+        time.sleep(4)  # alive, and not in the operation
         return caught(comm.all_reduce, torch.ones(8))
     w = comm.all_reduce(torch.ones(8), async_op=True)
     t0 = time.monotonic()
@@ -230,16 +231,32 @@ def job_stopped(rank: int, n: int, victim: int, in_op: bool) -> str | None:
 
 
 def job_killed_at(rank: int, n: int, victim: int, step: str, tmp: str) -> tuple:
-    """`victim` dies at set-up step `step`; the others must say so at once."""
+    """`victim` dies at set-up step `step`; the others must say so at once.
+    Steps: "create" (rank 0, as it is about to create the segment), "connect"
+    (after constructing, before connecting), "window.timer" (30 ms into a
+    512 MiB alloc_shared, wherever that is), else one of the core's fault
+    points (PYCOLL_TEST_KILL_AT: segment.created, window.created, window.mapped)."""
     with open(f"{tmp}/pid{rank}", "w") as f:
         f.write(str(os.getpid()))
+
+    def die(*args: object, **kwargs: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
     if rank == victim:
-        os.environ["PYCOLL_TEST_KILL_AT"] = step
+        if step == "create":
+            names = _C.unique_segment_name
+            rendezvous._C = types.SimpleNamespace(Communicator=die, unique_segment_name=names)
+        elif step == "connect":
+            _C.Communicator.connect = die
+        elif not step.startswith("window.timer"):
+            os.environ["PYCOLL_TEST_KILL_AT"] = step
     init = lambda: file_store(f"{tmp}/store", rank, n)  # noqa: E731
     if not step.startswith("window."):
         return caught(init)
     comm = init()
-    return caught(comm.alloc_shared, 1 << 20)
+    if rank == victim and step == "window.timer":
+        threading.Timer(0.03, die).start()
+    return caught(comm.alloc_shared, 1 << 27)  # 512 MiB of float32
 
 
 def job_other_user(rank: int, n: int) -> tuple:

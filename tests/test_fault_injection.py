@@ -299,11 +299,12 @@ def test_init_failures_reach_every_rank_with_their_cause(tmp_path):
 @pytest.mark.parametrize(
     "victim,step",
     [
-        (0, "init.published"),  # before rank 0 made the segment
+        (0, "create"),  # rank 0 has named the segment, not made it
         (0, "segment.created"),  # rank 0 made it, no rank attached
-        (1, "init.constructed"),  # both attached, rank 1 dies before connecting
-        (1, "window.created"),
-        (1, "window.mapped"),
+        (0, "connect"),  # rank 0 attached, has not connected
+        (1, "connect"),
+        (1, "window.created"),  # rank 1 made its window, its peer has not mapped it
+        (1, "window.timer"),  # somewhere in a large alloc_shared
     ],
 )
 def test_a_rank_killed_during_set_up_is_named_and_leaves_nothing(tmp_path, victim, step):
