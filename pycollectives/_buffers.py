@@ -87,6 +87,7 @@ def describe(buf: Any, rank: int, op: str, arg: str, writable: bool = True) -> t
     if isinstance(buf, _Tensor):
         view = _C.view_tensor(buf)  # contiguous CPU tensor of a supported dtype, else None
         if view is not None:
+            _check_in_storage(buf, rank, op, arg)  # view_tensor trusts a shrunk one's sizes
             return view
         code = _TORCH_CODES.get(buf.dtype)
         if code is None:

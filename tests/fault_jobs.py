@@ -49,8 +49,12 @@ def job_resized_storage(comm: pc.Communicator) -> list[tuple]:
     freed.untyped_storage().resize_(0)  # as FSDP frees a parameter
     shrunk = torch.ones(1 << 16)
     shrunk.untyped_storage().resize_(1024)
-    out = [caught(comm.all_reduce, freed), caught(comm.broadcast, shrunk, 0)]
-    out.append(caught(comm.all_reduce, freed, async_op=True))
+    view = torch.ones(1 << 16)[1024:]  # in bounds at an offset: accepted
+    out = [caught(comm.all_reduce, freed), caught(comm.all_reduce, freed, async_op=True)]
+    out.append(caught(comm.broadcast, freed, 0))
+    out.append(caught(comm.broadcast, shrunk, 0, timeout=10))  # the Python path's full check
+    out.append(caught(comm.all_gather, torch.empty(2 * 1000), freed))
+    comm.all_reduce(view)
     t = torch.ones(4)
     comm.all_reduce(t)  # nothing was communicated: the communicator still works
     return out + [("sum", str(t[0].item()), 0.0)]

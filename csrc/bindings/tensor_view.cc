@@ -30,7 +30,7 @@ struct TorchAttr {
 struct Torch {
   PyObject* tensor_type = nullptr;
   TorchAttr dtype, is_cpu, is_contiguous, data_ptr, numel, is_neg, untyped_storage;
-  TorchAttr storage_nbytes, storage_data_ptr;  // of torch.UntypedStorage
+  TorchAttr storage_nbytes, storage_data_ptr;     // of torch.UntypedStorage
   std::vector<PyObject*> dtypes;                  // torch.float32, ... in DataType order
   dlpack::TensorFromPyObject describe = nullptr;  // from the exchange table, if any
 };
@@ -189,9 +189,15 @@ bool in_storage(PyObject* obj, uintptr_t ptr, size_t bytes) {
 bool view_tensor(PyObject* obj, TensorView* out) {
   const Torch& t = g_torch;
   if (t.tensor_type == nullptr) return false;
+  // An exact tensor described through DLPack: a storage freed by resizing it
+  // to 0 (FSDP) leaves no memory at all, which the null address says at no
+  // cost. Asking torch for the storage's size costs three calls, ~0.16 us,
+  // 18% of a 2-rank 8-byte all-reduce on this project's VM: a storage shrunk
+  // to a smaller non-zero size is caught on the Python path (every other
+  // call, and every non-exact tensor here), and in this one is trusted as
+  // torch's own kernels trust it.
   if (t.describe != nullptr && exact_tensor(obj))
-    return view_dlpack(obj, out) && !negated(obj) &&
-           in_storage(obj, out->ptr, out->numel * dtype_size(static_cast<DataType>(out->dtype)));
+    return view_dlpack(obj, out) && (out->ptr != 0 || out->numel == 0) && !negated(obj);
   PyObject* dt = get_attr(obj, t.dtype);
   if (dt == nullptr) return false;
   int code = -1;

@@ -24,8 +24,11 @@ void set_torch(pybind11::handle tensor_type, pybind11::sequence dtypes,
                pybind11::handle storage_type);
 
 // Fills `out` and returns true for a contiguous CPU torch tensor of a
-// supported dtype whose negative bit is clear and whose bytes lie inside its
-// storage; returns false for anything else (the Python layer then says why).
+// supported dtype whose negative bit is clear and whose bytes are in memory:
+// a storage resized to 0 (as FSDP frees parameters) is declined; a storage
+// shrunk to less than the tensor needs is declined too, except for an exact
+// torch.Tensor, where only the Python layer checks it (tensor_view.cc says
+// why). Returns false for anything else (the Python layer then says why).
 bool view_tensor(PyObject* obj, TensorView* out);
 
 // Adds set_torch, view_tensor(obj) (METH_O: (address, numel, dtype code) or
