@@ -71,10 +71,17 @@ PYBIND11_MODULE(_C, m) {
   });
 
   // A blocking call releases the GIL; while it sleeps, this hook lets Ctrl-C
-  // through: on a thread that Python knows (the caller's, never the progress
+  // through: on Python's main thread (the caller's, never the progress
   // thread), take the GIL and run the signal handlers.
+  // Python runs signal handlers on its main thread only: any other thread
+  // (the torch backend's completion thread waiting on a Work, say) returns
+  // at once, without taking the GIL from the thread that runs Python.
+  static const unsigned long main_thread =
+      py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   set_interrupt_check([]() -> bool {
-    if (PyGILState_GetThisThreadState() == nullptr || python_finalizing()) return false;
+    if (PyThread_get_thread_ident() != main_thread || PyGILState_GetThisThreadState() == nullptr ||
+        python_finalizing())
+      return false;
     PyGILState_STATE st = PyGILState_Ensure();
     const bool raised = PyErr_CheckSignals() != 0;
     if (raised) PyErr_Clear();  // re-raised as KeyboardInterrupt by the translator

@@ -104,7 +104,7 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
     PYC_ERRCHECK(pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED));
     PYC_ERRCHECK(pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST));
     for (int r = 0; r < n; ++r) PYC_ERRCHECK(pthread_mutex_init(&ctl(r)->alive, &attr));
-    pthread_mutexattr_destroy(&attr);
+    PYC_ERRCHECK(pthread_mutexattr_destroy(&attr));
     hdr_->magic = kShmMagic;
     hdr_->ready.store(1, std::memory_order_release);
   } else {
@@ -150,10 +150,12 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
   });
   // The engine's thread holds this rank's robust mutex for the communicator's
   // life: peers see EOWNERDEAD the moment this process dies, however it dies.
+  // (on_stop runs last on that thread, where an exception would terminate the
+  // process: unlocking a mutex the thread holds cannot fail.)
   engine_ = std::make_unique<ProgressEngine>([me] { PYC_ERRCHECK(pthread_mutex_lock(&me->alive)); },
                                              [me] {
                                                me->closed.store(1);
-                                               pthread_mutex_unlock(&me->alive);
+                                               (void)pthread_mutex_unlock(&me->alive);
                                              },
                                              interrupt_hook_);
   me->attached.store(1, std::memory_order_release);

@@ -265,10 +265,12 @@ void Communicator::throw_abort() const {
 
 std::string Communicator::peer_gone(int p) {
   RankCtl* c = ctl(p);
-  int rc = pthread_mutex_trylock(&c->alive);
+  const int rc = pthread_mutex_trylock(&c->alive);
   if (rc == EBUSY) return "";
-  if (rc == EOWNERDEAD) pthread_mutex_consistent(&c->alive);
-  if (rc == 0 || rc == EOWNERDEAD) pthread_mutex_unlock(&c->alive);
+  if (rc != 0 && rc != EOWNERDEAD)
+    detail::throw_sys(__FILE__, __LINE__, "pthread_mutex_trylock", rc);
+  if (rc == EOWNERDEAD) PYC_ERRCHECK(pthread_mutex_consistent(&c->alive));
+  PYC_ERRCHECK(pthread_mutex_unlock(&c->alive));
   if (c->closed.load() != 0) return "closed its communicator";
   return "died (pid " + std::to_string(c->pid) + ", exited without closing the communicator)";
 }
