@@ -55,7 +55,10 @@ void Communicator::connect(FunctionRef<void()> check) {
   // Every rank has it mapped: the name goes, so nothing stays in /dev/shm.
   // Every rank removes it (the first succeeds), so a creator that dies now
   // leaves nothing behind either.
-  ShmSegment::unlink_name(seg_.name());
+  if (creator_)
+    seg_.unlink();
+  else
+    ShmSegment::unlink_name(seg_.name());
   // More ranks than the CPUs they may run on between them (not: than this
   // rank's CPUs, which is one for every rank pinned to its own): spin
   // briefly, then give the core to a peer.
