@@ -511,9 +511,9 @@ class Communicator:
 
     def close(self) -> None:
         """Releases the communicator (idempotent). Pending operations run on,
-        but one that waits for a peer that has not reached it is aborted (its
-        peers raise too) rather than left to its timeout; a warning names each
-        pending operation that failed (its Work raises the error)."""
+        but one that a peer stays away from for a second, idle, is aborted
+        (its peers raise too) rather than left to its timeout; a warning names
+        each pending operation that failed (its Work raises the error)."""
         failed = self._c.close()
         self._inflight.clear()
         for msg in failed:

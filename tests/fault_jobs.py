@@ -176,15 +176,24 @@ def job_yield(rank: int, n: int) -> tuple:
 
 
 def job_close_pending(rank: int, n: int) -> tuple:
+    """close() with work pending: work its peers come to finishes (a peer
+    0.3 s late), work a peer stays away from is aborted after a second."""
     comm = pc.init(timeout=20)
+    both = comm.split(0)
+    if rank == 1:
+        time.sleep(0.3)
+    ts = [torch.ones(1 << 16) for _ in range(3)]
+    works = [both.all_reduce(t, async_op=True) for t in ts]
+    both.close()
+    finished = [w.exception() is None and t[0].item() == n for w, t in zip(works, ts, strict=True)]
     comm.barrier()
     if rank == 1:
-        time.sleep(4)  # alive, and not in the operation
+        time.sleep(6)  # alive, and not in the operation
         return caught(comm.all_reduce, torch.ones(8))
     w = comm.all_reduce(torch.ones(8), async_op=True)
     t0 = time.monotonic()
     comm.close()
-    return time.monotonic() - t0, type(w.exception()).__name__, str(w.exception())
+    return time.monotonic() - t0, type(w.exception()).__name__, str(w.exception()), finished
 
 
 def job_interrupted(rank: int, n: int) -> list[tuple]:

@@ -78,11 +78,11 @@ class Communicator final : public Links {
   // that dies meanwhile, and whatever `check` raises.
   void connect(FunctionRef<void()> check = kNoCheck);
   // Releases the communicator (idempotent). Pending operations run on, but
-  // one that waits for a peer that has not reached it (a point-to-point one:
-  // that waits at all) is aborted instead of waiting for its timeout, and so
-  // are the ones after it. Returns "<operation>: <error>" for each pending
-  // operation that failed. In a forked child, releases this process's copy
-  // without touching the parent's threads or shared state.
+  // one that a peer stays away from, idle, for a second (a point-to-point
+  // one: that waits a second) is aborted instead of waiting for its
+  // timeout, and so are the ones after it (OpMonitor::check_closing). Returns "<operation>:
+  // <error>" for each pending operation that failed. In a forked child, releases this process's
+  // copy without touching the parent's threads or shared state.
   std::vector<std::string> close();
   // Whether operations may be issued by any thread: the caller serializes
   // them (the torch backend does, under its lock). Otherwise the first

@@ -80,6 +80,15 @@ void Communicator::run_op(const OpSig& sig, uint32_t seq, double timeout_s, bool
   c.links = this;
   c.mon = &mon;
   if (collective) c.out_store = output_store(sig);
+  // A collective's end, for a closing peer's idea of who is absent.
+  struct Done {
+    RankCtl* me;
+    uint32_t seq;
+    bool collective;
+    ~Done() {
+      if (collective) me->done.store(seq, std::memory_order_release);
+    }
+  } done{ctl(rank_), seq, collective};
   try {
     body(c);
   } catch (const std::exception& e) {

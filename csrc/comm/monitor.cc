@@ -70,7 +70,7 @@ void OpMonitor::check_slow() {
     check_peers();
     next_liveness_ = now + kLivenessPeriod;
   }
-  if (c_.closing_.load(std::memory_order_relaxed)) check_closing();
+  if (c_.closing_.load(std::memory_order_relaxed)) check_closing(now);
   if (now >= deadline_) timed_out();
   if (InterruptCheck interrupted = interrupt_check(); interrupted != nullptr && interrupted()) {
     std::ostringstream os;
@@ -202,12 +202,24 @@ void OpMonitor::check_peer(int p) {
   throw PeerFailure(os.str());
 }
 
-void OpMonitor::check_closing() {
+void OpMonitor::check_closing(Clock::time_point now) {
+  // Ranks reach an operation, and close, at times that differ by the skew of
+  // their programs: only a peer that stays away this long, idle between
+  // operations (it finished every collective it started) and short of this
+  // one, is taken as absent, instead of one that is merely late (and what
+  // close() waits for then is only the pending work, never the timeout).
+  constexpr auto kGrace = std::chrono::seconds(1);
+  if (closing_since_ == Clock::time_point{}) closing_since_ = now;
+  if (now - closing_since_ < kGrace) return;
   int absent = -1;
   if (collective_) {
-    for (int p = 0; p < c_.n_ && absent < 0; ++p)
-      if (!reached(c_.ctl(p)->started.value.load(std::memory_order_acquire), seq_)) absent = p;
-    if (absent < 0) return;  // every rank is in it: it finishes, or times out
+    for (int p = 0; p < c_.n_ && absent < 0; ++p) {
+      const RankCtl* rc = c_.ctl(p);
+      const uint32_t started = rc->started.value.load(std::memory_order_acquire);
+      if (!reached(started, seq_) && rc->done.load(std::memory_order_acquire) == started)
+        absent = p;
+    }
+    if (absent < 0) return;  // every rank is in it, or on its way: it finishes, or times out
   }
   std::ostringstream os;
   os << "pycollectives: rank " << c_.rank_ << " closed its communicator with "

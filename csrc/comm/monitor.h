@@ -29,9 +29,10 @@ class OpMonitor final : public WaitMonitor {
   void check_mismatch();
   void check_peers();
   void check_peer(int p);  // throws PeerFailure if rank p died or closed
-  // This rank is closing with the operation pending: aborts it if a peer has
-  // not reached it (a point-to-point operation: as soon as it waits).
-  void check_closing();
+  // This rank is closing with the operation pending: aborts it once a peer
+  // has stayed away from it, idle, for a moment (a point-to-point one: once
+  // it has waited that long).
+  void check_closing(std::chrono::steady_clock::time_point now);
   // Publishes what this rank waits for (RankCtl::waiting, beat_ns).
   void publish_wait(std::chrono::steady_clock::time_point now);
 
@@ -44,6 +45,7 @@ class OpMonitor final : public WaitMonitor {
   int64_t stale_ns_;                   // see culprit()
   const char* doing_ = "waiting for";  // what this rank did with `peer`, for the messages
   std::chrono::steady_clock::time_point start_, deadline_, next_liveness_;
+  std::chrono::steady_clock::time_point closing_since_{};  // check_closing's first look
 };
 
 }  // namespace pyc

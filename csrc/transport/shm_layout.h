@@ -76,6 +76,7 @@ struct alignas(64) RankCtl {
   // and the steady clock (ns) of its latest check in that wait.
   alignas(64) std::atomic<uint64_t> waiting;
   std::atomic<int64_t> beat_ns;
+  std::atomic<uint32_t> done;  // the latest collective this rank finished (or failed)
   // Single copy: seq << 1 | 1 while this rank may still copy into its peers'
   // buffers for collective seq (algo/cma.cc); an aborting peer waits for it.
   std::atomic<uint64_t> cma_busy;
