@@ -37,13 +37,7 @@ int64_t now_ns(Clock::time_point t) {
 
 OpMonitor::OpMonitor(Communicator& comm, const OpSig& sig, uint32_t seq, bool collective,
                      double timeout_s)
-    : c_(comm),
-      sig_(sig),
-      seq_(seq),
-      collective_(collective),
-      timeout_s_(timeout_s),
-      stale_ns_(
-          static_cast<int64_t>(1e9 * std::min(kMaxStaleS, std::max(kMinStaleS, timeout_s / 4)))) {
+    : c_(comm), sig_(sig), seq_(seq), collective_(collective), timeout_s_(timeout_s) {
   start_ = Clock::now();
   deadline_ = deadline_after(start_, timeout_s);
   next_liveness_ = start_ + kLivenessPeriod;
@@ -118,6 +112,8 @@ int OpMonitor::culprit(std::string* why) const {
   }
   // Every rank is in the operation: follow who waits for whom.
   const int64_t now = now_ns(Clock::now());
+  const auto stale_ns =
+      static_cast<int64_t>(1e9 * std::min(kMaxStaleS, std::max(kMinStaleS, timeout_s_ / 4)));
   std::vector<bool> seen(n, false);
   seen[c_.rank_] = true;
   for (int p = peer; p >= 0 && p < n;) {
@@ -129,7 +125,7 @@ int OpMonitor::culprit(std::string* why) const {
     const RankCtl* ctl = c_.ctl(p);
     const uint64_t w = ctl->waiting.load(std::memory_order_relaxed);
     const int64_t idle = now - ctl->beat_ns.load(std::memory_order_relaxed);
-    if (static_cast<uint32_t>(w >> 32) != seq_ || idle > stale_ns_) {
+    if (static_cast<uint32_t>(w >> 32) != seq_ || idle > stale_ns) {
       std::ostringstream os;
       os << " (it reached this operation but has not waited or made progress in it for "
          << (static_cast<uint32_t>(w >> 32) == seq_ ? std::to_string(idle / 1000000) + " ms"
