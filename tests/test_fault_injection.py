@@ -100,7 +100,7 @@ def listeners(port: int) -> set[str]:
 
 def test_the_bootstrap_store_listens_on_master_addr_only():
     port = free_port()
-    script = "import pycollectives as pc; pc.init(timeout=4)"
+    script = "import pycollectives as pc; pc.init(timeout=3)"
     env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     env.update(RANK="0", WORLD_SIZE="2")  # rank 1 never comes: rank 0 serves, then times out
     p = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.DEVNULL)
@@ -109,10 +109,12 @@ def test_the_bootstrap_store_listens_on_master_addr_only():
         while not found and time.monotonic() < deadline and p.poll() is None:
             found = listeners(port)
             time.sleep(0.05)
+        p.wait(30)  # its init times out and removes its segment (killed, it would leave it)
     finally:
         p.kill()
         p.wait()
     assert found == {"0100007F"}, found  # 127.0.0.1, not 0.0.0.0 or ::
+    assert not leftovers([str(p.pid)]), leftovers([str(p.pid)])
 
 
 def test_window_names_cannot_be_taken_first(pool):
