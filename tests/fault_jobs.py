@@ -188,7 +188,7 @@ def job_close_pending(rank: int, n: int) -> tuple:
     finished = [w.exception() is None and t[0].item() == n for w, t in zip(works, ts, strict=True)]
     comm.barrier()
     if rank == 1:
-        time.sleep(6)  # alive, and not in the operation
+        time.sleep(4)  # alive, and not in the operation
         return caught(comm.all_reduce, torch.ones(8))
     w = comm.all_reduce(torch.ones(8), async_op=True)
     t0 = time.monotonic()

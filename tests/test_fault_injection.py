@@ -100,7 +100,7 @@ def listeners(port: int) -> set[str]:
 
 def test_the_bootstrap_store_listens_on_master_addr_only():
     port = free_port()
-    script = "import pycollectives as pc; pc.init(timeout=3)"
+    script = "import pycollectives as pc; pc.init(timeout=1.5)"
     env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     env.update(RANK="0", WORLD_SIZE="2")  # rank 1 never comes: rank 0 serves, then times out
     p = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.DEVNULL)
