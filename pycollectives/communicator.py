@@ -373,10 +373,12 @@ class Communicator:
     ) -> Work | None:
         """Runs sends and receives together, as ncclGroupStart/End or torch's
         batch_isend_irecv: `ops` holds ``("send", buffer, dst)`` and
-        ``("recv", buffer, src)``. All of them progress at once, chunk by chunk,
-        so any matched pattern completes (every rank sending a large tensor to
-        the next and receiving from the previous, say), where sends issued one
-        by one before their receives would wait for each other. Messages
+        ``("recv", buffer, src)``. All of them progress at once, each as far as
+        its connection lets it, so any matched pattern completes (every rank
+        sending a large tensor to the next and receiving from the previous, or
+        a peer issuing the counterparts as single calls or other batches),
+        where sends issued one by one before their receives would wait for
+        each other. Messages
         between two ranks match in the order listed; a send to this rank pairs
         with the next receive from this rank.
 

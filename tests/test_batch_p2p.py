@@ -277,3 +277,62 @@ def test_batch_sends_choosing_different_paths_pair_up(world_size):
     if paths[0] is None:
         pytest.skip("process_vm_readv between the ranks is not allowed here")
     assert paths[0] == ["cma"] * 8, paths  # its sends go across every time
+
+
+def _fill(tag: int, count: int) -> torch.Tensor:
+    return (torch.arange(count) % 251 + tag).float()
+
+
+def job_batches_against_other_groupings(comm: pc.Communicator, count: int) -> list[str]:
+    """A batch on one side, its counterparts grouped differently on the other
+    (single calls, several batches, another order of peers): each pattern is
+    matched, and it completes whatever the sizes, because every message
+    progresses on its own (they used to run in lockstep: chunk k of every
+    send, then chunk k of every receive, which hung these past the slots)."""
+    r, bad = comm.rank, []
+    if r > 1:
+        return bad
+
+    def check(name: str, got: torch.Tensor, tag: int) -> None:
+        if not torch.equal(got, _fill(tag, count)):
+            bad.append(f"{name}: wrong data (count={count})")
+
+    # 1. [send, recv] against a recv, then a send (GPipe's last step)
+    if r == 0:
+        y = torch.empty(count)
+        comm.batch_p2p([("send", _fill(1, count), 1), ("recv", y, 1)])
+        check("send+recv vs recv;send", y, 2)
+    else:
+        x = torch.empty(count)
+        comm.batch_p2p([("recv", x, 0)])
+        comm.batch_p2p([("send", _fill(2, count), 0)])
+        check("recv;send vs send+recv", x, 1)
+    # 2. two sends and a receive to one peer against single calls
+    if r == 0:
+        c = torch.empty(count)
+        comm.batch_p2p([("send", _fill(3, count), 1), ("send", _fill(4, count), 1), ("recv", c, 1)])
+        check("2 sends + recv vs singles", c, 5)
+    else:
+        a, b = torch.empty(count), torch.empty(count)
+        comm.recv(a, 0)
+        comm.recv(b, 0)
+        comm.send(_fill(5, count), 0)
+        check("singles vs 2 sends + recv (a)", a, 3)
+        check("singles vs 2 sends + recv (b)", b, 4)
+    # 3. both sides one batch, the receives listed first on one side
+    x = torch.empty(count)
+    ops = [("send", _fill(6 + r, count), 1 - r), ("recv", x, 1 - r)]
+    comm.batch_p2p(ops if r == 0 else ops[::-1])
+    check("recv-first vs send-first", x, 7 - r)
+    return bad
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("count", [0, 7, BIG])
+@pytest.mark.parametrize("cma", ["0", "1"])
+def test_batches_against_other_groupings(pool, world_size, count, cma):
+    results = pool(world_size, env={"PYCOLL_CMA": cma}).run(
+        job_batches_against_other_groupings, count, timeout=120
+    )
+    bad = [f"rank {r}: {line}" for r, lines in enumerate(results) for line in lines]
+    assert not bad, "\n".join(bad)

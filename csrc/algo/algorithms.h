@@ -135,7 +135,8 @@ struct P2POp {
   bool cma = false;
   P2PCma across;  // the pair's process and counter, set where CMA is on
 };
-// Runs every op of the batch concurrently, chunk by chunk (see batch_p2p.cc).
+// Runs every op of the batch concurrently, each as far as its connection lets
+// it (see batch_p2p.cc).
 void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops);
 
 // One-shot collectives over per-rank shared areas (small messages): each

@@ -147,6 +147,13 @@ void* CudaSendConn::acquire(WaitMonitor& mon) {
   return f_.slots + static_cast<size_t>(posted_ % ns) * l_.slot_bytes();
 }
 
+bool CudaSendConn::ready() {
+  const uint32_t ns = l_.nslots();
+  if (posted_ - head_cached_ >= ns)
+    head_cached_ = f_.ctl->head.value.load(std::memory_order_acquire);
+  return posted_ - head_cached_ < ns;
+}
+
 void CudaSendConn::post(const SlotTag& tag, size_t bytes) {
   pending_.push_back(Pending{l_.exec().mark(), tag, bytes});
   ++posted_;

@@ -128,6 +128,7 @@ class CudaSendConn final : public SendConn {
   CudaSendConn(CudaLinks& links, const CudaFifo& f, int peer);
   size_t slot_bytes() const override;
   void* acquire(WaitMonitor& mon) override;
+  bool ready() override;
   void post(const SlotTag& tag, size_t bytes) override;
   // Publishes the posts whose kernels have completed, in order; true when none is left.
   bool progress();

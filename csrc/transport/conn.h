@@ -30,6 +30,8 @@ class SendConn {
   virtual size_t slot_bytes() const = 0;
   // Waits until a slot is free and returns its payload (slot_bytes() bytes).
   virtual void* acquire(WaitMonitor& mon) = 0;
+  // Whether a slot is free (acquire() would return at once); never blocks.
+  virtual bool ready() = 0;
   // Hands the slot returned by the last acquire() to the receiver.
   virtual void post(const SlotTag& tag, size_t bytes) = 0;
 };

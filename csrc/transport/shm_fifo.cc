@@ -19,6 +19,12 @@ void* ShmSendConn::acquire(WaitMonitor& mon) {
   return slots_ + (tail_ % nslots_) * stride_ + sizeof(SlotHeader);
 }
 
+bool ShmSendConn::ready() {
+  if (tail_ - head_cached_ >= nslots_)
+    head_cached_ = ctl_->head.value.load(std::memory_order_acquire);
+  return tail_ - head_cached_ < nslots_;
+}
+
 void ShmSendConn::post(const SlotTag& tag, size_t bytes) {
   auto* h = reinterpret_cast<SlotHeader*>(slots_ + (tail_ % nslots_) * stride_);
   h->seq = tag.seq;

@@ -13,6 +13,7 @@ class ShmSendConn final : public SendConn {
   ShmSendConn(const ShmLayout& layout, void* base, int src, int dst);
   size_t slot_bytes() const override { return slot_bytes_; }
   void* acquire(WaitMonitor& mon) override;
+  bool ready() override;
   void post(const SlotTag& tag, size_t bytes) override;
 
  private:
