@@ -1,5 +1,5 @@
-"""Pipeline parallelism, the part that needs no communication: schedules as
-data, their verifier, their simulator and a timeline drawing.
+"""Pipeline parallelism: schedules as data, their verifier, their simulator
+and a timeline drawing; and the runtime that executes them on pycollectives.
 
     from strategies.pipeline import one_f_one_b, verify, simulate
     s = one_f_one_b(p=4, m=8)  # per-rank action lists, sends and receives included
@@ -7,7 +7,11 @@ data, their verifier, their simulator and a timeline drawing.
     verify(s)  # no deadlock, every dependency; else ScheduleError(rank, step)
     simulate(s).bubble_fraction  # 3/11 = (p-1)/(m+p-1)
 
-See docs/pipeline.md for the execution model a runtime must follow.
+    stages = gpt_stages(config, s.stages_of(comm.rank), s.num_stages)
+    runtime = PipelineRuntime(s, stages, comm)  # comm: the pipeline communicator
+    result = runtime.step(microbatches)  # gradients in .grad; result.records
+
+See docs/pipeline.md for the execution model and the runtime.
 """
 
 from strategies.pipeline.actions import Action, Kind, parse_action
@@ -22,14 +26,53 @@ from strategies.pipeline.builders import (
     zb_h1,
 )
 from strategies.pipeline.engine import Record, execute
+from strategies.pipeline.executor import ActivationLedger, AutogradStage
+from strategies.pipeline.runtime import PipelineError, PipelineRuntime, StepResult, run_step
 from strategies.pipeline.schedule import Op, Schedule, ScheduleError, format_table
 from strategies.pipeline.simulate import SimResult, peak_activations, simulate, timed_table
-from strategies.pipeline.timeline import draw_timeline, missing_matplotlib
+from strategies.pipeline.split_backward import (
+    SplitLinear,
+    SplitLMHead,
+    WeightGradStore,
+    split_weight_gradients,
+)
+from strategies.pipeline.stage import GPTStage, TensorSpec, balance, gpt_stages, layer_split
+from strategies.pipeline.timeline import draw_timeline, draw_timelines, missing_matplotlib
+from strategies.pipeline.trace import (
+    Measured,
+    chrome_trace,
+    draw_measured_and_simulated,
+    measure,
+    normalized,
+    save_chrome_trace,
+)
 from strategies.pipeline.verify import check_static, pair_messages, verify
 
 __all__ = [
     "BUILDERS",
     "Action",
+    "ActivationLedger",
+    "AutogradStage",
+    "GPTStage",
+    "Measured",
+    "PipelineError",
+    "PipelineRuntime",
+    "SplitLMHead",
+    "SplitLinear",
+    "StepResult",
+    "TensorSpec",
+    "WeightGradStore",
+    "balance",
+    "chrome_trace",
+    "draw_measured_and_simulated",
+    "draw_timelines",
+    "gpt_stages",
+    "layer_split",
+    "measure",
+    "normalized",
+    "run_step",
+    "save_chrome_trace",
+    "split_weight_gradients",
     "Kind",
     "Op",
     "Record",
