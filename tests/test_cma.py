@@ -159,7 +159,7 @@ def job_cma_taken_over(
         if not torch.equal(out, torch.cat([v[r * count : (r + 1) * count] for v in vals])):
             bad.append(f"all_to_all {it}: wrong")
     stats = comm.stats()
-    moved = {c: stats[c]["bytes_sent"] + stats[c]["bytes_received"] for c in _COPIES}
+    moved = {c: stats[c]["bytes_out"] + stats[c]["bytes_in"] for c in _COPIES}
     return bad, {c: stats[c]["taken_over"] for c in _SHARED}, moved
 
 

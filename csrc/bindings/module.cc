@@ -249,6 +249,8 @@ PYBIND11_MODULE(_C, m) {
           e["calls"] = s.calls.load();
           e["bytes_sent"] = s.bytes_sent.load();
           e["bytes_received"] = s.bytes_recv.load();
+          e["bytes_out"] = s.bytes_out.load();  // this rank's own copies, on the path taken
+          e["bytes_in"] = s.bytes_in.load();
           e["time_s"] = static_cast<double>(s.time_ns.load()) * 1e-9;
           py::dict paths;  // how the calls moved their bytes
           for (int p = 0; p < kNumPaths; ++p)

@@ -53,7 +53,11 @@ struct CommConfig {
 };
 
 struct OpStats {
-  std::atomic<uint64_t> calls{0}, bytes_sent{0}, bytes_recv{0}, time_ns{0}, taken_over{0};
+  // bytes_sent / bytes_recv: a collective's traffic by definition (comm/traffic.h),
+  // a message's bytes; bytes_out / bytes_in: what this rank itself copied to and
+  // from its peers on the path taken.
+  std::atomic<uint64_t> calls{0}, bytes_sent{0}, bytes_recv{0}, bytes_out{0}, bytes_in{0};
+  std::atomic<uint64_t> time_ns{0}, taken_over{0};
   std::array<std::atomic<uint64_t>, kNumPaths> paths{};  // calls by Path
 };
 
@@ -248,7 +252,7 @@ class Communicator final : public Links {
   void agree_cma(Clock::time_point deadline, FunctionRef<void()> check);
   // Waits until every peer has started collective `seq` (or a later one).
   void wait_started(uint32_t seq, WaitMonitor& mon);
-  void account(OpKind kind, const OpCtx& c, uint64_t ns);
+  void account(const OpSig& sig, const OpCtx& c, uint64_t ns);
   // Whether this operation of `bytes` per rank takes the one-shot path; if so,
   // first waits until every peer has started operation seq-1.
   bool oneshot(OpCtx& c, size_t bytes);

@@ -9,6 +9,7 @@
 #include "comm/cma_choice.h"
 #include "comm/communicator.h"
 #include "comm/monitor.h"
+#include "comm/traffic.h"
 #include "core/clock.h"
 #include "core/error.h"
 
@@ -39,11 +40,15 @@ void Communicator::wait_started(uint32_t seq, WaitMonitor& mon) {
   }
 }
 
-void Communicator::account(OpKind kind, const OpCtx& c, uint64_t ns) {
-  OpStats& s = stats_[static_cast<int>(kind)];
+void Communicator::account(const OpSig& sig, const OpCtx& c, uint64_t ns) {
+  OpStats& s = stats_[static_cast<int>(sig.kind)];
+  Traffic t{c.bytes_sent, c.bytes_recv};   // point to point: its messages
+  collective_traffic(sig, rank_, n_, &t);  // a collective: by definition, whatever the path
   s.calls.fetch_add(1, std::memory_order_relaxed);
-  s.bytes_sent.fetch_add(c.bytes_sent, std::memory_order_relaxed);
-  s.bytes_recv.fetch_add(c.bytes_recv, std::memory_order_relaxed);
+  s.bytes_sent.fetch_add(t.sent, std::memory_order_relaxed);
+  s.bytes_recv.fetch_add(t.received, std::memory_order_relaxed);
+  s.bytes_out.fetch_add(c.bytes_sent, std::memory_order_relaxed);
+  s.bytes_in.fetch_add(c.bytes_recv, std::memory_order_relaxed);
   s.time_ns.fetch_add(ns, std::memory_order_relaxed);
   s.taken_over.fetch_add(c.taken_over, std::memory_order_relaxed);
   s.paths[static_cast<int>(c.path)].fetch_add(1, std::memory_order_relaxed);
@@ -102,7 +107,7 @@ void Communicator::run_op(const OpSig& sig, uint32_t seq, double timeout_s, bool
       wait_peers_copied(seq);
     throw;
   }
-  account(sig.kind, c, elapsed_ns(mon.start()));
+  account(sig, c, elapsed_ns(mon.start()));
 }
 
 bool Communicator::oneshot(OpCtx& c, size_t bytes) {
