@@ -1,0 +1,25 @@
+"""The sharding engine behind ZeRO (strategies/zero.py) and FSDP
+(strategies/fsdp.py): flat parameters per unit, padded so every rank holds an
+equal shard, gathered and reduce-scattered on pycollectives.
+
+    flat_param.py      FlatLayout (the metadata a checkpoint needs), FlatParam (this rank's tensors)
+    unit.py            ShardedUnit: one module's flat parameters, gather / free, its hooks
+    engine.py          ShardingEngine: forward / backward orchestration, prefetch, order checks
+    gradients.py       GradReducer: gradients to averaged shards, no_sync, clip_grad_norm_
+    communications.py  the collectives as named functions; OrderGuard and ShardingMismatch
+    checks.py          what every rank agrees on before communicating (clear errors, no hangs)
+"""
+
+from .communications import ShardingMismatch
+from .engine import ShardingEngine
+from .flat_param import FlatLayout, FlatParam, ParamSlot
+from .unit import ShardedUnit
+
+__all__ = [
+    "FlatLayout",
+    "FlatParam",
+    "ParamSlot",
+    "ShardedUnit",
+    "ShardingEngine",
+    "ShardingMismatch",
+]
