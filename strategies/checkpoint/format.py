@@ -44,17 +44,19 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from .pieces import Piece
+    from .pieces import Piece
 
 __all__ = [
-    "DTYPES",
     "FORMAT",
     "INDEX",
+    "ITEMSIZE",
     "dtype_from_name",
+    "dtype_name",
     "file_name",
     "read_header",
     "read_index",
@@ -64,32 +66,47 @@ __all__ = [
 ]
 
 FORMAT, VERSION, INDEX = "pycollectives-checkpoint", 1, "index.json"
-DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_NAMES = {v: k for k, v in DTYPES.items()}
+# safetensors dtype names and their sizes (this module imports torch only to
+# write or name torch dtypes: consolidate.py runs without it)
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1}
+ITEMSIZE.update({"U8": 1, "BOOL": 1})
 CHUNK = 16 << 20  # bytes per write call
-_STATS = {"bytes_read": 0, "reads": 0}
+_STATS = {"bytes_read": 0, "reads": 0, "header_bytes": 0}
 
-# Test seam: called with (file, bytes written so far) after every chunk a
-# writer writes (the kill-mid-save test kills the rank from here).
-on_chunk: Callable[[str, int], None] | None = None
+
+def _torch_dtypes() -> dict[Any, str]:
+    import torch
+
+    return {
+        torch.float64: "F64",
+        torch.float32: "F32",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.int16: "I16",
+        torch.int8: "I8",
+        torch.uint8: "U8",
+        torch.bool: "BOOL",
+    }
+
+
+def dtype_name(dtype: torch.dtype) -> str | None:
+    """The safetensors name of a torch dtype (None: not storable)."""
+    return _torch_dtypes().get(dtype)
 
 
 def dtype_from_name(name: str, what: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype name; ValueError naming `what` if unknown."""
-    if name not in _NAMES:
-        raise ValueError(f"{what}: dtype {name!r} is not one of {sorted(_NAMES)}")
-    return _NAMES[name]
+    names = {v: k for k, v in _torch_dtypes().items()}
+    if name not in names:
+        raise ValueError(f"{what}: dtype {name!r} is not one of {sorted(names)}")
+    return names[name]
+
+
+# Test seam: called with (file, bytes written so far) after every chunk a
+# writer writes (the kill-mid-save test kills the rank from here).
+on_chunk: Callable[[str, int], None] | None = None
 
 
 def file_name(rank: int, world_size: int) -> str:
@@ -121,7 +138,7 @@ def write_safetensors(path: Path, pieces: list[Piece], metadata: dict[str, str])
     for k, p in zip(keys, pieces, strict=True):
         n = p.numel * p.dtype.itemsize
         header[k] = {
-            "dtype": DTYPES[p.dtype],
+            "dtype": dtype_name(p.dtype),
             "shape": _stored_shape(p),
             "data_offsets": [pos, pos + n],
         }
@@ -142,6 +159,8 @@ def write_safetensors(path: Path, pieces: list[Piece], metadata: dict[str, str])
 
 def _write_tensor(f: BinaryIO, name: str, t: torch.Tensor, done: int) -> int:
     """Streams `t`'s bytes (copied to the CPU contiguous first) in CHUNK pieces."""
+    import torch
+
     flat = t.detach().reshape(-1)
     if flat.device.type != "cpu" or not flat.is_contiguous():
         flat = flat.contiguous().cpu()
@@ -169,7 +188,7 @@ def read_header(path: Path) -> tuple[int, dict[str, Any]]:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise ValueError(f"{path}: not a safetensors file (header: {e})") from None
-    _STATS["bytes_read"] += 8 + n
+    _STATS["header_bytes"] += 8 + n
     return 8 + n, header
 
 
@@ -189,11 +208,12 @@ def read_range(fd: int, offset: int, nbytes: int, path: str) -> bytearray:
 
 
 def read_stats(reset: bool = False) -> dict[str, int]:
-    """Bytes this process has read from checkpoint files (headers included),
-    and the number of data reads; `reset` zeroes them after reading."""
+    """What this process has read from checkpoint files: tensor bytes
+    (bytes_read), the number of those reads, and header bytes; `reset` zeroes
+    them after reading."""
     out = dict(_STATS)
     if reset:
-        _STATS.update(bytes_read=0, reads=0)
+        _STATS.update(bytes_read=0, reads=0, header_bytes=0)
     return out
 
 

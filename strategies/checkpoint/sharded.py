@@ -42,11 +42,11 @@ from pycollectives.errors import PyCollectivesError
 from ..sharding.checks import agree
 from ..sharding.communications import all_gather_bytes
 from .format import (
-    DTYPES,
     FORMAT,
     INDEX,
     _keys,
     dtype_from_name,
+    dtype_name,
     file_name,
     make_index,
     read_header,
@@ -114,7 +114,7 @@ def save_pieces(
     problems = [m for p in pieces for m in p.problems()]
     problems += [f"'{p.tensor}': no data" for p in pieces if p.data is None]
     problems += [
-        f"'{p.tensor}': dtype {p.dtype} not storable" for p in pieces if p.dtype not in DTYPES
+        f"'{p.tensor}': dtype {p.dtype} not storable" for p in pieces if dtype_name(p.dtype) is None
     ]
     tmp = None
     if rank == 0:
@@ -132,7 +132,7 @@ def save_pieces(
         "rank": rank,
         "file": file_name(rank, world),
         "tensors": {
-            p.tensor: {"shape": list(p.shape), "dtype": DTYPES.get(p.dtype)} for p in pieces
+            p.tensor: {"shape": list(p.shape), "dtype": dtype_name(p.dtype)} for p in pieces
         },
         "pieces": [dict(p.describe(), key=k) for p, k in zip(pieces, _keys(pieces), strict=True)]
         if ok
@@ -269,20 +269,23 @@ def load_pieces(
     path: str | os.PathLike,
     pieces: list[Piece],
     problems: list[str] | None = None,
+    *,
+    what: str | None = None,
 ) -> Any:
     """Collective: fills every wanted piece's data from the checkpoint at
     `path` (saved in any layout); returns the `extra` it was saved with.
 
     Each rank reads only the byte ranges of the saved pieces its own pieces
     overlap. Data is cast to the wanted piece's dtype. `problems` are the
-    caller's own findings, raised together with these.
+    caller's own findings, raised together with these; `what` names the
+    operation in errors (default: load_pieces(path)).
 
     Raises ValueError on every rank if any rank finds a problem: no
     checkpoint at `path`, a tensor it lacks, another shape, elements the
     checkpoint does not hold; CheckpointError if reading fails on some rank.
     """
     rank, _ = _rank(comm)
-    what = f"load_pieces({str(path)!r})"
+    what = what or f"load_pieces({str(path)!r})"
     local = list(problems or [])
     plan: list[tuple[Piece, dict[str, Any], list[tuple[int, int, int]]]] = []
     try:
