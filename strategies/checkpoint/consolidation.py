@@ -20,6 +20,7 @@ load it with strict=False, or tie after loading).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import uuid
 from pathlib import Path
@@ -71,7 +72,10 @@ def consolidate(
             f.write(len(head).to_bytes(8, "little"))
             f.write(head)
             for n, m in tensors.items():
-                f.write(_assemble(src, n, m, pieces[n], files))
+                buf = _assemble(src, n, m, pieces[n], files)
+                with memoryview(buf) as view:
+                    f.write(view[: _numel(m["shape"]) * ITEMSIZE[m["dtype"]]])
+                buf.close()  # an anonymous mapping: its memory goes back to the system now
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, out)
@@ -93,11 +97,12 @@ def _numel(shape: list[int]) -> int:
 
 def _assemble(
     src: Path, name: str, meta: dict[str, Any], pieces: list[dict[str, Any]], files: dict
-) -> bytearray:
-    """Tensor `name`'s bytes, read from its pieces' files into one buffer."""
+) -> mmap.mmap:
+    """Tensor `name`'s bytes, read from its pieces' files into one buffer (an
+    anonymous mapping, not the heap: malloc may keep a freed buffer resident)."""
     size = ITEMSIZE[meta["dtype"]]
-    buf = bytearray(_numel(meta["shape"]) * size)
-    view = memoryview(buf)
+    buf = mmap.mmap(-1, max(1, _numel(meta["shape"]) * size))
+    view = memoryview(buf)[: _numel(meta["shape"]) * size]
     got = 0
     for p in pieces:
         if p["file"] not in files:
@@ -113,7 +118,9 @@ def _assemble(
         for g, at, n in runs(meta["shape"], p["offsets"], p["sizes"], p["flat"]):
             _pread_into(fd, view[g * size : (g + n) * size], base + at * size, p["file"])
             got += n
+    view.release()
     if got != _numel(meta["shape"]):
+        buf.close()
         raise ValueError(
             f"consolidate: src={str(src)!r}: tensor {name!r} has {got} of its "
             f"{_numel(meta['shape'])} elements in the checkpoint"
