@@ -19,6 +19,7 @@ from test_zero_common import CFG, OPT, build, differ, global_batch
 import pycollectives as pc
 from strategies.checkpoint import load, read_stats, save
 from strategies.models.gpt import GPT, GPTConfig
+from strategies.zero import ZeroOptimizer
 
 LAYOUTS = {"zero1": 2, "zero2": 3, "zero3": 4, "fsdp": 2, "single": 1}
 DESTS = {**LAYOUTS, "zero1@3": 3}  # and ZeRO-1 on 3 ranks, a destination only
@@ -211,3 +212,47 @@ def job_bad_input(comm: pc.Communicator, root: str) -> list[str]:
 def test_bad_input_raises_on_every_rank(pool, tmp_path):
     for r, bad in enumerate(pool(2).run(job_bad_input, str(tmp_path), timeout=120)):
         assert not bad, f"rank {r}: {bad}"
+
+
+def job_other_optimizers(comm: pc.Communicator, root: str) -> dict[str, Params]:
+    """ZeRO-1 with SGD momentum, ZeRO-2 with bf16 compute (fp32 master shards):
+    saved after 2 steps; returns the full (master) parameters."""
+    out = {}
+    for label, mode, kw in (
+        ("sgd", "zero1", {}),
+        ("bf16", "zero2", {"param_dtype": torch.bfloat16}),
+    ):
+        model = GPT(CFG)
+        if label == "sgd":
+            opt = ZeroOptimizer(model, torch.optim.SGD, comm, stage=1, lr=0.1, momentum=0.9)
+        else:
+            opt = build(comm, mode, model, **kw)[1]
+        for s in range(2):
+            train_step(comm, model, opt, s)
+        save(f"{root}/{label}", comm, model, opt)
+        out[label] = full(model, opt)
+    return out
+
+
+def test_sgd_momentum_and_mixed_precision_load_into_one_process(pool, tmp_path):
+    saved = pool(2).run(job_other_optimizers, str(tmp_path), timeout=120)[0]
+    model = GPT(CFG)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    load(tmp_path / "sgd", None, model, sgd)
+    ck = read_full(tmp_path / "sgd")
+    got = {n: p.detach() for n, p in model.named_parameters()}
+    assert differ(got, saved["sgd"]) is None
+    assert sgd.param_groups[0]["lr"] == 0.1  # restored
+    for n, p in model.named_parameters():
+        buf = sgd.state[p]["momentum_buffer"]
+        assert buf.abs().sum() > 0 and np.array_equal(buf.numpy(), ck[f"optim/momentum_buffer/{n}"])
+    model = GPT(CFG)
+    adamw = torch.optim.AdamW(model.parameters(), **OPT)
+    load(tmp_path / "bf16", None, model, adamw)  # the fp32 master values, not bf16 copies
+    got = {n: p.detach() for n, p in model.named_parameters()}
+    ck = read_full(tmp_path / "bf16")
+    assert all(
+        p.dtype == torch.float32 and np.array_equal(p.numpy(), ck[n]) for n, p in got.items()
+    )
+    # full_parameters() of ZeRO-2 in bf16 are the compute copies: the masters rounded
+    assert differ({n: p.to(torch.bfloat16) for n, p in got.items()}, saved["bf16"]) is None

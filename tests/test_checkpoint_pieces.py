@@ -213,3 +213,21 @@ def test_tensor_parallel_boxes_load_as_flat_shards(pool, tmp_path):
     for r, bad in enumerate(pool(2).run(job_tp_load, path, timeout=60)):
         assert not bad, f"rank {r}: {bad}"
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no unfinished save left beside it
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_save_replaces_a_checkpoint(tmp_path, monkeypatch, exchange):
+    """A second save to the same path replaces the first (renameat2 exchange,
+    or the two renames where it is unavailable) and leaves nothing beside it."""
+    from strategies.checkpoint import sharded
+
+    if not exchange:
+        monkeypatch.setattr(sharded, "_rename_exchange", lambda a, b: False)
+    else:
+        assert sharded._rename_exchange(tmp_path / "x", tmp_path / "y") is False  # no such paths
+    save_pieces(None, tmp_path / "ck", [Piece.whole("w", torch.zeros(3))], extra=1)
+    save_pieces(None, tmp_path / "ck", [Piece.whole("w", torch.ones(3))], extra=2)
+    w = torch.zeros(3)
+    assert load_pieces(None, tmp_path / "ck", [Piece.whole("w", w)]) == 2
+    assert torch.equal(w, torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
