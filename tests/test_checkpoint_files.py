@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from spawn import run
-from test_zero_common import CFG, OPT, build, differ, local_batch
+from test_zero_common import CFG, DATA, OPT, build, differ, local_batch
 
 import pycollectives as pc
 from strategies.checkpoint import CheckpointError, Piece, consolidate, load, read_index, save
@@ -92,15 +92,21 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
 
 def test_incomplete_or_truncated_checkpoint_is_refused(tmp_path):
     model = GPT(CFG)
-    save(tmp_path / "ck", None, model)
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    model(*DATA.batch(torch.arange(2))).backward()
+    opt.step()
+    save(tmp_path / "ck", None, model, opt)
     shutil.copytree(tmp_path / "ck", tmp_path / "partial")
     (tmp_path / "partial" / "index.json").unlink()
     with pytest.raises(ValueError, match="not a checkpoint"):
         load(tmp_path / "partial", None, GPT(CFG))
     f = tmp_path / "ck" / fmt.file_name(0, 1)
     f.write_bytes(f.read_bytes()[:-100])
+    fresh = GPT(CFG)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), **OPT)
     with pytest.raises(CheckpointError, match="ends at byte"):
-        load(tmp_path / "ck", None, GPT(CFG))
+        load(tmp_path / "ck", None, fresh, fresh_opt)
+    assert not fresh_opt.state, "a failed load left optimizer state behind"
     with pytest.raises(ValueError, match="ends before"):
         consolidate(tmp_path / "ck", tmp_path / "out.safetensors")
     assert not list(tmp_path.glob("out.safetensors*")), "a partial output was left"

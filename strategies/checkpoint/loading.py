@@ -51,7 +51,7 @@ def load(
     differently shaped names listed), another optimizer class; the model and
     optimizer are then unchanged. CheckpointError if reading fails on a rank.
     """
-    what = f"load({str(path)!r})"
+    what = f"load(path={str(path)!r})"
     lay = collect(model, optimizer, comm, what)
     try:
         index = read_index(path)

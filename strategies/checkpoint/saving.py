@@ -52,7 +52,7 @@ def save(
     not tensors, a path that is not a checkpoint), CheckpointError on every
     surviving rank if a rank fails or dies while writing.
     """
-    what = f"save({str(path)!r})"
+    what = f"save(path={str(path)!r})"
     lay = collect(model, optimizer, comm, what)
     pieces, problems = [], []
     for e in lay.entries:

@@ -110,7 +110,7 @@ def save_pieces(
     """
     rank, world = _rank(comm)
     path = Path(path)
-    what = f"save_pieces({str(path)!r})"
+    what = f"save_pieces(path={str(path)!r})"
     problems = [m for p in pieces for m in p.problems()]
     problems += [f"'{p.tensor}': no data" for p in pieces if p.data is None]
     problems += [
@@ -285,7 +285,7 @@ def load_pieces(
     checkpoint does not hold; CheckpointError if reading fails on some rank.
     """
     rank, _ = _rank(comm)
-    what = what or f"load_pieces({str(path)!r})"
+    what = what or f"load_pieces(path={str(path)!r})"
     local = list(problems or [])
     plan: list[tuple[Piece, dict[str, Any], list[tuple[int, int, int]]]] = []
     try:
