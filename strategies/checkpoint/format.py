@@ -14,10 +14,13 @@ torch.distributed.checkpoint (DCP) or the `safetensors` package:
   .distcp files are pickles plus torch's storage format, readable with torch
   alone (and unpickling is code execution).
 - It streams: the header is known from the pieces' metadata before any byte,
-  so a rank writes one tensor after the other (bounded memory, one
-  fsync), and a reader seeks to the bytes it needs (os.pread) instead of
-  loading the file. The `safetensors` package's writer builds the whole file
-  in memory (`save`) and gives no fsync.
+  so a rank writes one tensor after the other (a contiguous CPU copy of one
+  tensor at a time, one fsync), and a reader seeks to the bytes it needs
+  (os.pread) instead of loading the file.
+- No dependency: the `safetensors` package (0.8) would write the same bytes
+  from a dict of contiguous CPU tensors, but without an fsync before the
+  directory is renamed (which atomicity needs), and it would become a
+  requirement of the library; the tests use it to read our files.
 - Layouts stay ours: each tensor in a rank's file is one *piece* (pieces.py);
   the index says which part of which global tensor it is, so a loader in any
   other layout finds the bytes it needs. Padding is never written.
