@@ -61,3 +61,15 @@ def test_cuda_example():
     assert "all_reduce 3.0" in p.stdout, p.stdout
     assert "all_gather [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]" in p.stdout, p.stdout
     assert "'direct': 1" in p.stdout, p.stdout
+
+
+def test_checkpoint_example_under_torchrun(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           str(ROOT / "examples" / "checkpoint_resume.py"), "--dir", str(tmp_path)]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("resumed under FSDP from step 4") == 2, p.stdout
+    assert "consolidated 28 tensors" in p.stdout, p.stdout
+    assert (tmp_path / "step-4" / "index.json").exists() and (
+        tmp_path / "model.safetensors"
+    ).exists()
