@@ -488,6 +488,9 @@ class Communicator:
         ``"direct"`` (in place across symmetric windows, see `alloc_shared`, or, for
         CUDA buffers, across the peers' own buffers mapped with CUDA IPC) or
         ``"cma"`` (single copy between the peers' plain buffers, see `single_copy`).
+        Across hosts: ``"hierarchical"`` (within each host, then across hosts
+        by the hosts' ranks in parallel, or the reverse) or ``"flat"`` (one
+        ring or chain over every rank, host by host: ``PYCOLL_ALGO=ring``).
         ``taken_over`` counts the single-copy chunks this rank did for another
         rank's part because that rank had not claimed them yet (it was
         descheduled or slower).
@@ -510,6 +513,21 @@ class Communicator:
         it is false, the slots carry everything.
         """
         return self._c.cma
+
+    @property
+    def hosts(self) -> list[int]:
+        """Every rank's host (hosts numbered in the order of their lowest
+        rank): ranks of one host share memory, ranks of different hosts talk
+        over TCP. All zeros on one host."""
+        return list(self._c.host_of)
+
+    def net_info(self) -> dict[str, Any]:
+        """Across hosts, this rank's TCP side: ``address`` ("ip:port" it
+        listens on), ``interface``, ``rejected`` (connections refused: bad
+        handshakes, another communicator's id), ``bytes_sent`` /
+        ``bytes_received`` (payload to and from other hosts). Empty address
+        and zeros on one host."""
+        return dict(self._c.net_info())
 
     def close(self) -> None:
         """Releases the communicator (idempotent). Pending operations run on,

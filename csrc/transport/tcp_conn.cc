@@ -247,6 +247,13 @@ void* TcpSendConn::acquire(WaitMonitor& mon) {
   fail(err, mon, "sending");
 }
 
+bool TcpSendConn::ready() {
+  if (!connected_) return true;
+  std::lock_guard<std::mutex> lk(mu_);
+  if (free_.empty()) push_locked();
+  return error_ != 0 || !free_.empty();
+}
+
 void TcpSendConn::post(const SlotTag& tag, size_t bytes) {
   PYC_ASSERT(current_ >= 0 && bytes <= env_.slot_bytes);
   char* frame = base_ + current_ * stride_ + 64 - kHdr;
@@ -415,7 +422,8 @@ RecvSlot TcpRecvConn::wait(WaitMonitor& mon) {
   return s;
 }
 
-bool TcpRecvConn::ready() { return progress(); }
+// A failed connection counts as ready: wait() then raises its error.
+bool TcpRecvConn::ready() { return progress() || error_ != 0; }
 
 void TcpRecvConn::release() {
   held_ = false;

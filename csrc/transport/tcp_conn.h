@@ -67,6 +67,10 @@ class TcpSendConn final : public SendConn {
   ~TcpSendConn() override;
   size_t slot_bytes() const override { return env_.slot_bytes; }
   void* acquire(WaitMonitor& mon) override;
+  // A slot is free, or acquire() has something to do at once: connect (the
+  // peer's network thread answers whatever its rank is doing) or raise a
+  // failed socket's error.
+  bool ready() override;
   void post(const SlotTag& tag, size_t bytes) override;
 
   // The network thread: writes what is queued. Returns the errno that failed

@@ -1,0 +1,85 @@
+"""Ranks on several hosts: network namespaces joined by veth pairs on a bridge
+(netns.py), each namespace a host with its own ranks, shared memory within a
+host and TCP between hosts. The core's correctness jobs (every collective,
+dtype, op and size, point-to-point, batch_p2p) and the DDP job run unchanged
+on 2 hosts x 2 ranks (interleaved: rank r on host r % 2), 3 hosts x 1 and
+2 hosts x 3 (contiguous); the flat ring (PYCOLL_ALGO=ring) and IPv6 on 2 x 2.
+Failures across hosts: test_multihost_faults.py."""
+
+from __future__ import annotations
+
+import netns
+import pytest
+import test_batch_p2p as bp
+import test_collectives as tc
+import test_ddp as td
+import torch
+from multihost_jobs import run_on_hosts
+
+import pycollectives as pc
+
+pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+
+LAYOUTS = {
+    "2x2": [0, 1, 0, 1],
+    "3x1": [0, 1, 2],
+    "2x3": [0, 0, 0, 1, 1, 1],
+}
+
+
+@pytest.fixture(scope="module")
+def fabric():
+    with netns.Fabric(3) as f:
+        yield f
+
+
+def job_everything(comm: pc.Communicator, ddp: bool) -> list[str]:
+    """Every correctness job of the one-host suite; the paths the collectives took."""
+    bad = []
+    for job in tc.JOBS:
+        bad += job(comm)
+    for count in (0, 7, 300_001):
+        bad += bp.job_ring_shift(comm, count, torch.float32)
+        bad += bp.job_batches_against_other_groupings(comm, count)
+    if ddp:
+        bad += td.job_train(comm)
+    paths = comm.stats()["all_reduce"]["paths"]
+    return bad + [f"paths {sorted(k for k, v in paths.items() if v)}"]
+
+
+def _check(results: list[list[str]], want_path: str) -> None:
+    bad = [f"rank {r}: {x}" for r, lines in enumerate(results) for x in lines[:-1]]
+    assert not bad, "\n".join(bad[:20])
+    for lines in results:
+        assert want_path in lines[-1], lines[-1]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_collectives_across_hosts(fabric, name):
+    layout = LAYOUTS[name]
+    results = run_on_hosts(fabric, layout, job_everything, name == "2x2", timeout=240)
+    _check(results, "hierarchical")
+
+
+def test_flat_ring_and_ipv6(fabric):
+    env = {"PYCOLL_ALGO": "ring", "PYCOLL_SOCKET_FAMILY": "AF_INET6"}
+    results = run_on_hosts(fabric, LAYOUTS["2x2"], job_everything, False, env=env, timeout=240)
+    _check(results, "flat")
+
+
+def job_where(comm: pc.Communicator) -> dict:
+    info = comm.net_info()
+    return {"host_of": comm.hosts, "address": info["address"], "interface": info["interface"]}
+
+
+def test_hosts_and_addresses(fabric):
+    """Host ids tell the namespaces apart; each rank listens on its host's
+    eth0 (the interface that reaches MASTER_ADDR), or the one
+    PYCOLL_SOCKET_IFNAME names."""
+    out = run_on_hosts(fabric, [0, 1, 1], job_where)
+    assert all(o["host_of"] == [0, 1, 1] for o in out)
+    for r, o in enumerate(out):
+        assert o["interface"] == "eth0", o
+        assert o["address"].startswith(netns.addr([0, 1, 1][r]) + ":"), o
+    out = run_on_hosts(fabric, [0, 1], job_where, env={"PYCOLL_SOCKET_IFNAME": "=eth0"})
+    assert [o["interface"] for o in out] == ["eth0", "eth0"]
