@@ -1,18 +1,21 @@
 """Ranks on several hosts: network namespaces joined by veth pairs on a bridge
 (netns.py), each namespace a host with its own ranks, shared memory within a
 host and TCP between hosts. The core's correctness jobs (every collective,
-dtype, op and size, point-to-point, batch_p2p) and the DDP job run unchanged
+dtype, op and size, point-to-point, batch_p2p, receives from any source) and the DDP job run unchanged
 on 2 hosts x 2 ranks (interleaved: rank r on host r % 2), 3 hosts x 1 and
 2 hosts x 3 (contiguous); the flat ring (PYCOLL_ALGO=ring) and IPv6 on 2 x 2.
 Failures across hosts: test_multihost_faults.py."""
 
 from __future__ import annotations
 
+import functools
+
 import netns
 import pytest
 import test_batch_p2p as bp
 import test_collectives as tc
 import test_ddp as td
+import test_recv_any as ra
 import torch
 from multihost_jobs import run_on_hosts
 
@@ -20,6 +23,7 @@ import pycollectives as pc
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
 
+SIZES = (0, 1, 7, 1000, 3 * 65536 + 5)
 LAYOUTS = {
     "2x2": [0, 1, 0, 1],
     "3x1": [0, 1, 2],
@@ -34,15 +38,28 @@ def fabric():
 
 
 def job_everything(comm: pc.Communicator, ddp: bool) -> list[str]:
-    """Every correctness job of the one-host suite; the paths the collectives took."""
+    """Every correctness job of the one-host suite (every dtype and op, sizes
+    SIZES: the largest crosses several slots and takes the large-message
+    schedules), and DDP training on two models; the paths the collectives took."""
     bad = []
-    for job in tc.JOBS:
-        bad += job(comm)
+    cases = tc._cases
+    tc._cases = functools.partial(cases, sizes=SIZES)  # the jobs look it up when they run
+    try:
+        for job in tc.JOBS:
+            bad += job(comm)
+    finally:
+        tc._cases = cases
     for count in (0, 7, 300_001):
         bad += bp.job_ring_shift(comm, count, torch.float32)
         bad += bp.job_batches_against_other_groupings(comm, count)
+    bad += ra.job_any_source_order_and_mixing(comm)
     if ddp:
-        bad += td.job_train(comm)
+        for kind, opt, kw in [
+            ("mlp", "sgd", {"bucket_cap_mb": 1e-3}),
+            ("transformer", "adamw", {}),
+        ]:
+            if err := td.train_and_compare(comm, kind, opt, **kw):
+                bad.append(f"ddp {kind}/{opt}: {err}")
     paths = comm.stats()["all_reduce"]["paths"]
     return bad + [f"paths {sorted(k for k, v in paths.items() if v)}"]
 
