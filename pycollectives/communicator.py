@@ -93,8 +93,15 @@ class Communicator:
         name, writable). Returns ([(address, numel, dtype code)], device,
         current-stream getter). Raises ValueError naming the argument, the rank
         and the operation for a build without CUDA, a machine without a device,
-        a CPU buffer among CUDA ones, or buffers on different devices."""
+        ranks on several hosts (CUDA IPC is within a host), a CPU buffer among
+        CUDA ones, or buffers on different devices."""
         require_cuda(self.rank, name, specs[0][1])
+        if any(self.hosts):
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: {name}: {specs[0][1]} is a CUDA tensor, and "
+                "the ranks span hosts: CUDA tensors go through CUDA IPC, within one host only "
+                "(copy it to the CPU for a collective across hosts)"
+            )
         descs, device, first, stream = [], None, specs[0][1], None
         for buf, arg, writable in specs:
             ptr, n, dt, dev, get_stream = describe_cuda(buf, self.rank, name, arg, writable)

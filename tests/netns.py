@@ -7,7 +7,7 @@ own network is not touched).
 `Fabric(nhosts)` makes them (root only: `unavailable()` says why not);
 `enter(name)` moves the calling process into a namespace (before it opens any
 socket); `link(h, up)` cuts or restores host h's cable; `shape(h, ...)` puts
-`tc netem` on it.
+`tc netem` (or, without it, a rate limit) on it.
 """
 
 from __future__ import annotations
@@ -92,15 +92,18 @@ class Fabric:
         """Cuts (up=False) or restores host h's link to the switch."""
         _ip("-n", self.switch, "link", "set", f"p{h}", "up" if up else "down")
 
-    def shape(self, h: int, rate: str, delay: str) -> None:
-        """netem on host h's eth0: `rate` (e.g. "10gbit") and one-way `delay` ("50us")."""
-        subprocess.run(
-            ["tc", "-n", self.hosts[h], "qdisc", "replace", "dev", "eth0", "root", "netem"]
-            + ["delay", delay, "rate", rate, "limit", "100000"],
-            check=True,
-            capture_output=True,
-            timeout=20,
-        )
+    def shape(self, h: int, rate: str, delay: str) -> str:
+        """Shapes host h's eth0: `tc netem` with `rate` (e.g. "10gbit") and one-way
+        `delay` ("50us"); where the kernel has no netem, a token bucket (tbf) at
+        `rate` without the delay. Returns what it installed."""
+        base = ["tc", "-n", self.hosts[h], "qdisc", "replace", "dev", "eth0", "root"]
+        netem = ["netem", "delay", delay, "rate", rate, "limit", "100000"]
+        run = lambda args: subprocess.run(args, capture_output=True, timeout=20)  # noqa: E731
+        if run(base + netem).returncode == 0:
+            return f"netem rate {rate} delay {delay}"
+        tbf = ["tbf", "rate", rate, "burst", "1mb", "latency", "10ms"]
+        subprocess.run(base + tbf, check=True, capture_output=True, timeout=20)
+        return f"tbf rate {rate} (no netem in this kernel: no delay)"
 
     def close(self) -> None:
         for ns in reversed(self._made):
