@@ -11,6 +11,10 @@ Failures across hosts: test_multihost_faults.py."""
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import netns
 import pytest
@@ -20,11 +24,13 @@ import test_ddp as td
 import test_recv_any as ra
 import torch
 from multihost_jobs import run_on_hosts
+from spawn import free_port
 
 import pycollectives as pc
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
 
+ROOT = Path(__file__).resolve().parent.parent
 SIZES = (0, 1, 7, 1000, 3 * 65536 + 5)
 LAYOUTS = {
     "2x2": [0, 1, 0, 1],
@@ -92,3 +98,31 @@ def test_flat_ring_ipv6_uneven_hosts(fabric):
     env = {"PYCOLL_ALGO": "ring", "PYCOLL_SOCKET_FAMILY": "AF_INET6", "PYCOLL_SOCKET_IFNAME": "eth"}
     results = run_on_hosts(fabric, [0, 1, 0], job_everything, False, env=env, timeout=240)
     _check(results, "flat")
+
+
+def test_readme_two_host_torchrun_line(fabric):
+    """The README's launch line for two hosts: one torchrun per host
+    (namespace), --nnodes 2 --node-rank i --master-addr <host 0>, running
+    examples/ddp_train.py (which checks that every rank ends with the same
+    parameters)."""
+    port = str(free_port())
+    procs = []
+    for node in range(2):
+        cmd = ["ip", "netns", "exec", fabric.hosts[node], sys.executable, "-m",
+               "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--master-addr", netns.addr(0), "--master-port", port,
+               "examples/ddp_train.py"]  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    try:
+        outs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    assert "".join(outs).count("parameters identical on all ranks: True") == 4, outs
