@@ -405,8 +405,8 @@ void TcpNet::on_control(int peer, uint32_t events) {
     if (r < 0 && errno == EINTR) continue;
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
     // Frames that came before the end still count (a goodbye, an error).
-    while (c->in.size() >= sizeof(CtlHeader)) {
-      CtlHeader h;
+    while (c->in.size() >= sizeof(NetCtlHeader)) {
+      NetCtlHeader h;
       std::memcpy(&h, c->in.data(), sizeof(h));
       if (h.bytes > kMaxCtlBody || c->in.size() < sizeof(h) + h.bytes) break;
       handle_frame(peer, h.type, c->in.data() + sizeof(h), h.bytes);
@@ -414,8 +414,8 @@ void TcpNet::on_control(int peer, uint32_t events) {
     }
     return control_failed(peer, r == 0 ? -1 : errno);
   }
-  while (c->in.size() >= sizeof(CtlHeader)) {
-    CtlHeader h;
+  while (c->in.size() >= sizeof(NetCtlHeader)) {
+    NetCtlHeader h;
     std::memcpy(&h, c->in.data(), sizeof(h));
     if (h.bytes > kMaxCtlBody) return control_failed(peer, EPROTO);
     if (c->in.size() < sizeof(h) + h.bytes) break;
@@ -495,7 +495,7 @@ void TcpNet::send_ctl(int peer, uint32_t type, const void* body, uint32_t bytes,
     c = ctl_[peer].get();
   }
   if (c == nullptr) return;
-  const CtlHeader h{type, bytes + more_bytes};
+  const NetCtlHeader h{type, bytes + more_bytes};
   std::lock_guard<std::mutex> lk(c->tx_mu);
   if (c->fd < 0) return;
   const size_t was = c->out.size();

@@ -97,7 +97,7 @@ static_assert(sizeof(DataHeader) == 32, "DataHeader is 32 bytes on the wire");
 
 // Control frames (between the network threads of two ranks).
 enum class CtlType : uint32_t { kAbort = 1, kClose = 2, kQuery = 3, kStatus = 4 };
-struct CtlHeader {
+struct NetCtlHeader {
   uint32_t type;   // CtlType
   uint32_t bytes;  // of the body that follows
 };
