@@ -131,29 +131,36 @@ def job_crossing(comm, sizes: list[int]) -> list[tuple]:
     return out
 
 
-def sweep_table(rows: dict, sizes: list[int], n: int, backends: list[str]) -> list[str]:
-    head = "| collective | size | " + " | ".join(f"{b} GB/s" for b in backends)
+def sweep_table(rows: dict, sizes: list[int], backends: list[str], colls: list[str]) -> list[str]:
+    """Time per call (us) and busbw (GB/s) per backend, and pycollectives' ratios
+    of busbw (the inverse ratio of times) to each other backend."""
     ratios = [b for b in backends if b != "pycoll"]
+    head = "| collective | size | " + " | ".join(f"{b} us" for b in backends) + " | "
+    head += " | ".join(f"{b} GB/s" for b in backends)
     head += "".join(f" | pycoll / {b}" for b in ratios) + " |"
-    lines = [head, "|" + "---|" * (2 + len(backends) + len(ratios))]
-    for coll in COLLS:
+    lines = [head, "|" + "---|" * (2 + 2 * len(backends) + len(ratios))]
+    for coll in colls:
         for size in sizes:
-            bw = {b: rows.get((b, coll, size)) for b in backends}
-            cells = [f"{v:.3f}" if v else "-" for v in bw.values()]
-            rat = [f"{bw['pycoll'] / bw[b]:.2f}" if bw["pycoll"] and bw[b] else "-" for b in ratios]
+            got = {b: rows.get((b, coll, size)) for b in backends}
+            us = [f"{v[1] * 1e6:.1f}" if v else "-" for v in got.values()]
+            bw = [f"{v[0]:.3g}" if v else "-" for v in got.values()]
+            rat = [
+                f"{got[b][1] / got['pycoll'][1]:.2f}" if got["pycoll"] and got[b] else "-"
+                for b in ratios
+            ]
             label = _doc.size_label(size)
-            lines.append(f"| {coll} | {label} | " + " | ".join(cells + rat) + " |")
+            lines.append(f"| {coll} | {label} | " + " | ".join(us + bw + rat) + " |")
     return lines
 
 
 def run_sweep(fabric, sizes: list[int], colls: list[str], mpi: bool) -> tuple[dict, list[str]]:
     port = _doc.free_port()
     res = run_on_hosts(fabric, [0, 1], job_sweep, colls, sizes, port + 1, timeout=1800)[0]
-    rows = {(b, c, s): busbw(c, s, 2, t) for b, c, s, t in res}
+    rows = {(b, c, s): (busbw(c, s, 2, t), t) for b, c, s, t in res}
     backends = ["pycoll", "gloo"]
     if mpi:
         for c, s, t in mpi_runner.sweep(fabric, colls, sizes, iters_for):
-            rows[("openmpi", c, s)] = busbw(c, s, 2, t)
+            rows[("openmpi", c, s)] = (busbw(c, s, 2, t), t)
         backends.append("openmpi")
     return rows, backends
 
@@ -191,7 +198,8 @@ def main() -> None:
     tables = []
     with netns.Fabric(2) as fabric:
         rows, backends = run_sweep(fabric, sizes, COLLS, mpi)
-        tables += ["### 2 hosts x 1 rank over veth", "", *sweep_table(rows, sizes, 2, backends), ""]
+        tables += ["### 2 hosts x 1 rank over veth", ""]
+        tables += [*sweep_table(rows, sizes, backends, COLLS), ""]
         tables += ["### 2 hosts x 2 ranks: hierarchical against the flat ring", ""]
         tables += [*crossing_table(fabric, big), ""]
         shaping = [fabric.shape(h, "10gbit", "50us") for h in range(2)][0]
@@ -199,8 +207,7 @@ def main() -> None:
         shaped = [8, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
         rows, backends = run_sweep(fabric, shaped, ["all_reduce"], mpi)
         tables += [f"### Shaped ({shaping}) on each host's link: 2 hosts x 1 rank", ""]
-        tables += [*sweep_table(rows, shaped, 2, backends)[:2]]
-        tables += [x for x in sweep_table(rows, shaped, 2, backends)[2:] if "all_reduce" in x]
+        tables += sweep_table(rows, shaped, backends, ["all_reduce"])
         tables += ["", f"### Shaped ({shaping}): 2 hosts x 2 ranks", ""]
         tables += [*crossing_table(fabric, big[1:])]
     notes = [
