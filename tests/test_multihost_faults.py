@@ -4,7 +4,8 @@ middle of one raise on every surviving rank within NET_TIMEOUT + SLACK
 seconds, naming the ranks; garbage and another communicator's handshake sent
 to a listening port are refused (counted, logged) and the job goes on; split
 within a host works and across hosts raises on every rank; a mismatch across
-hosts raises CollectiveMismatch on every rank."""
+hosts raises CollectiveMismatch on every rank; a slow peer on another host is
+named by the CollectiveTimeout of every rank."""
 
 from __future__ import annotations
 
@@ -189,3 +190,25 @@ def test_intruders_rejected_and_mismatch_named(fabric):
     for o in out:
         assert o["mismatch"].startswith("CollectiveMismatch"), o
         assert "count=7" in o["mismatch"] and "count=9" in o["mismatch"], o
+
+
+def _slow_peer(comm: pc.Communicator) -> str:
+    x = torch.ones(1000)
+    comm.all_reduce(x)
+    if comm.rank == 2:
+        time.sleep(3.0)  # late by more than the others' timeout
+    try:
+        comm.all_reduce(x, timeout=1.0)
+    except pc.PyCollectivesError as e:
+        return f"{type(e).__name__}: {e}"
+    return "none"
+
+
+def test_slow_peer_on_another_host_is_named(fabric):
+    """Rank 2 (host 1) comes 3 s late to an all-reduce with a 1 s timeout:
+    rank 0 (host 0) learns from host 1 where its ranks are and names rank 2;
+    every rank raises."""
+    out = run_on_hosts(fabric, [0, 1, 1], _slow_peer, timeout=60)
+    print(out)
+    assert out[0].startswith("CollectiveTimeout") and "rank 2" in out[0], out
+    assert all(o != "none" for o in out), out
