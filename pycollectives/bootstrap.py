@@ -10,6 +10,8 @@ core refuses unless this user owns it (see docs/api.md, Security)."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
 import time
 from typing import Any
@@ -47,17 +49,26 @@ def _stat_fields(pid: int | str) -> list[str] | None:
         return None
 
 
+@functools.lru_cache(maxsize=1)
+def _host() -> str:
+    """This host, as the core tells hosts apart (a digest of its host id)."""
+    from . import _C
+
+    return hashlib.sha1(_C.host_id().encode()).hexdigest()[:16]
+
+
 def identity() -> str:
-    """This process as peers can tell it: pid namespace, pid, start time."""
+    """This process as peers can tell it: pid namespace, pid, start time, host."""
     fields = _stat_fields("self") or ["?"] * 20
-    return f"{_pid_namespace()}:{os.getpid()}:{fields[19]}"
+    return f"{_pid_namespace()}:{os.getpid()}:{fields[19]}:{_host()}"
 
 
 def alive(ident: str) -> bool | None:
     """Whether the process `identity()` described runs; None where this
-    process cannot tell (another pid namespace)."""
-    ns, pid, start = ident.split(":")
-    if not ns or ns != _pid_namespace():
+    process cannot tell (another pid namespace, another host: its pid means
+    nothing here)."""
+    ns, pid, start, host = ident.split(":")
+    if not ns or ns != _pid_namespace() or host != _host():
         return None
     fields = _stat_fields(pid)
     return fields is not None and fields[19] == start and fields[0] not in ("Z", "X")
@@ -81,15 +92,16 @@ class Bootstrap:
     def set(self, name: str, value: str) -> None:
         self._store.set(f"{self._key}/{name}", value)
 
-    def wait_for(self, name: str, seconds: float) -> str:
-        """The value of `name` once a rank published it; checks meanwhile."""
+    def wait_for(self, name: str, seconds: float, what: str | None = None) -> str:
+        """The value of `name` once a rank published it; checks meanwhile.
+        `what` names it in the timeout's message (default: rank 0's segment name)."""
+        what = what or "rank 0 did not publish the shared-memory segment's name"
         deadline = time.monotonic() + seconds
         while not self._store_call(self._store.check, [f"{self._key}/{name}"]):
             self.check()
             if time.monotonic() > deadline:
                 raise errors.CollectiveTimeout(
-                    f"pycollectives: rank {self.rank}: init: rank 0 did not publish the "
-                    f"shared-memory segment's name within {seconds} s"
+                    f"pycollectives: rank {self.rank}: init: {what} within {seconds} s"
                 )
             time.sleep(0.005)
         return self._store_call(self._store.get, f"{self._key}/{name}").decode()

@@ -93,8 +93,15 @@ class Communicator:
         name, writable). Returns ([(address, numel, dtype code)], device,
         current-stream getter). Raises ValueError naming the argument, the rank
         and the operation for a build without CUDA, a machine without a device,
-        a CPU buffer among CUDA ones, or buffers on different devices."""
+        ranks on several hosts (CUDA IPC is within a host), a CPU buffer among
+        CUDA ones, or buffers on different devices."""
         require_cuda(self.rank, name, specs[0][1])
+        if any(self.hosts):
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: {name}: {specs[0][1]} is a CUDA tensor, and "
+                "the ranks span hosts: CUDA tensors go through CUDA IPC, within one host only "
+                "(copy it to the CPU for a collective across hosts)"
+            )
         descs, device, first, stream = [], None, specs[0][1], None
         for buf, arg, writable in specs:
             ptr, n, dt, dev, get_stream = describe_cuda(buf, self.rank, name, arg, writable)
@@ -488,6 +495,9 @@ class Communicator:
         ``"direct"`` (in place across symmetric windows, see `alloc_shared`, or, for
         CUDA buffers, across the peers' own buffers mapped with CUDA IPC) or
         ``"cma"`` (single copy between the peers' plain buffers, see `single_copy`).
+        Across hosts: ``"hierarchical"`` (within each host, then across hosts
+        by the hosts' ranks in parallel, or the reverse) or ``"flat"`` (one
+        ring or chain over every rank, host by host: ``PYCOLL_ALGO=ring``).
         ``taken_over`` counts the single-copy chunks this rank did for another
         rank's part because that rank had not claimed them yet (it was
         descheduled or slower).
@@ -510,6 +520,21 @@ class Communicator:
         it is false, the slots carry everything.
         """
         return self._c.cma
+
+    @property
+    def hosts(self) -> list[int]:
+        """Every rank's host (hosts numbered in the order of their lowest
+        rank): ranks of one host share memory, ranks of different hosts talk
+        over TCP. All zeros on one host."""
+        return list(self._c.host_of)
+
+    def net_info(self) -> dict[str, Any]:
+        """Across hosts, this rank's TCP side: ``address`` ("ip:port" it
+        listens on), ``interface``, ``rejected`` (connections refused: bad
+        handshakes, another communicator's id), ``bytes_sent`` /
+        ``bytes_received`` (payload to and from other hosts). Empty address
+        and zeros on one host."""
+        return dict(self._c.net_info())
 
     def close(self) -> None:
         """Releases the communicator (idempotent). Pending operations run on,

@@ -1,6 +1,8 @@
-"""Bootstrap the torchrun way: a torch.distributed Store carries the name of the
-shared-memory segment, and (bootstrap.py) who the ranks are and the error that
-stopped one of them during set-up; no data goes through it."""
+"""Bootstrap the torchrun way: a torch.distributed Store carries every rank's
+host id, the name of each host's shared-memory segment, across hosts the
+ranks' TCP addresses and the communicator's id, and (bootstrap.py) who the
+ranks are and the error that stopped one of them during set-up; no data goes
+through it."""
 
 from __future__ import annotations
 
@@ -139,14 +141,30 @@ def init(
     return Communicator(core)
 
 
+def _hint() -> str:
+    """The bootstrap store's address: the interface that reaches it is the
+    default one for the TCP connections between hosts (PYCOLL_SOCKET_IFNAME
+    overrides it)."""
+    return os.environ.get("MASTER_ADDR", "")
+
+
 def _connect(boot: Bootstrap, rank: int, world_size: int, seconds: float) -> Any:
     """Creates (rank 0) or opens the segment and connects the core communicator.
 
-    Rank 0 publishes the segment's name before it creates the segment: every
-    peer then knows the name as soon as it exists, and removes it if rank 0
-    dies or fails before the ranks have all attached (see Bootstrap.fail).
-    Every wait runs boot.check: another rank's published error, or its death,
+    Every rank first publishes its host id: ranks with equal ids share a host
+    (and a segment), others talk over TCP (_connect_hosts). On one host, rank
+    0 publishes the segment's name before it creates the segment: every peer
+    then knows the name as soon as it exists, and removes it if rank 0 dies
+    or fails before the ranks have all attached (see Bootstrap.fail). Every
+    wait runs boot.check: another rank's published error, or its death,
     raises at once."""
+    boot.set(f"host/{rank}", _C.host_id())
+    ids = [
+        boot.wait_for(f"host/{r}", seconds, f"rank {r} did not publish its host id")
+        for r in range(world_size)
+    ]
+    if len(set(ids)) > 1:
+        return _connect_hosts(boot, rank, world_size, seconds, ids)
     if rank == 0:
         name = _C.unique_segment_name()
         boot.segment = name
@@ -156,4 +174,42 @@ def _connect(boot: Bootstrap, rank: int, world_size: int, seconds: float) -> Any
         name = boot.segment = boot.wait_for("segment", seconds)
         core = _C.Communicator(rank, world_size, name, False, seconds, boot.check)
     core.connect(boot.check)
+    return core
+
+
+def _connect_hosts(
+    boot: Bootstrap, rank: int, world_size: int, seconds: float, ids: list[str]
+) -> Any:
+    """The ranks span hosts: each host's first rank makes its segment (its
+    name published as that rank 0 does on one host); rank 0 publishes its
+    settings (PYCOLL_SLOT_BYTES, PYCOLL_NSLOTS, PYCOLL_ONESHOT_BYTES,
+    PYCOLL_ALGO, resolved), which bind every host, and the communicator's
+    128-bit random id, which every TCP handshake must carry; every rank
+    listens, publishes its address and connects to the other hosts."""
+    first: dict[str, int] = {}
+    for i in ids:
+        first.setdefault(i, len(first))
+    hosts = [first[i] for i in ids]
+    me = hosts[rank]
+    creator = hosts.index(me) == rank
+    if rank == 0:
+        boot.set("config", ",".join(str(v) for v in _C.resolved_config(world_size)))
+        boot.set("commid", os.urandom(16).hex())
+    config = tuple(int(v) for v in boot.wait_for("config", seconds, "rank 0's settings").split(","))
+    comm_id = bytes.fromhex(boot.wait_for("commid", seconds, "rank 0's communicator id"))
+    if creator:
+        name = boot.segment = _C.unique_segment_name()
+        boot.set(f"segment/{me}", name)
+    else:
+        what = f"the first rank of host {me} did not publish its segment's name"
+        name = boot.segment = boot.wait_for(f"segment/{me}", seconds, what)
+    core = _C.Communicator(
+        rank, world_size, name, creator, seconds, boot.check, hosts, comm_id, _hint(), config
+    )
+    boot.set(f"addr/{rank}", core.net_address)
+    addrs = [
+        boot.wait_for(f"addr/{r}", seconds, f"rank {r} did not publish its address")
+        for r in range(world_size)
+    ]
+    core.connect(boot.check, addrs)
     return core

@@ -258,7 +258,9 @@ def job_killed_at(rank: int, n: int, victim: int, step: str, tmp: str) -> tuple:
     if rank == victim:
         if step == "create":
             names = _C.unique_segment_name
-            rendezvous._C = types.SimpleNamespace(Communicator=die, unique_segment_name=names)
+            rendezvous._C = types.SimpleNamespace(
+                Communicator=die, unique_segment_name=names, host_id=_C.host_id
+            )
         elif step == "connect":
             _C.Communicator.connect = die
         elif not step.startswith("window.timer"):

@@ -18,6 +18,25 @@ void ring_all_reduce(OpCtx& c, const void* in, void* out, size_t count);
 void ring_reduce_scatter(OpCtx& c, const void* in, void* out, size_t count);
 // in: `count` (may be out's own block); out: nranks blocks of `count`.
 void ring_all_gather(OpCtx& c, const void* in, void* out, size_t count);
+// Blocks anywhere in a buffer, for the ring schedules below: block b (one
+// per rank of the ring, in ring order) is nsegs segments, segment s starting
+// at element off[b * nsegs + s] with len[b * nsegs + s] elements.
+struct BlockMap {
+  int nsegs = 1;
+  std::vector<size_t> off, len;
+  size_t seg_max(int s) const;  // the longest segment s of any block
+};
+// Ring reduce-scatter (ring_map.cc): segment s of this rank's block, reduced
+// over every rank, lands at out + out_off[s] (elements; it may be where the
+// segment is in `in`).
+void ring_reduce_scatter_map(OpCtx& c, const void* in, void* out, const BlockMap& m,
+                             const size_t* out_off);
+// Ring all-gather in place: this rank's block is in buf; after it every block is.
+void ring_all_gather_map(OpCtx& c, void* buf, const BlockMap& m);
+// Every rank sends its buffer to every other and reduces all in rank order
+// (exchange.cc): small messages between a few ranks.
+constexpr int kMaxExchangeRanks = 64;
+void exchange_all_reduce(OpCtx& c, void* buf, size_t count);
 // Pipelined chain from root through root+1, ..., root-1.
 void chain_broadcast(OpCtx& c, void* buf, size_t count, int root);
 // Pipelined chain from root+1 through ..., root-1 into root.

@@ -34,10 +34,14 @@ class KernelExec {
 };
 
 // How an operation moved its bytes (counted per collective in the stats).
-enum class Path : int { kSlots = 0, kOneShot, kDirect, kCma };
-constexpr int kNumPaths = 4;
+// Across hosts: kHier, in two levels (within each host, then across hosts by
+// the hosts' ranks in parallel, or the reverse); kFlat, one ring or chain
+// over every rank (shared memory and TCP links), host by host.
+enum class Path : int { kSlots = 0, kOneShot, kDirect, kCma, kHier, kFlat };
+constexpr int kNumPaths = 6;
 inline const char* path_name(Path p) {
-  static const char* const names[kNumPaths] = {"slots", "oneshot", "direct", "cma"};
+  static const char* const names[kNumPaths] = {"slots", "oneshot",      "direct",
+                                               "cma",   "hierarchical", "flat"};
   return names[static_cast<int>(p)];
 }
 
@@ -46,7 +50,10 @@ struct OpCtx {
   int nranks = 1;
   DataType dtype = DataType::kFloat32;
   ReduceOp op = ReduceOp::kSum;  // as called; kAvg sums, then divides once
-  SlotTag tag;                   // what this rank's slots carry and expects
+  // kAvg divides by this (0: nranks): a schedule over some of the ranks
+  // (a host's, a rail across hosts) that finishes an average of them all.
+  int avg_div = 0;
+  SlotTag tag;  // what this rank's slots carry and expects
   Links* links = nullptr;
   WaitMonitor* mon = nullptr;
   KernelExec* exec = nullptr;  // null: host memory, the CPU kernels run inline
@@ -59,6 +66,7 @@ struct OpCtx {
   Store out_store = Store::kCached;
 
   size_t esize() const { return dtype_size(dtype); }
+  int avg_divisor() const { return avg_div > 0 ? avg_div : nranks; }
   int mod(long i) const { return static_cast<int>(((i % nranks) + nranks) % nranks); }
 };
 

@@ -38,7 +38,7 @@ const void* wait_area(OpCtx& c, const OneShotAreas& a, int p, size_t bytes) {
 void reduce_all(OpCtx& c, void* dst, const void* const* srcs, size_t count) {
   const bool avg = c.op == ReduceOp::kAvg;
   reduce(ReduceArgs{c.dtype, avg ? ReduceOp::kSum : c.op, dst, nullptr, srcs, c.nranks, count});
-  if (avg) scale_avg(dst, c.dtype, count, c.nranks);
+  if (avg) scale_avg(dst, c.dtype, count, c.avg_divisor());
 }
 
 bool oneshot_fits(const OneShotAreas& a, int nranks, size_t bytes) {

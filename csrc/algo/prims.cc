@@ -19,9 +19,9 @@ inline void do_reduce(OpCtx& c, const ReduceArgs& a) {
 }
 inline void do_scale_avg(OpCtx& c, void* x, size_t n) {
   if (c.exec)
-    c.exec->scale_avg(x, c.dtype, n, c.nranks);
+    c.exec->scale_avg(x, c.dtype, n, c.avg_divisor());
   else
-    scale_avg(x, c.dtype, n, c.nranks);
+    scale_avg(x, c.dtype, n, c.avg_divisor());
 }
 // dst0_store applies on the CPU only (a device copy goes to device memory).
 inline void do_copy(OpCtx& c, void* dst0, void* dst1, const void* src, size_t bytes,

@@ -4,8 +4,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <functional>
+#include <memory>
+#include <tuple>
 
+#include "algo/prims.h"
 #include "bindings/convert.h"
 #include "bindings/cuda_bindings.h"
 #include "bindings/cuda_comm_bindings.h"
@@ -14,6 +18,7 @@
 #include "bindings/reduce_bindings.h"
 #include "bindings/tensor_view.h"
 #include "comm/communicator.h"
+#include "comm/topology.h"
 #include "core/cpu_probe.h"
 #include "core/error.h"
 #include "reduce/reduce.h"
@@ -89,6 +94,24 @@ PYBIND11_MODULE(_C, m) {
     return raised;
   });
   m.def("unique_segment_name", &ShmSegment::unique_name);
+  m.def("host_id", &host_id,
+        "This process's host id (PYCOLL_HOST_ID, else boot id, network namespace and /dev/shm): "
+        "ranks with equal ids share memory, others talk over TCP");
+  m.def(
+      "resolved_config",
+      [](int world_size) {
+        // Rank 0's settings with their defaults for `world_size` ranks, which
+        // bind every host's segment (rendezvous.py publishes them).
+        const CommConfig c = CommConfig::from_env();
+        const size_t slot = c.slot_bytes      ? c.slot_bytes
+                            : world_size <= 4 ? 256 << 10
+                            : world_size <= 8 ? 128 << 10
+                                              : 64 << 10;
+        return py::make_tuple(slot, c.nslots ? c.nslots : 4,
+                              c.oneshot_bytes ? c.oneshot_bytes : 32 << 10,
+                              static_cast<uint32_t>(c.algo));
+      },
+      py::arg("world_size"));
   m.def("unlink_segment", &ShmSegment::unlink_name, py::arg("name"),
         "Removes a segment's name from /dev/shm (ENOENT: already gone).");
   m.def(
@@ -142,20 +165,59 @@ PYBIND11_MODULE(_C, m) {
   using G = py::call_guard<py::gil_scoped_release>;
   py::class_<C, std::shared_ptr<C>>(m, "Communicator")
       .def(py::init([](int rank, int n, const std::string& name, bool creator, double timeout,
-                       const py::object& check) {
+                       const py::object& check, const py::object& hosts, const py::bytes& comm_id,
+                       const std::string& hint, const py::object& config) {
              const CommConfig cfg = CommConfig::from_env();
+             std::unique_ptr<HostSetup> setup;
+             if (!hosts.is_none()) {  // ranks on several hosts (rendezvous.py)
+               setup = std::make_unique<HostSetup>();
+               const auto host_of = hosts.cast<std::vector<int>>();
+               if (static_cast<int>(host_of.size()) != n || rank < 0 || rank >= n)
+                 throw py::value_error("pycollectives: init: hosts must list world_size hosts");
+               setup->topo = Topology::from_hosts(rank, host_of);
+               const std::string id = comm_id;
+               if (id.size() != sizeof(setup->comm_id))
+                 throw py::value_error("pycollectives: init: comm_id must be 16 bytes");
+               std::memcpy(setup->comm_id, id.data(), id.size());
+               setup->hint = hint;
+               const auto [slot, nslots, oneshot, algo] =
+                   config.cast<std::tuple<size_t, uint32_t, size_t, uint32_t>>();
+               if (slot < 64 || slot > kMaxSlotBytes || nslots < kMinSlots || nslots > kMaxNSlots ||
+                   oneshot > kMaxOneShotBytes || algo > static_cast<uint32_t>(Algo::kCma))
+                 throw py::value_error("pycollectives: init: rank 0's settings are out of range");
+               setup->slot_bytes = slot;
+               setup->nslots = nslots;
+               setup->oneshot_bytes = oneshot;
+               setup->algo = static_cast<Algo>(algo);
+             }
              py::gil_scoped_release nogil;
-             return std::make_shared<C>(rank, n, name, creator, cfg, timeout, python_check(check));
+             return std::make_shared<C>(rank, n, name, creator, cfg, timeout, python_check(check),
+                                        setup.get());
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("name"), py::arg("creator"),
-           py::arg("timeout"), py::arg("check") = py::none())
+           py::arg("timeout"), py::arg("check") = py::none(), py::arg("hosts") = py::none(),
+           py::arg("comm_id") = py::bytes(), py::arg("hint") = "", py::arg("config") = py::none())
       .def(
           "connect",
-          [](C& c, const py::object& check) {
+          [](C& c, const py::object& check, const std::vector<std::string>& addrs) {
             py::gil_scoped_release nogil;
-            c.connect(python_check(check));
+            c.connect(python_check(check), addrs);
           },
-          py::arg("check") = py::none())
+          py::arg("check") = py::none(), py::arg("addrs") = std::vector<std::string>{})
+      .def_property_readonly("multi_host", &C::multi_host)
+      .def_property_readonly("net_address", &C::net_address)
+      .def_property_readonly("host_of", [](const C& c) { return c.topology().host_of(); })
+      .def("net_info",
+           [](const C& c) {
+             py::dict d;
+             d["address"] = c.net_address();
+             d["interface"] = c.net_interface();
+             d["rejected"] = c.net_rejected();
+             const auto [sent, recvd] = c.net_bytes();
+             d["bytes_sent"] = sent;
+             d["bytes_received"] = recvd;
+             return d;
+           })
       .def("close", &C::close, G())
       .def("set_any_thread", &C::set_any_thread, py::arg("any"))
       .def_property_readonly("rank", &C::rank)

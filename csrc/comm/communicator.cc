@@ -68,7 +68,8 @@ const char* Communicator::algo_name() const {
 }
 
 Communicator::Communicator(int rank, int n, const std::string& name, bool creator,
-                           const CommConfig& cfg, double timeout_s, FunctionRef<void()> check)
+                           const CommConfig& cfg, double timeout_s, FunctionRef<void()> check,
+                           const HostSetup* hosts)
     : rank_(rank),
       n_(n),
       timeout_s_(timeout_s),
@@ -82,6 +83,14 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
               "pycollectives: init: rank " << rank << " is out of range for world_size " << n);
   if (!(timeout_s > 0))  // NaN too
     PYC_THROW(InvalidArgument, "pycollectives: init: timeout must be > 0, not " << timeout_s);
+  if (hosts != nullptr && hosts->topo.size() != n)
+    PYC_THROW(InvalidArgument, "pycollectives: init: the host list has "
+                                   << hosts->topo.size() << " ranks, world_size is " << n);
+  topo_ = hosts != nullptr ? hosts->topo : Topology::single(rank, n);
+  locals_ = topo_.locals();
+  nlocal_ = static_cast<int>(locals_.size());
+  // Across hosts, the segment holds this host's ranks, by local index.
+  const int li = topo_.local(rank);
   if (creator) {
     size_t slot = cfg.slot_bytes ? cfg.slot_bytes
                   : n <= 4       ? 256 << 10
@@ -89,21 +98,29 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
                                  : 64 << 10;
     uint32_t nslots = cfg.nslots ? cfg.nslots : 4;
     size_t oneshot = cfg.oneshot_bytes ? cfg.oneshot_bytes : 32 << 10;
-    layout_ = ShmLayout(n, nslots, slot, oneshot);
+    Algo algo = cfg.algo;
+    if (hosts != nullptr) {  // rank 0's, resolved: every host's segment alike
+      slot = hosts->slot_bytes;
+      nslots = hosts->nslots;
+      oneshot = hosts->oneshot_bytes;
+      algo = hosts->algo;
+    }
+    layout_ = ShmLayout(nlocal_, nslots, slot, oneshot);
     seg_ = ShmSegment::create(name, layout_.total);
     fault_point("segment.created");
     hdr_ = layout_.header(seg_.data());
-    hdr_->world_size = n;
+    hdr_->world_size = nlocal_;
     hdr_->nslots = layout_.nslots;
     hdr_->slot_bytes = layout_.slot_bytes;
     hdr_->oneshot_bytes = layout_.oneshot_bytes;
     hdr_->total_bytes = layout_.total;
-    hdr_->algo = static_cast<uint32_t>(cfg.algo);
+    hdr_->algo = static_cast<uint32_t>(algo);
     pthread_mutexattr_t attr;
     PYC_ERRCHECK(pthread_mutexattr_init(&attr));
     PYC_ERRCHECK(pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED));
     PYC_ERRCHECK(pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST));
-    for (int r = 0; r < n; ++r) PYC_ERRCHECK(pthread_mutex_init(&ctl(r)->alive, &attr));
+    for (int r = 0; r < nlocal_; ++r)
+      PYC_ERRCHECK(pthread_mutex_init(&layout_.rank_ctl(seg_.data(), r)->alive, &attr));
     PYC_ERRCHECK(pthread_mutexattr_destroy(&attr));
     hdr_->magic = kShmMagic;
     hdr_->ready.store(1, std::memory_order_release);
@@ -112,17 +129,29 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
   }
   algo_ = static_cast<Algo>(hdr_->algo);
   void* base = seg_.data();
-  send_.resize(n);
-  recv_.resize(n);
+  ctls_.resize(n);
+  mirrors_.resize(n);
+  send_.assign(n, nullptr);
+  recv_.assign(n, nullptr);
+  shm_send_.resize(n);
+  shm_recv_.resize(n);
   for (int p = 0; p < n; ++p) {
+    if (!topo_.same_host(p)) {
+      mirrors_[p] = std::make_unique<RankCtl>();  // zeroed: nothing heard yet
+      ctls_[p] = mirrors_[p].get();
+      continue;
+    }
+    ctls_[p] = layout_.rank_ctl(base, topo_.local(p));
     if (p == rank) continue;
-    send_[p] = std::make_unique<ShmSendConn>(layout_, base, rank, p);
-    recv_[p] = std::make_unique<ShmRecvConn>(layout_, base, p, rank);
+    shm_send_[p] = std::make_unique<ShmSendConn>(layout_, base, li, topo_.local(p), p);
+    shm_recv_[p] = std::make_unique<ShmRecvConn>(layout_, base, topo_.local(p), li, p);
+    send_[p] = shm_send_[p].get();
+    recv_[p] = shm_recv_[p].get();
   }
-  if (n <= kMaxOneShotRanks) {
+  if (nlocal_ <= kMaxOneShotRanks) {  // the one-shot areas of this host's ranks, by local index
     oneshot_.bytes = layout_.oneshot_bytes;
     for (int par = 0; par < 2; ++par)
-      for (int r = 0; r < n; ++r) {
+      for (int r = 0; r < nlocal_; ++r) {
         OneShotHeader* h = layout_.oneshot(base, r, par);
         oneshot_.flag[par][r] = &h->seq;
         oneshot_.sig[par][r] = &h->w0;
@@ -158,6 +187,15 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
                                                (void)pthread_mutex_unlock(&me->alive);
                                              },
                                              interrupt_hook_);
+  if (hosts != nullptr) {
+    net_ = std::make_unique<TcpNet>(topo_, NetConfig::from_env(), hosts->comm_id,
+                                    layout_.slot_bytes, layout_.nslots, *this, hosts->hint);
+    for (int p = 0; p < n; ++p)
+      if (!topo_.same_host(p)) {
+        send_[p] = nullptr;  // set by connect(), once the addresses are known
+        recv_[p] = nullptr;
+      }
+  }
   me->attached.store(1, std::memory_order_release);
 }
 
@@ -183,9 +221,11 @@ void Communicator::open_segment(const std::string& name, double timeout_s,
   const SegmentHeader& h = *hdr_;
   if (h.magic != kShmMagic)
     PYC_THROW(Error, "pycollectives: " << name << " is not a pycollectives segment");
-  if (static_cast<int>(h.world_size) != n_)
-    PYC_THROW(InvalidArgument, "pycollectives: rank " << rank_ << ": init: world_size " << n_
-                                                      << " differs from rank 0's " << h.world_size);
+  if (static_cast<int>(h.world_size) != nlocal_)
+    PYC_THROW(InvalidArgument, "pycollectives: rank "
+                                   << rank_ << ": init: " << nlocal_ << " ranks on this host ("
+                                   << (multi_host() ? "by the host ids" : "world_size")
+                                   << ") differs from the segment's " << h.world_size);
   if (h.nslots < kMinSlots || h.nslots > kMaxNSlots || h.slot_bytes < 64 ||
       h.slot_bytes > kMaxSlotBytes || h.oneshot_bytes > kMaxOneShotBytes ||
       h.algo > static_cast<uint32_t>(Algo::kCma))
@@ -193,7 +233,7 @@ void Communicator::open_segment(const std::string& name, double timeout_s,
                          << rank_ << ": init: segment " << name << " has an invalid header ("
                          << h.nslots << " slots of " << h.slot_bytes << " bytes, one-shot "
                          << h.oneshot_bytes << " bytes, algorithm " << h.algo << ")");
-  layout_ = ShmLayout(n_, h.nslots, h.slot_bytes, h.oneshot_bytes);
+  layout_ = ShmLayout(nlocal_, h.nslots, h.slot_bytes, h.oneshot_bytes);
   if (layout_.total != h.total_bytes || seg_.size() < layout_.total)
     PYC_THROW(Error, "pycollectives: rank " << rank_ << ": init: segment " << name << " has "
                                             << seg_.size() << " bytes, its header says "
@@ -219,6 +259,7 @@ std::vector<std::string> Communicator::close() {
   closing_.store(true);
   std::vector<std::string> failed = engine_->shutdown();
   interrupt_hook_->clear();
+  if (net_) net_->close();  // after the operations: they may still need the network
   {
     std::lock_guard<std::mutex> lk(cuda_mu_);
     cuda_.reset();  // the engine has stopped: no kernel of ours is in flight
@@ -236,6 +277,7 @@ void Communicator::release_in_child() {
   // with the process.
   if (closed_.exchange(true)) return;
   (void)engine_.release();
+  (void)net_.release();  // its thread is the parent's
   if (cuda_) new std::shared_ptr<CudaPath>(std::move(cuda_));
   if (ptracer_) ptracer_->forget();
   interrupt_hook_->clear();

@@ -1,6 +1,8 @@
-// A communicator: the ranks of one group on one host, their shared-memory
-// segment, the links between them, and the operations on those links.
-// Like NCCL's API, operations take pointers, element counts, a dtype and an op.
+// A communicator: the ranks of one group, their shared-memory segment (one
+// per host: the ranks of a host share one), the links between them (shared
+// memory within a host, TCP between hosts), and the operations on those
+// links. Like NCCL's API, operations take pointers, element counts, a dtype
+// and an op.
 #pragma once
 
 #include <pthread.h>
@@ -17,6 +19,7 @@
 #include "algo/algorithms.h"
 #include "comm/cma_choice.h"
 #include "comm/progress.h"
+#include "comm/topology.h"
 #include "core/clock.h"
 #include "core/function_ref.h"
 #include "core/process.h"
@@ -24,6 +27,7 @@
 #include "transport/shm_fifo.h"
 #include "transport/shm_segment.h"
 #include "transport/shm_window.h"
+#include "transport/tcp_net.h"
 
 namespace pyc {
 
@@ -52,6 +56,19 @@ struct CommConfig {
   static CommConfig from_env();
 };
 
+// What a communicator whose ranks span hosts is made with (rendezvous.py):
+// where every rank is, the communicator's id (which every TCP handshake
+// carries), the store's address (the default interface is the one that
+// reaches it), and rank 0's settings, which bind every host's segment.
+struct HostSetup {
+  Topology topo;
+  uint8_t comm_id[16] = {};
+  std::string hint;
+  size_t slot_bytes = 0, oneshot_bytes = 0;
+  uint32_t nslots = 0;
+  Algo algo = Algo::kAuto;
+};
+
 struct OpStats {
   // bytes_sent / bytes_recv: a collective's traffic by definition (comm/traffic.h),
   // a message's bytes; bytes_out / bytes_in: what this rank itself copied to and
@@ -63,24 +80,30 @@ struct OpStats {
 
 enum class AbortKind : int32_t { kNone = 0, kError, kTimeout, kPeerFailure, kMismatch };
 
-class Communicator final : public Links {
+class Communicator final : public Links, public NetHost {
  public:
-  // The creator (rank 0 of the group) makes segment `name`; the others open it
-  // (only a segment of this user, readable by no other: see shm_segment.h).
-  // `check` runs about every 10 ms while a rank waits for the others (init
-  // passes one that raises a peer's published error, or names a rank that
-  // died before it attached); the waits are bounded by timeout_s.
+  // The creator (rank 0 of the group, or of its host when `hosts` is given)
+  // makes segment `name`; the others of its host open it (only a segment of
+  // this user, readable by no other: see shm_segment.h). `check` runs about
+  // every 10 ms while a rank waits for the others (init passes one that
+  // raises a peer's published error, or names a rank that died before it
+  // attached); the waits are bounded by timeout_s. With `hosts` (ranks on
+  // several hosts), also listens for the ranks of the other hosts
+  // (net_address(), to publish before connect()).
   Communicator(int rank, int world_size, const std::string& name, bool creator,
-               const CommConfig& cfg, double timeout_s, FunctionRef<void()> check = kNoCheck);
+               const CommConfig& cfg, double timeout_s, FunctionRef<void()> check = kNoCheck,
+               const HostSetup* hosts = nullptr);
   ~Communicator() override;
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  // Waits until every rank has mapped the segment, then removes its name
-  // (every rank: a creator that dies then leaves nothing behind); then agrees
-  // with the peers on single copy (agree_cma). Raises PeerFailure for a rank
+  // Waits until every rank of this host has mapped the segment, then
+  // removes its name (every rank: a creator that dies then leaves nothing
+  // behind); then agrees with the peers on single copy (agree_cma; one host
+  // only). Across hosts, `addrs` holds every rank's net_address(): the
+  // control connections are made (tcp_net.h). Raises PeerFailure for a rank
   // that dies meanwhile, and whatever `check` raises.
-  void connect(FunctionRef<void()> check = kNoCheck);
+  void connect(FunctionRef<void()> check = kNoCheck, const std::vector<std::string>& addrs = {});
   // Releases the communicator (idempotent). Pending operations run on, but
   // one that a peer stays away from, idle, for a second (a point-to-point
   // one: that waits a second) is aborted instead of waiting for its
@@ -95,6 +118,17 @@ class Communicator final : public Links {
 
   int rank() const { return rank_; }
   int world_size() const { return n_; }
+  const Topology& topology() const { return topo_; }
+  bool multi_host() const { return topo_.multi_host(); }
+  // This rank's listening address ("ip:port") and its interface, across hosts.
+  std::string net_address() const { return net_ ? net_->address() : ""; }
+  std::string net_interface() const { return net_ ? net_->interface() : ""; }
+  // Connections refused by this rank's listener (bad handshakes).
+  uint64_t net_rejected() const { return net_ ? net_->rejected() : 0; }
+  // Payload bytes sent to and received from other hosts.
+  std::pair<uint64_t, uint64_t> net_bytes() const {
+    return net_ ? net_->bytes() : std::pair<uint64_t, uint64_t>{0, 0};
+  }
   double default_timeout() const { return timeout_s_; }
   const char* algo_name() const;
   // Whether single-copy reads and writes of peers' plain buffers (CMA) are available.
@@ -149,6 +183,11 @@ class Communicator final : public Links {
   RecvConn& recv_from(int peer) override { return *recv_[peer]; }
   [[noreturn]] void tag_mismatch(int peer, const SlotTag& got, const SlotTag& want) override;
 
+  // NetHost (the network thread's questions)
+  bool adopt_abort(int kind, int from, const std::string& msg) override;
+  std::vector<CtlStatusEntry> host_status() override;
+  void peer_status(const CtlStatusEntry& e) override;
+
  private:
   friend class OpMonitor;
   friend class CudaPath;
@@ -168,7 +207,16 @@ class Communicator final : public Links {
   void check_issue_slow(OpKind kind, uint64_t self);
   // timeout_s < 0: the default; NaN: InvalidArgument naming the operation.
   double op_timeout(double timeout_s, OpKind kind) const;
-  RankCtl* ctl(int r) const { return layout_.rank_ctl(seg_.data(), r); }
+  // Rank r's control block: in the segment for a rank of this host, else this
+  // process's copy of what its host last said of it (peer_status).
+  RankCtl* ctl(int r) const { return ctls_[r]; }
+  // Across hosts: asks the other hosts where their ranks are (for a
+  // timeout's verdict and close()'s), bounded by `wait`.
+  void refresh_remote(std::chrono::milliseconds wait);
+  // Whether ctl(r) says where rank r is: this host's, or its host answered.
+  bool heard(int r) const {
+    return topo_.same_host(r) || ctls_[r]->attached.load(std::memory_order_acquire) != 0;
+  }
   // Maps and checks the segment of a rank other than the creator.
   void open_segment(const std::string& name, double timeout_s, FunctionRef<void()> check);
   // connect(): waits until ready(p) for every rank p, naming `what` in a
@@ -263,10 +311,31 @@ class Communicator final : public Links {
   void set_abort(AbortKind kind, const std::string& msg);
   [[noreturn]] void throw_abort() const;
   bool aborted() const;
-  // Peer liveness through its robust mutex: returns a description if gone.
+  // Peer liveness through its robust mutex (a rank of this host) or its
+  // connections (another host's): returns a description if gone.
   std::string peer_gone(int peer);
 
+  // ---- across hosts (multihost.cc, hier.cc) ----
+  // A context for a schedule over `members` (global ranks, this one among
+  // them) with the operation's tag and monitor; links through `sub`.
+  struct Group;
+  // Every rank of this host announced the same operation, and every
+  // cross-host peer sent the same tag: the ranks of every host alike, for
+  // operations that move no data across (barrier, empty ones, the roots'
+  // check of broadcast and reduce).
+  void confirm_hosts(OpCtx& c);
+  void mh_all_reduce(OpCtx& c, void* buf, size_t count);
+  void mh_reduce_scatter(OpCtx& c, void* out, const void* in, size_t count);
+  void mh_all_gather(OpCtx& c, void* out, const void* in, size_t count);
+  void mh_broadcast(OpCtx& c, void* buf, size_t count, int root);
+  void mh_reduce(OpCtx& c, void* buf, size_t count, int root);
+  // A scratch buffer of at least `bytes` (kept until close).
+  char* scratch(size_t bytes);
+
   int rank_, n_;
+  Topology topo_;
+  int nlocal_ = 1;           // ranks on this host
+  std::vector<int> locals_;  // their global ranks (this one's among them)
   double timeout_s_;
   bool creator_;
   uint64_t fork_gen_;                 // fork_generation() at construction
@@ -279,9 +348,15 @@ class Communicator final : public Links {
   ShmLayout layout_;
   SegmentHeader* hdr_ = nullptr;
   Algo algo_ = Algo::kAuto;
-  size_t stream_bytes_ = 0;  // CommConfig::stream_bytes
-  std::vector<std::unique_ptr<ShmSendConn>> send_;
-  std::vector<std::unique_ptr<ShmRecvConn>> recv_;
+  size_t stream_bytes_ = 0;                        // CommConfig::stream_bytes
+  std::vector<RankCtl*> ctls_;                     // see ctl()
+  std::vector<std::unique_ptr<RankCtl>> mirrors_;  // other hosts' ranks, as last heard
+  std::vector<std::unique_ptr<ShmSendConn>> shm_send_;
+  std::vector<std::unique_ptr<ShmRecvConn>> shm_recv_;
+  std::vector<SendConn*> send_;  // by rank: shared memory within the host, TCP across
+  std::vector<RecvConn*> recv_;
+  std::unique_ptr<TcpNet> net_;  // across hosts
+  std::vector<char> scratch_;
   OneShotAreas oneshot_{};
   std::vector<uint32_t> known_started_;  // lower bounds of peers' `started`
   // Point-to-point messages sent to / received from each peer, numbered when

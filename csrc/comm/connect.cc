@@ -23,7 +23,7 @@ template <class Ready>
 void Communicator::wait_all(const char* what, Clock::time_point deadline, FunctionRef<void()> check,
                             Ready ready) {
   auto next_check = Clock::now();
-  for (int p = 0; p < n_; ++p) {
+  for (int p : locals_) {  // this host's ranks: the segment's
     while (!ready(p)) {
       if (aborted()) throw_abort();
       // A rank that attached holds its robust mutex: its death shows there.
@@ -48,8 +48,11 @@ void Communicator::wait_all(const char* what, Clock::time_point deadline, Functi
   }
 }
 
-void Communicator::connect(FunctionRef<void()> check) {
+void Communicator::connect(FunctionRef<void()> check, const std::vector<std::string>& addrs) {
   const auto deadline = deadline_after(Clock::now(), timeout_s_);
+  if (multi_host() && static_cast<int>(addrs.size()) != n_)
+    PYC_THROW(InvalidArgument, "pycollectives: rank " << rank_ << ": init: " << addrs.size()
+                                                      << " addresses for " << n_ << " ranks");
   wait_all("attaching", deadline, check,
            [this](int p) { return ctl(p)->attached.load(std::memory_order_acquire) != 0; });
   // Every rank has it mapped: the name goes, so nothing stays in /dev/shm.
@@ -64,9 +67,17 @@ void Communicator::connect(FunctionRef<void()> check) {
   // briefly, then give the core to a peer.
   cpu_set_t all;
   CPU_ZERO(&all);
-  for (int p = 0; p < n_; ++p) CPU_OR(&all, &all, &ctl(p)->cpus);
-  if (CPU_COUNT(&all) < n_) spin_polls_ = max_spin_polls_ = 16;
-  agree_cma(deadline, check);
+  for (int p : locals_) CPU_OR(&all, &all, &ctl(p)->cpus);
+  if (CPU_COUNT(&all) < nlocal_) spin_polls_ = max_spin_polls_ = 16;
+  if (!multi_host()) return agree_cma(deadline, check);
+  // Across hosts: the TCP connections to the other hosts (tcp_net.h). Single
+  // copy stays off (its paths assume every rank on this host).
+  net_->start(addrs, deadline, check);
+  for (int p = 0; p < n_; ++p)
+    if (!topo_.same_host(p)) {
+      send_[p] = net_->send_conn(p);
+      recv_[p] = net_->recv_conn(p);
+    }
 }
 
 bool Communicator::cma_wanted() const {

@@ -33,7 +33,7 @@ void Communicator::announce(uint32_t seq, const OpSig& sig, uint64_t where, uint
 }
 
 void Communicator::wait_started(uint32_t seq, WaitMonitor& mon) {
-  for (int p = 0; p < n_; ++p) {
+  for (int p : locals_) {  // this host's ranks (another host's do not announce here)
     if (p == rank_ || reached(known_started_[p], seq)) continue;
     mon.peer = p;
     known_started_[p] = wait_reached(ctl(p)->started, seq, mon);
@@ -111,14 +111,16 @@ void Communicator::run_op(const OpSig& sig, uint32_t seq, double timeout_s, bool
 }
 
 bool Communicator::oneshot(OpCtx& c, size_t bytes) {
-  if (algo_ == Algo::kRing || (algo_ == Algo::kCma && cma_) || !oneshot_fits(oneshot_, n_, bytes))
+  // c.nranks: this host's ranks, or all of them on one host (the areas are this host's).
+  if (algo_ == Algo::kRing || (algo_ == Algo::kCma && cma_) ||
+      !oneshot_fits(oneshot_, c.nranks, bytes) || c.nranks != nlocal_)
     return false;
   wait_started(c.tag.seq - 1, *c.mon);  // peers are done reading our area of op seq-2
   return true;
 }
 
 void Communicator::saw_flags(uint32_t seq, int only) {
-  for (int p = 0; p < n_; ++p)
+  for (int p : locals_)
     if (only < 0 || p == only) known_started_[p] = seq;  // a peer's flag means it started seq
 }
 
@@ -203,6 +205,7 @@ void Communicator::wait_peers_copied(uint32_t seq) {
 }
 
 void Communicator::confirm_alike(OpCtx& c) {
+  if (multi_host()) return confirm_hosts(c);
   const uint32_t seq = c.tag.seq;
   wait_started(seq, *c.mon);
   for (int p = 0; p < n_; ++p) {

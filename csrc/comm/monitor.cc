@@ -104,7 +104,8 @@ int OpMonitor::culprit(std::string* why) const {
   const int n = c_.n_;
   std::vector<int> late;
   for (int p = 0; p < n; ++p)
-    if (!reached(c_.ctl(p)->started.value.load(std::memory_order_acquire), seq_)) late.push_back(p);
+    if (c_.heard(p) && !reached(c_.ctl(p)->started.value.load(std::memory_order_acquire), seq_))
+      late.push_back(p);
   if (!late.empty()) {  // the one this rank waits for if it is late, else the first
     for (int p : late)
       if (p == peer) return p;
@@ -122,6 +123,10 @@ int OpMonitor::culprit(std::string* why) const {
       return p;
     }
     seen[p] = true;
+    if (!c_.heard(p)) {
+      *why = " (on another host, which did not answer)";
+      return p;
+    }
     const RankCtl* ctl = c_.ctl(p);
     const uint64_t w = ctl->waiting.load(std::memory_order_relaxed);
     const int64_t idle = now - ctl->beat_ns.load(std::memory_order_relaxed);
@@ -146,6 +151,8 @@ void OpMonitor::timed_out() {
   os << "pycollectives: rank " << c_.rank_ << ": " << op_name(sig_, seq_, collective_)
      << ": Timed out waiting " << std::llround(timeout_s_ * 1e3) << "ms for ";
   std::string why;
+  // Where the ranks of other hosts are: their hosts' answer (bounded).
+  if (collective_) c_.refresh_remote(std::chrono::milliseconds(300));
   const int blamed = collective_ ? culprit(&why) : peer;
   if (blamed >= 0)
     os << "rank " << blamed << why;
@@ -154,21 +161,30 @@ void OpMonitor::timed_out() {
   if (collective_) {
     os << "; ranks that have not reached this operation: [";
     const char* sep = "";
+    std::vector<int> silent;
     for (int p = 0; p < c_.n_; ++p) {
-      if (!reached(c_.ctl(p)->started.value.load(), seq_)) {
+      if (!c_.heard(p)) {
+        silent.push_back(p);
+      } else if (!reached(c_.ctl(p)->started.value.load(), seq_)) {
         os << sep << p;
         sep = ", ";
       }
     }
     os << "]";
+    if (!silent.empty()) {
+      os << "; ranks whose hosts did not answer: [";
+      for (size_t i = 0; i < silent.size(); ++i) os << (i ? ", " : "") << silent[i];
+      os << "]";
+    }
   }
   c_.set_abort(AbortKind::kTimeout, os.str());
   throw TimeoutError(os.str());
 }
 
 void OpMonitor::check_mismatch() {
+  // This host's ranks (another host's mismatch shows in the tags of its data).
   const SlotTag mine{seq_, sig_.word0(), sig_.word1()};
-  for (int p = 0; p < c_.n_; ++p) {
+  for (int p : c_.locals_) {
     if (p == c_.rank_) continue;
     SigEntry& e = c_.ctl(p)->sig[seq_ % kSigHistory];
     if (e.seq.load(std::memory_order_acquire) != seq_) continue;
@@ -209,7 +225,12 @@ void OpMonitor::check_closing(Clock::time_point now) {
   if (now - closing_since_ < kGrace) return;
   int absent = -1;
   if (collective_) {
+    if (c_.multi_host() && now >= next_refresh_) {  // where the other hosts' ranks are
+      c_.refresh_remote(std::chrono::milliseconds(200));
+      next_refresh_ = Clock::now() + std::chrono::milliseconds(500);
+    }
     for (int p = 0; p < c_.n_ && absent < 0; ++p) {
+      if (!c_.heard(p)) continue;
       const RankCtl* rc = c_.ctl(p);
       const uint32_t started = rc->started.value.load(std::memory_order_acquire);
       if (!reached(started, seq_) && rc->done.load(std::memory_order_acquire) == started)
@@ -239,22 +260,27 @@ void Communicator::set_abort(AbortKind kind, const std::string& msg) {
   // that blocks every later abort. The record is written only while no abort
   // is set, and only by this process (the lock: its threads), so nobody reads
   // it while it changes.
-  std::lock_guard<std::mutex> lk(abort_mu_);
-  if (aborted()) return;  // the first error wins
-  RankCtl* me = ctl(rank_);
-  me->abort_kind = static_cast<int32_t>(kind);
-  std::strncpy(me->abort_msg, msg.c_str(), sizeof(me->abort_msg) - 1);
-  me->abort_msg[sizeof(me->abort_msg) - 1] = '\0';
-  uint32_t expect = 0;
-  // seq_cst: an aborting rank then reads its peers' cma_busy (wait_peers_copied).
-  hdr_->abort_rank.compare_exchange_strong(expect, static_cast<uint32_t>(rank_) + 1);
+  {
+    std::lock_guard<std::mutex> lk(abort_mu_);
+    if (aborted()) return;  // the first error wins
+    RankCtl* me = ctl(rank_);
+    me->abort_kind = static_cast<int32_t>(kind);
+    me->abort_from = rank_;
+    std::strncpy(me->abort_msg, msg.c_str(), sizeof(me->abort_msg) - 1);
+    me->abort_msg[sizeof(me->abort_msg) - 1] = '\0';
+    uint32_t expect = 0;
+    // seq_cst: an aborting rank then reads its peers' cma_busy (wait_peers_copied).
+    if (!hdr_->abort_rank.compare_exchange_strong(expect, static_cast<uint32_t>(rank_) + 1)) return;
+  }
+  // The other hosts raise it too (each passes it on to the ranks of its host).
+  if (net_) net_->send_abort(static_cast<int>(kind), rank_, msg);
 }
 
 void Communicator::throw_abort() const {
   const uint32_t word = hdr_->abort_rank.load(std::memory_order_acquire);
   PYC_ASSERT(word != 0 && word <= static_cast<uint32_t>(n_));
-  const int from = static_cast<int>(word) - 1;
-  const RankCtl* rec = ctl(from);
+  const RankCtl* rec = ctl(static_cast<int>(word) - 1);  // a rank of this host
+  const int from = rec->abort_from;                      // the rank that reported it
   std::string msg(rec->abort_msg, strnlen(rec->abort_msg, sizeof(rec->abort_msg)));
   if (from != rank_)
     msg += " [reported by rank " + std::to_string(from) + "; raised on rank " +
@@ -272,6 +298,7 @@ void Communicator::throw_abort() const {
 }
 
 std::string Communicator::peer_gone(int p) {
+  if (!topo_.same_host(p)) return net_ ? net_->peer_gone(p) : "";
   RankCtl* c = ctl(p);
   const int rc = pthread_mutex_trylock(&c->alive);
   if (rc == EBUSY) return "";

@@ -46,6 +46,7 @@ class OpMonitor final : public WaitMonitor {
   const char* doing_ = "waiting for";  // what this rank did with `peer`, for the messages
   std::chrono::steady_clock::time_point start_, deadline_, next_liveness_;
   std::chrono::steady_clock::time_point closing_since_{};  // check_closing's first look
+  std::chrono::steady_clock::time_point next_refresh_{};   // check_closing's next question
 };
 
 }  // namespace pyc

@@ -65,6 +65,18 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, double tim
   std::vector<int64_t> ids = {color < 0 ? -1 : color, key, rank_}, all_ids(3 * n);
   gather(all_ids.data(), ids.data(), 3, DataType::kInt64);
 
+  // Across hosts, a new communicator must lie within one host (its segment is
+  // one host's): every rank checks every color alike, so all raise or none.
+  if (multi_host())
+    for (int r = 0; r < n; ++r)
+      for (int q = 0; q < r; ++q)
+        if (all_ids[3 * r] >= 0 && all_ids[3 * q] == all_ids[3 * r] &&
+            topo_.host(q) != topo_.host(r))
+          PYC_THROW(InvalidArgument, "pycollectives: rank "
+                                         << rank_ << ": split: color " << all_ids[3 * r]
+                                         << " joins rank " << q << " and rank " << r
+                                         << ", which are on different hosts: split across hosts "
+                                            "is not supported (each color within one host)");
   std::vector<std::tuple<int64_t, int64_t>> members;  // (key, old rank) of my color
   for (int r = 0; r < n; ++r)
     if (color >= 0 && all_ids[3 * r] == color)

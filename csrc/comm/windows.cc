@@ -18,7 +18,10 @@ namespace pyc {
 
 std::shared_ptr<ShmWindow> Communicator::find_window(const void* p, size_t n, uint64_t* where) {
   *where = 0;
-  if (n == 0 || algo_ == Algo::kRing || !any_window_.load(std::memory_order_acquire))
+  // Across hosts a window is mapped by its host's ranks only: its buffers
+  // are plain ones to the collectives.
+  if (n == 0 || algo_ == Algo::kRing || multi_host() ||
+      !any_window_.load(std::memory_order_acquire))
     return nullptr;
   std::lock_guard<std::mutex> lk(windows_mu_);
   for (const auto& w : windows_) {
@@ -76,16 +79,18 @@ std::shared_ptr<ShmWindow> Communicator::alloc_window(size_t bytes, double timeo
   // rank's too, and so does every name once every rank has mapped every
   // buffer. Only between one rank's create and the last rank's mapping can
   // a crash of every rank leave one behind.
-  auto unlink_all = [&names] {
-    for (const std::string& nm : names) (void)shm_unlink(nm.c_str());
+  auto unlink_all = [&names, this] {  // this host's (another host's ranks remove theirs)
+    for (int p = 0; p < n_; ++p)
+      if (topo_.same_host(p)) (void)shm_unlink(names[p].c_str());
   };
   std::vector<ShmSegment> segs(n_);
   try {
     segs[rank_] = ShmSegment::create(names[rank_], size);
     fault_point("window.created");
-    sync(sig, timeout_s);  // every rank created its buffer
-    for (int p = 0; p < n_; ++p)
-      if (p != rank_) segs[p] = ShmSegment::open(names[p], size, timeout_s, kNoCheck, size);
+    sync(sig, timeout_s);         // every rank created its buffer
+    for (int p = 0; p < n_; ++p)  // this host's (another host's cannot be mapped)
+      if (p != rank_ && topo_.same_host(p))
+        segs[p] = ShmSegment::open(names[p], size, timeout_s, kNoCheck, size);
     fault_point("window.mapped");
     sync(sig, timeout_s);  // every rank mapped every buffer: no name is needed any more
   } catch (const std::exception& e) {
@@ -95,7 +100,8 @@ std::shared_ptr<ShmWindow> Communicator::alloc_window(size_t bytes, double timeo
   }
   segs[rank_].unlink();
   for (int p = 0; p < n_; ++p)
-    if (p != rank_) ShmSegment::unlink_name(names[p]);  // ENOENT: its rank was first
+    if (p != rank_ && topo_.same_host(p))
+      ShmSegment::unlink_name(names[p]);  // ENOENT: its rank was first
   auto win = std::make_shared<ShmWindow>(id, rank_, bytes, std::move(segs));
   std::lock_guard<std::mutex> lk(windows_mu_);
   windows_.erase(std::remove_if(windows_.begin(), windows_.end(),

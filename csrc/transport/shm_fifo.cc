@@ -3,13 +3,13 @@
 
 namespace pyc {
 
-ShmSendConn::ShmSendConn(const ShmLayout& l, void* base, int src, int dst)
+ShmSendConn::ShmSendConn(const ShmLayout& l, void* base, int src, int dst, int peer)
     : ctl_(l.fifo_ctl(base, src, dst)),
       slots_(l.fifo_slots(base, src, dst)),
       stride_(l.slot_stride()),
       slot_bytes_(l.slot_bytes),
       nslots_(l.nslots),
-      peer_(dst) {}
+      peer_(peer) {}
 
 void* ShmSendConn::acquire(WaitMonitor& mon) {
   if (tail_ - head_cached_ >= nslots_) {
@@ -34,13 +34,13 @@ void ShmSendConn::post(const SlotTag& tag, size_t bytes) {
   publish(ctl_->tail, ++tail_);
 }
 
-ShmRecvConn::ShmRecvConn(const ShmLayout& l, void* base, int src, int dst)
+ShmRecvConn::ShmRecvConn(const ShmLayout& l, void* base, int src, int dst, int peer)
     : ctl_(l.fifo_ctl(base, src, dst)),
       slots_(l.fifo_slots(base, src, dst)),
       stride_(l.slot_stride()),
       slot_bytes_(l.slot_bytes),
       nslots_(l.nslots),
-      peer_(src) {}
+      peer_(peer) {}
 
 RecvSlot ShmRecvConn::wait(WaitMonitor& mon) {
   if (!reached(tail_cached_, head_ + 1)) {

@@ -10,7 +10,9 @@ namespace pyc {
 
 class ShmSendConn final : public SendConn {
  public:
-  ShmSendConn(const ShmLayout& layout, void* base, int src, int dst);
+  // src, dst: indices in the segment (local ranks); peer: dst's rank in the
+  // communicator (named by the monitor).
+  ShmSendConn(const ShmLayout& layout, void* base, int src, int dst, int peer);
   size_t slot_bytes() const override { return slot_bytes_; }
   void* acquire(WaitMonitor& mon) override;
   bool ready() override;
@@ -28,7 +30,7 @@ class ShmSendConn final : public SendConn {
 
 class ShmRecvConn final : public RecvConn {
  public:
-  ShmRecvConn(const ShmLayout& layout, void* base, int src, int dst);
+  ShmRecvConn(const ShmLayout& layout, void* base, int src, int dst, int peer);
   size_t slot_bytes() const override { return slot_bytes_; }
   RecvSlot wait(WaitMonitor& mon) override;
   bool ready() override;

@@ -82,6 +82,7 @@ struct alignas(64) RankCtl {
   std::atomic<uint64_t> cma_busy;
   // This rank's error, written before it claims SegmentHeader::abort_rank.
   int32_t abort_kind;  // an AbortKind
+  int32_t abort_from;  // the rank that reported it: this one, or another host's (tcp_net.h)
   char abort_msg[1024];
   alignas(64) SigEntry sig[kSigHistory];
 };

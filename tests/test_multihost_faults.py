@@ -1,0 +1,214 @@
+"""Failures across hosts (network namespaces, netns.py): a cable cut in the
+middle of a large all-reduce and a host whose processes are killed in the
+middle of one raise on every surviving rank within NET_TIMEOUT + SLACK
+seconds, naming the ranks; garbage and another communicator's handshake sent
+to a listening port are refused (counted, logged) and the job goes on; split
+within a host works and across hosts raises on every rank; a mismatch across
+hosts raises CollectiveMismatch on every rank; a slow peer on another host is
+named by the CollectiveTimeout of every rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+
+import netns
+import pytest
+import torch
+from multihost_jobs import run_on_hosts
+
+import pycollectives as pc
+
+pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+
+NET_TIMEOUT = 2  # PYCOLL_NET_TIMEOUT: keepalive / TCP_USER_TIMEOUT
+SLACK = 3.0  # the monitor's checks, the abort's way to every rank, a loaded 2-core machine
+BIG = 8 << 20  # floats: 32 MiB, several hundred ms per all-reduce over veth
+
+
+@pytest.fixture(scope="module")
+def fabric():
+    with netns.Fabric(2) as f:
+        yield f
+
+
+def _loop_until_error(comm: pc.Communicator, marker: str) -> tuple[float, str, str]:
+    """All-reduces until one raises; returns (when, the error's type, its message)."""
+    x = torch.ones(BIG)
+    comm.all_reduce(x, pc.ReduceOp.MAX)
+    open(f"{marker}.{comm.rank}", "w").close()
+    try:
+        for _ in range(10_000):
+            comm.all_reduce(x, pc.ReduceOp.MAX)
+    except pc.PyCollectivesError as e:
+        return time.time(), type(e).__name__, str(e)
+    return time.time(), "none", "no error in 10000 all-reduces"
+
+
+def _run_while(target, markers: list[str], action) -> list:
+    """Runs target() in a thread; once every marker file exists, action()."""
+    out: list = []
+    th = threading.Thread(target=lambda: out.append(target()))
+    th.start()
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(m) for m in markers) and time.monotonic() < deadline:
+        if not th.is_alive():
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)  # in the middle of the next all-reduce
+    action()
+    th.join(120)
+    assert out, "the ranks did not finish"
+    return out[0]
+
+
+def test_link_down_mid_all_reduce(fabric, tmp_path):
+    marker = str(tmp_path / "started")
+    cut: list[float] = []
+
+    def cut_link():
+        cut.append(time.time())
+        fabric.link(1, False)
+
+    env = {"PYCOLL_NET_TIMEOUT": str(NET_TIMEOUT)}
+    try:
+        results = _run_while(
+            lambda: run_on_hosts(fabric, [0, 1], _loop_until_error, marker, env=env, timeout=90),
+            [f"{marker}.{r}" for r in range(2)],
+            cut_link,
+        )
+    finally:
+        fabric.link(1, True)
+    for r, (when, kind, msg) in enumerate(results):
+        print(f"link cut: rank {r} raised {kind} after {when - cut[0]:.2f} s: {msg}")
+        assert kind in ("PeerFailure", "CollectiveTimeout"), (r, kind, msg)
+        assert f"rank {1 - r}" in msg, msg
+        assert when - cut[0] < NET_TIMEOUT + SLACK, (r, when - cut[0], msg)
+
+
+def _killed_host(comm: pc.Communicator, marker: str) -> tuple[float, str, str]:
+    if comm.hosts[comm.rank] == 1:
+        x = torch.ones(BIG)
+        comm.all_reduce(x, pc.ReduceOp.MAX)
+        comm.all_reduce(x, pc.ReduceOp.MAX, async_op=True)  # in flight when it dies
+        with open(f"{marker}.kill{comm.rank}", "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _loop_until_error(comm, marker)
+
+
+def test_host_killed_mid_all_reduce(fabric, tmp_path):
+    marker = str(tmp_path / "m")
+    env = {"PYCOLL_NET_TIMEOUT": str(NET_TIMEOUT)}
+    results = run_on_hosts(
+        fabric,
+        [0, 0, 1, 1],
+        _killed_host,
+        marker,
+        env=env,
+        timeout=90,
+        expect_exit={2: -signal.SIGKILL, 3: -signal.SIGKILL},
+    )
+    killed = min(float((tmp_path / f"m.kill{r}").read_text()) for r in (2, 3))
+    for r in (0, 1):
+        when, kind, msg = results[r]
+        print(f"host killed: rank {r} raised {kind} after {when - killed:.2f} s: {msg}")
+        assert kind == "PeerFailure", (r, kind, msg)
+        assert "rank 2" in msg or "rank 3" in msg, msg
+        assert when - killed < NET_TIMEOUT + SLACK, (r, when - killed, msg)
+
+
+def _hello(comm_id: bytes, frm: int, to: int) -> bytes:
+    # tcp_socket.h's Hello: magic, version, kind (2: data), comm id, from, to, stripe, world size
+    return struct.pack("=QII16siiii", 0x3170636F6C6C7970, 1, 2, comm_id, frm, to, 0, 2)
+
+
+def _address(comm: pc.Communicator, peer: int) -> tuple[str, int]:
+    """Rank peer's listening address (gathered through the communicator)."""
+    mine = torch.zeros(64, dtype=torch.uint8)
+    raw = comm.net_info()["address"].encode()
+    mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    every = torch.empty(64 * comm.world_size, dtype=torch.uint8)
+    comm.all_gather(every, mine)
+    text = bytes(every[64 * peer : 64 * (peer + 1)].tolist()).rstrip(b"\0").decode()
+    host, port = text.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def _intruders_then_mismatch(comm: pc.Communicator) -> dict:
+    r = comm.rank
+    peer_addr = _address(comm, 1)
+    if r == 0:  # from another host: garbage, a wrong communicator id, a silent connection
+        for payload in (b"GET / HTTP/1.0\r\n\r\n" * 4, _hello(os.urandom(16), 0, 1)):
+            with socket.create_connection(peer_addr, timeout=5) as s:
+                s.sendall(payload)
+                s.settimeout(5)
+                try:
+                    while s.recv(4096):
+                        pass  # read until the listener closes it
+                except OSError:
+                    pass
+    comm.barrier()
+    rejected = comm.net_info()["rejected"]
+    x = torch.full((100_003,), float(r))
+    comm.all_reduce(x)  # the job goes on
+    ok = bool((x == sum(range(comm.world_size))).all())
+    # split: a color within one host makes that host's communicator; a color
+    # across hosts raises on every rank, and the parent goes on.
+    host = comm.hosts[r]
+    sub = comm.split(host)
+    y = torch.ones(5)
+    sub.all_reduce(y)
+    ok = ok and sub.world_size == comm.hosts.count(host) and bool((y == sub.world_size).all())
+    sub.close()
+    try:
+        comm.split(0)
+        across = "none"
+    except ValueError as e:
+        across = str(e)
+    comm.all_reduce(x)
+    # A mismatch across hosts: rank 2 (host 1) sends 7 elements, the others 9.
+    t = torch.ones(7 if r == 2 else 9)
+    try:
+        comm.all_reduce(t)
+        mismatch = "none"
+    except pc.PyCollectivesError as e:
+        mismatch = f"{type(e).__name__}: {e}"
+    return {"rejected": rejected, "ok": ok, "split": across, "mismatch": mismatch}
+
+
+def test_intruders_rejected_and_mismatch_named(fabric):
+    out = run_on_hosts(fabric, [0, 1, 1], _intruders_then_mismatch, timeout=90)
+    print(out)
+    assert out[1]["rejected"] >= 2, out
+    assert all(o["ok"] for o in out), out
+    assert all("split across hosts is not supported" in o["split"] for o in out), out
+    for o in out:
+        assert o["mismatch"].startswith("CollectiveMismatch"), o
+        assert "count=7" in o["mismatch"] and "count=9" in o["mismatch"], o
+
+
+def _slow_peer(comm: pc.Communicator) -> str:
+    x = torch.ones(1000)
+    comm.all_reduce(x)
+    if comm.rank == 2:
+        time.sleep(3.0)  # late by more than the others' timeout
+    try:
+        comm.all_reduce(x, timeout=1.0)
+    except pc.PyCollectivesError as e:
+        return f"{type(e).__name__}: {e}"
+    return "none"
+
+
+def test_slow_peer_on_another_host_is_named(fabric):
+    """Rank 2 (host 1) comes 3 s late to an all-reduce with a 1 s timeout:
+    rank 0 (host 0) learns from host 1 where its ranks are and names rank 2;
+    every rank raises."""
+    out = run_on_hosts(fabric, [0, 1, 1], _slow_peer, timeout=60)
+    print(out)
+    assert out[0].startswith("CollectiveTimeout") and "rank 2" in out[0], out
+    assert all(o != "none" for o in out), out
