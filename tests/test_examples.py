@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -61,3 +63,20 @@ def test_cuda_example():
     assert "all_reduce 3.0" in p.stdout, p.stdout
     assert "all_gather [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]" in p.stdout, p.stdout
     assert "'direct': 1" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("flags", [["--stage", "2"], ["--fsdp", "--bf16"]], ids=["zero2", "fsdp"])
+def test_zero_example_spawns_its_ranks(flags):
+    """Run as the README says (no torchrun: the example spawns 2 ranks); the
+    loss falls and every rank ends with the same full parameters."""
+    cmd = [sys.executable, str(ROOT / "examples" / "zero_train.py"), *flags, "--steps", "21"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("parameters identical on all ranks: True") == 2, p.stdout
+    for rank in (0, 1):
+        losses = [
+            float(line.rsplit(" ", 1)[1])
+            for line in p.stdout.splitlines()
+            if line.startswith(f"rank {rank} ") and ": loss " in line
+        ]
+        assert len(losses) == 3 and losses[-1] < losses[0] - 0.5, p.stdout
