@@ -28,30 +28,30 @@ from typing import Any
 import torch
 
 Step = Callable[[], None]
+Cell = tuple[Step, Step, Any, list]  # backward (with zero_grad, forward), update, setup, keep
 
 
-def _ours(mode: str, cfg: Any, comm: Any, batch: tuple, prefetch: int) -> tuple[Step, Any, list]:
+def _ours(mode: str, cfg: Any, comm: Any, batch: tuple, prefetch: int) -> Cell:
     from _zero_setups import build
 
     setup = build(mode, cfg, comm, prefetch=prefetch)
-    return (lambda: setup.step(*batch)), setup, [setup]
+    return (lambda: setup.backward(*batch)), setup.update, setup, [setup]
 
 
-def _compute(cfg: Any, batch: tuple) -> tuple[Step, Any, list]:
+def _compute(cfg: Any, batch: tuple) -> Cell:
     from _zero_setups import fresh_gpt
 
     model = fresh_gpt(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def step() -> None:
+    def backward() -> None:
         opt.zero_grad()
         model(*batch).backward()
-        opt.step()
 
-    return step, None, [model, opt]
+    return backward, opt.step, None, [model, opt]
 
 
-def _fsdp2(cfg: Any, pg: Any, batch: tuple) -> tuple[Step, Any, list]:
+def _fsdp2(cfg: Any, pg: Any, batch: tuple) -> Cell:
     from _zero_setups import fresh_gpt
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
@@ -63,15 +63,14 @@ def _fsdp2(cfg: Any, pg: Any, batch: tuple) -> tuple[Step, Any, list]:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def step() -> None:
+    def backward() -> None:
         opt.zero_grad()
         model(*batch).backward()
-        opt.step()
 
-    return step, None, [model, opt]
+    return backward, opt.step, None, [model, opt]
 
 
-def _deepspeed(stage: int, cfg: Any, batch: tuple) -> tuple[Step, Any, list]:
+def _deepspeed(stage: int, cfg: Any, batch: tuple) -> Cell:
     import deepspeed
     from _zero_setups import fresh_gpt
 
@@ -88,12 +87,10 @@ def _deepspeed(stage: int, cfg: Any, batch: tuple) -> tuple[Step, Any, list]:
         model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
     )
 
-    def step() -> None:
-        loss = engine(*batch)
-        engine.backward(loss)
-        engine.step()
+    def backward() -> None:
+        engine.backward(engine(*batch))
 
-    return step, None, [engine]
+    return backward, engine.step, None, [engine]
 
 
 def deepspeed_status() -> str:
@@ -117,7 +114,7 @@ def rank_main(
     """Builds the groups, then for each round builds every cell in turn (the
     order reversed every other round), runs `args.warmup` untimed and
     `args.steps` timed steps, and drops it. Returns per cell the list of
-    per-step records: seconds, and for pycollectives cells the engine meter
+    per-step records: seconds (in all, forward + backward, update), and for pycollectives cells the engine meter
     and the communicator's collective seconds and bytes in that step."""
     import torch.distributed as dist
 
@@ -136,15 +133,15 @@ def rank_main(
     for rnd in range(args.rounds):
         for cell in cells if rnd % 2 == 0 else list(reversed(cells)):
             if cell == "compute":
-                step, setup, keep = _compute(cfg, batch)
+                backward, update, setup, keep = _compute(cfg, batch)
             elif cell.startswith("fsdp2-"):
                 pg = pycoll_pg if cell.endswith("pycoll") else dist.group.WORLD
-                step, setup, keep = _fsdp2(cfg, pg, batch)
+                backward, update, setup, keep = _fsdp2(cfg, pg, batch)
             elif cell.startswith("ds"):
-                step, setup, keep = _deepspeed(int(cell[2]), cfg, batch)
+                backward, update, setup, keep = _deepspeed(int(cell[2]), cfg, batch)
             else:
                 mode, _, pf = cell.partition("-p")
-                step, setup, keep = _ours(mode, cfg, comm, batch, int(pf or 2))
+                backward, update, setup, keep = _ours(mode, cfg, comm, batch, int(pf or 2))
             for i in range(args.warmup + args.steps):
                 comm.barrier()
                 dist.barrier()
@@ -152,16 +149,19 @@ def rank_main(
                 if setup is not None and setup.meter is not None:
                     setup.meter.reset()
                 t0 = time.perf_counter()
-                step()
-                dt = time.perf_counter() - t0
+                backward()
+                t1 = time.perf_counter()
+                update()
+                t2 = time.perf_counter()
                 s1 = _stats_total(comm)
                 if i < args.warmup:
                     continue
-                rec: dict[str, Any] = {"s": dt, "comm_s": s1[0] - s0[0], "bytes": s1[1] - s0[1]}
+                rec: dict[str, Any] = {"s": t2 - t0, "fb": t1 - t0, "opt": t2 - t1}
+                rec.update(comm_s=s1[0] - s0[0], bytes=s1[1] - s0[1])
                 if setup is not None and setup.meter is not None:
                     rec["meter"] = setup.meter.as_dict()
                 records[cell].append(rec)
-            del step, setup, keep
+            del backward, update, setup, keep
             gc.collect()
     dist.destroy_process_group()
     comm.close()
@@ -170,7 +170,8 @@ def rank_main(
 
 def medians(per_rank: list[dict[str, list[dict]]]) -> dict[str, dict[str, float]]:
     """Per cell: the median over steps of the slowest rank's step time, and
-    the medians (over steps, rank 0) of the meter's and the stats' figures."""
+    the medians (over steps, rank 0) of its forward + backward and optimizer
+    update times, the meter's and the stats' figures."""
     out: dict[str, dict[str, float]] = {}
     for cell, recs in per_rank[0].items():
         if not recs:
@@ -178,6 +179,8 @@ def medians(per_rank: list[dict[str, list[dict]]]) -> dict[str, dict[str, float]
         slow = [max(r[cell][i]["s"] for r in per_rank) for i in range(len(recs))]
         row = {
             "step": statistics.median(slow),
+            "fb": statistics.median(r["fb"] for r in recs),
+            "opt": statistics.median(r["opt"] for r in recs),
             "comm_s": statistics.median(r["comm_s"] for r in recs),
             "bytes": statistics.median(r["bytes"] for r in recs),
             "n": len(slow),

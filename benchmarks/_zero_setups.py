@@ -29,13 +29,23 @@ OPT: dict[str, Any] = {"lr": 1e-4}
 
 @dataclass
 class Setup:
-    """One strategy, built: `step(x, y)` trains one step and returns the loss."""
+    """One strategy, built: `backward(x, y)` zeroes the gradients, runs forward
+    and backward (with their communication) and returns the loss; `update()`
+    steps the optimizer (with what follows it: ZeRO-1/2's all-gather, the DP
+    master copies); `step(x, y)` does both."""
 
     mode: str
-    step: Callable[[torch.Tensor, torch.Tensor], float]
+    backward: Callable[[torch.Tensor, torch.Tensor], float]
+    update: Callable[[], None]
     storage: Callable[[], dict[str, int]]
     meter: EngineMeter | None = None
     keep: list[Any] = field(default_factory=list)  # what must live as long as the setup
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One training step; the loss."""
+        loss = self.backward(x, y)
+        self.update()
+        return loss
 
 
 _INITIAL: dict[GPTConfig, dict[str, torch.Tensor]] = {}
@@ -94,11 +104,14 @@ def _dp(model: GPT, comm: pc.Communicator, mixed: bool) -> Setup:
             m.requires_grad_(True)
     opt = torch.optim.AdamW(master or params, **OPT)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+    def backward(x: torch.Tensor, y: torch.Tensor) -> float:
         opt.zero_grad()
         ddp.zero_grad(set_to_none=False)
         loss = ddp(x, y)
         loss.backward()
+        return loss.item()
+
+    def update() -> None:
         if mixed:
             for m, p in zip(master, params, strict=True):
                 m.grad = p.grad.float()  # for the step only, as ZeroOptimizer does
@@ -108,7 +121,6 @@ def _dp(model: GPT, comm: pc.Communicator, mixed: bool) -> Setup:
                 for m, p in zip(master, params, strict=True):
                     p.copy_(m)
                     m.grad = None
-        return loss.item()
 
     def storage() -> dict[str, int]:
         return count_storage(
@@ -121,7 +133,7 @@ def _dp(model: GPT, comm: pc.Communicator, mixed: bool) -> Setup:
             }
         )
 
-    return Setup("dp", step, storage, keep=[ddp])
+    return Setup("dp", backward, update, storage, keep=[ddp])
 
 
 def build(
@@ -150,31 +162,31 @@ def build(
             **OPT,
         )
 
-        def zstep(x: torch.Tensor, y: torch.Tensor) -> float:
+        def zbackward(x: torch.Tensor, y: torch.Tensor) -> float:
             zero.zero_grad()
             loss = model(x, y)
             loss.backward()
-            zero.step()
             return loss.item()
 
-        return Setup(mode, zstep, zero.storage, zero.engine.meter, keep=[model, zero])
+        return Setup(
+            mode, zbackward, zero.step, zero.storage, zero.engine.meter, keep=[model, zero]
+        )
     if mode == "fsdp":
         mp = MixedPrecisionPolicy(param_dtype=bf16)
         for block in model.blocks:
             fully_shard(block, comm, mp_policy=mp)
         fully_shard(model, comm, mp_policy=mp, prefetch=prefetch)
         opt = torch.optim.AdamW(model.parameters(), **OPT)
-        setup = Setup(mode, lambda x, y: 0.0, lambda: {}, keep=[model, opt])
+        setup = Setup(mode, lambda x, y: 0.0, opt.step, lambda: {}, keep=[model, opt])
 
-        def fstep(x: torch.Tensor, y: torch.Tensor) -> float:
+        def fbackward(x: torch.Tensor, y: torch.Tensor) -> float:
             opt.zero_grad()
             loss = model(x, y)
             loss.backward()
-            opt.step()
-            setup.meter = model.sharding_unit.engine.meter
+            setup.meter = model.sharding_unit.engine.meter  # the engine exists now
             return loss.item()
 
-        setup.step = fstep
+        setup.backward = fbackward
         setup.storage = lambda: model.sharding_unit.engine.storage(opt)
         return setup
     raise ValueError(f"build: mode={mode!r} is not one of {MODES}")

@@ -102,39 +102,37 @@ def measure(args: argparse.Namespace, cells: list[str]) -> tuple[dict, list[str]
 
 def render(m: dict, ds_error: str) -> list[str]:
     """The table and the verdicts."""
-    comp = m["compute"]["step"]
+    comp = m["compute"]
     dp = m["dp"]["step"] if "dp" in m else None
     rows = [
-        "| setup | step ms | step / DDP | step - compute ms | exposed all-gather ms "
-        "| exposed reduce-scatter ms | all-gather after step ms | gradient copy-in ms "
-        "| rest ms | collectives' own time ms | MB sent per step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| setup | step ms | step / DDP | forward + backward ms | update ms "
+        "| exposed all-gather ms | exposed reduce-scatter ms | gradient copy-in ms "
+        "| all-gather after step ms | other, forward + backward ms | other, update ms "
+        "| collectives' own time ms | MB sent per step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for cell, label in LABELS.items():
         if cell not in m:
             if cell.startswith("ds") and ds_error:
-                rows.append(f"| {label} | not run: {ds_error} | | | | | | | | | |")
+                rows.append(f"| {label} | not run: {ds_error} |" + " |" * 11)
             continue
         r = m[cell]
         ratio = f"{r['step'] / dp:.2f}" if dp else "-"
-        over = r["step"] - comp
-        if "gather_wait_s" in r:
-            ag, rs, st, cp = (
-                r[k] * 1e3
-                for k in ("gather_wait_s", "reduce_wait_s", "step_gather_s", "grad_copy_s")
-            )
-            parts = (
-                f"{ag:.0f} | {rs:.0f} | {st:.0f} | {cp:.0f} | {over * 1e3 - ag - rs - st - cp:.0f}"
-            )
-        else:
-            parts = "- | - | - | - | -"
-        own = f"{r['comm_s'] * 1e3:.0f} | {r['bytes'] / 1e6:.0f}" if r["bytes"] else "- | -"
+        head = f"| {label} | {r['step'] * 1e3:.0f} | {ratio} | {r['fb'] * 1e3:.0f} | {r['opt'] * 1e3:.0f}"
         if cell == "compute":
-            rows.append(f"| {label} | {r['step'] * 1e3:.0f} | {ratio} | | | | | | | | |")
-        else:
-            rows.append(
-                f"| {label} | {r['step'] * 1e3:.0f} | {ratio} | {over * 1e3:.0f} | {parts} | {own} |"
+            rows.append(head + " |" + " |" * 8)
+            continue
+        fb, opt = (r[k] - comp[k] for k in ("fb", "opt"))
+        if "gather_wait_s" in r:
+            ag, rs, cp, st = (
+                r[k] for k in ("gather_wait_s", "reduce_wait_s", "grad_copy_s", "step_gather_s")
             )
+            parts = [ag, rs, cp, st, fb - ag - rs - cp, opt - st]
+            cells = " | ".join(f"{x * 1e3:.0f}" for x in parts)
+        else:
+            cells = f"- | - | - | - | {fb * 1e3:.0f} | {opt * 1e3:.0f}"
+        own = f"{r['comm_s'] * 1e3:.0f} | {r['bytes'] / 1e6:.0f}" if r["bytes"] else "- | -"
+        rows.append(f"{head} | {cells} | {own} |")
     verdicts = []
     if dp:
         for z in ("zero1", "zero2"):
@@ -154,10 +152,16 @@ def render(m: dict, ds_error: str) -> list[str]:
     return [
         *rows,
         "",
-        "rest = step - compute - the measured columns (hooks, flattening, the optimizer over "
-        "flat shards instead of per-parameter tensors, waiting for the slower rank). torch "
-        "FSDP2 and DeepSpeed have no such meter: their step - compute is communication, "
-        "copies and framework together.",
+        "Step: median of the slowest rank; the other columns: medians of rank 0 (so they need "
+        "not add up to the step). forward + backward includes zero_grad and the communication "
+        "that backward waits for; update is the optimizer step and what follows it (ZeRO-1/2: "
+        "the all-gather of the updated parameters). other = that phase's time above the "
+        "one-process phase, less the measured columns: hooks, flattening, waiting for the "
+        "slower rank, and in update the optimizer's own work (ZeroOptimizer and fully_shard "
+        "step 1/N of the state, over one flat shard per unit: less than the one process's "
+        "per-parameter AdamW, hence negative). torch FSDP2 and DeepSpeed have no meter: their "
+        "other columns are communication, copies and framework together. collectives' own "
+        "time: comm.stats() time_s of the pycollectives communicator (overlapped or not).",
         "",
         "Targets (ZeRO-1/2 within 10% of strategies.DDP; ZeRO-3 and FSDP faster than torch "
         f"FSDP2 on either backend and than DeepSpeed ZeRO-3): {'; '.join(verdicts)}.",
