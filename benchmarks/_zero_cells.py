@@ -109,10 +109,13 @@ def _stats_total(comm: Any) -> tuple[float, int]:
 
 
 def rank_main(
-    rank: int, world: int, port: int, cells: list[str], cfg: Any, args: Any
+    rank: int, world: int, port: int, cells: list[str], cfg: Any, args: Any, rnd: int, init: str
 ) -> dict[str, Any]:
-    """Builds the groups, then for each round builds every cell in turn (the
-    order reversed every other round), runs `args.warmup` untimed and
+    """Round `rnd` on this rank (fresh processes per round: torch FSDP2 and
+    DeepSpeed do not give all their memory back, nor do the windows before the
+    communicator closes): builds the groups, then builds every cell in turn
+    (the order reversed in odd rounds; GPT's initial values loaded from the
+    file `init`), runs `args.warmup` untimed and
     `args.steps` timed steps, and drops it. Returns per cell the list of
     per-step records: seconds (in all, forward + backward, update), and for pycollectives cells the engine meter
     and the communicator's collective seconds and bytes in that step."""
@@ -130,7 +133,10 @@ def rank_main(
     x = torch.randint(cfg.vocab_size, (args.batch, cfg.seq_len), generator=g)
     batch = (x, torch.roll(x, -1, 1))
     records: dict[str, list[dict]] = {c: [] for c in cells}
-    for rnd in range(args.rounds):
+    from _zero_setups import preload_initial
+
+    preload_initial(cfg, init)
+    for _ in (rnd,):
         for cell in cells if rnd % 2 == 0 else list(reversed(cells)):
             if cell == "compute":
                 backward, update, setup, keep = _compute(cfg, batch)
@@ -168,15 +174,17 @@ def rank_main(
     return records
 
 
-def medians(per_rank: list[dict[str, list[dict]]]) -> dict[str, dict[str, float]]:
-    """Per cell: the median over steps of the slowest rank's step time, and
-    the medians (over steps, rank 0) of its forward + backward and optimizer
-    update times, the meter's and the stats' figures."""
-    out: dict[str, dict[str, float]] = {}
+def medians(per_rank: list[dict[str, list[dict]]], rounds: int) -> dict[str, dict[str, Any]]:
+    """Per cell: the median over steps of the slowest rank's step time, the
+    same per round ("rounds": a list), and the medians (over steps, rank 0)
+    of its forward + backward and optimizer update times, the meter's and the
+    stats' figures."""
+    out: dict[str, dict[str, Any]] = {}
     for cell, recs in per_rank[0].items():
         if not recs:
             continue
         slow = [max(r[cell][i]["s"] for r in per_rank) for i in range(len(recs))]
+        per = len(slow) // rounds  # the records are in round order
         row = {
             "step": statistics.median(slow),
             "fb": statistics.median(r["fb"] for r in recs),
@@ -184,6 +192,7 @@ def medians(per_rank: list[dict[str, list[dict]]]) -> dict[str, dict[str, float]
             "comm_s": statistics.median(r["comm_s"] for r in recs),
             "bytes": statistics.median(r["bytes"] for r in recs),
             "n": len(slow),
+            "rounds": [statistics.median(slow[k * per : (k + 1) * per]) for k in range(rounds)],
         }
         if "meter" in recs[0]:
             for k in recs[0]["meter"]:

@@ -20,7 +20,16 @@ from strategies.models.gpt import GPT, GPTConfig
 from strategies.sharding import EngineMeter
 from strategies.zero import ZeroOptimizer
 
-__all__ = ["MODES", "ROLES", "Setup", "build", "count_storage", "fresh_gpt"]
+__all__ = [
+    "MODES",
+    "ROLES",
+    "Setup",
+    "build",
+    "count_storage",
+    "fresh_gpt",
+    "preload_initial",
+    "save_initial",
+]
 
 MODES = ("dp", "zero1", "zero2", "zero3", "fsdp")
 ROLES = ("params", "param_shards", "grads", "optimizer", "reduce_buffers")
@@ -64,6 +73,16 @@ class _CachedGPT(GPT):
             return
         for name, p in self.named_parameters():
             p.copy_(cached[name])
+
+
+def save_initial(config: GPTConfig, path: str) -> None:
+    """Computes GPT(config)'s initial values once and saves them to `path`."""
+    torch.save({n: p.detach() for n, p in GPT(config).named_parameters()}, path)
+
+
+def preload_initial(config: GPTConfig, path: str) -> None:
+    """Loads the initial values save_initial wrote: fresh_gpt(config) copies them."""
+    _INITIAL[config] = torch.load(path)
 
 
 def fresh_gpt(config: GPTConfig) -> GPT:

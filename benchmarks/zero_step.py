@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _ranks  # noqa: E402
 from _doc import emit_section  # noqa: E402
 from _zero_cells import deepspeed_status, medians, rank_main  # noqa: E402
+from _zero_setups import save_initial  # noqa: E402
 
 BEGIN, END = "<!-- zero_step:begin -->", "<!-- zero_step:end -->"
 LABELS = {
@@ -84,20 +87,35 @@ def measure(args: argparse.Namespace, cells: list[str]) -> tuple[dict, list[str]
     cfg = gpt_config(args)
     params = sum(p.numel() for p in GPT(cfg, device="meta").parameters())
     load0, t0 = os.getloadavg(), time.perf_counter()
-    per_rank = _ranks.run(rank_main, args.ranks, cells, cfg, args, timeout=3600)
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "initial.pt")
+        save_initial(cfg, init)
+        per_rank = [{c: [] for c in cells} for _ in range(args.ranks)]
+        for rnd in range(args.rounds):  # fresh ranks per round
+            got = _ranks.run(rank_main, args.ranks, cells, cfg, args, rnd, init, timeout=1800)
+            for mine, theirs in zip(per_rank, got, strict=True):
+                for c in cells:
+                    mine[c] += theirs[c]
     load1 = os.getloadavg()
     notes = [
         f"Model: GPT vocab {args.vocab}, seq {args.seq}, {args.layers} blocks, d_model "
         f"{args.d_model}, {args.heads} heads, tied head: {params / 1e6:.1f}M fp32 parameters; "
         f"{args.ranks} ranks with one torch thread each, batch {args.batch} x {args.seq} tokens "
-        f"per rank, AdamW (torch's, every setup). {args.rounds} rounds of (each setup built, "
-        f"{args.warmup} warm-up and {args.steps} timed steps, dropped), the order reversed "
-        "every other round; step = median over the timed steps of the slowest rank.",
+        f"per rank, AdamW (torch's, every setup). {args.rounds} rounds, each on fresh ranks, "
+        f"of (each setup built, {args.warmup} warm-up and {args.steps} timed steps, dropped), "
+        "the order reversed every other round; step = median over the timed steps of the "
+        "slowest rank.",
         f"Load average at start {', '.join(f'{x:.2f}' for x in load0)}, at end "
         f"{', '.join(f'{x:.2f}' for x in load1)} (a shared 2-core machine); "
         f"{time.perf_counter() - t0:.0f} s in all.",
     ]
-    return medians(per_rank), notes
+    return medians(per_rank, args.rounds), notes
+
+
+def paired(m: dict, a: str, b: str) -> float:
+    """Median over rounds of (a's step / b's step in the same round): the two
+    ran minutes apart at most, so the machine's drift between rounds cancels."""
+    return statistics.median(x / y for x, y in zip(m[a]["rounds"], m[b]["rounds"], strict=True))
 
 
 def render(m: dict, ds_error: str) -> list[str]:
@@ -117,7 +135,7 @@ def render(m: dict, ds_error: str) -> list[str]:
                 rows.append(f"| {label} | not run: {ds_error} |" + " |" * 11)
             continue
         r = m[cell]
-        ratio = f"{r['step'] / dp:.2f}" if dp else "-"
+        ratio = f"{paired(m, cell, 'dp'):.2f}" if dp else "-"
         head = f"| {label} | {r['step'] * 1e3:.0f} | {ratio} | {r['fb'] * 1e3:.0f} | {r['opt'] * 1e3:.0f}"
         if cell == "compute":
             rows.append(head + " |" + " |" * 8)
@@ -137,14 +155,14 @@ def render(m: dict, ds_error: str) -> list[str]:
     if dp:
         for z in ("zero1", "zero2"):
             if z in m:
-                q = m[z]["step"] / dp
+                q = paired(m, z, "dp")
                 verdicts.append(
                     f"{LABELS[z].split(' (')[0]} / DDP = {q:.2f}: {'met' if q <= 1.10 else 'missed'}"
                 )
     for ours in ("zero3", "fsdp"):
         for other in ("fsdp2-gloo", "fsdp2-pycoll", "ds3"):
             if ours in m and other in m:
-                q = m[ours]["step"] / m[other]["step"]
+                q = paired(m, ours, other)
                 verdicts.append(
                     f"{LABELS[ours].split(' (')[0]} / {LABELS[other]} = {q:.2f}: "
                     f"{'met' if q < 1 else 'missed'}"
@@ -152,7 +170,8 @@ def render(m: dict, ds_error: str) -> list[str]:
     return [
         *rows,
         "",
-        "Step: median of the slowest rank; the other columns: medians of rank 0 (so they need "
+        "Step: median of the slowest rank; step / DDP and the ratios below: the median over "
+        "rounds of the ratio of the two setups' medians in the same round. The other columns: medians of rank 0 (so they need "
         "not add up to the step). forward + backward includes zero_grad and the communication "
         "that backward waits for; update is the optimizer step and what follows it (ZeRO-1/2: "
         "the all-gather of the updated parameters). other = that phase's time above the "
