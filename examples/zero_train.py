@@ -14,6 +14,7 @@ with the same full parameters.
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.multiprocessing as mp
@@ -23,6 +24,12 @@ from strategies.data import SyntheticSequences
 from strategies.fsdp import MixedPrecisionPolicy, fully_shard
 from strategies.models.gpt import GPT, GPTConfig
 from strategies.zero import ZeroOptimizer
+
+
+def say(line: str) -> None:
+    """Prints one whole line at once (the ranks share the terminal)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def train(args: argparse.Namespace) -> None:
@@ -50,14 +57,14 @@ def train(args: argparse.Namespace) -> None:
         loss.backward()  # stage 2/3 and FSDP: gradients reduce-scattered during backward
         opt.step()
         if step % 10 == 0 or step == args.steps - 1:
-            print(f"rank {comm.rank} {what} step {step}: loss {loss.item():.3f}", flush=True)
+            say(f"rank {comm.rank} {what} step {step}: loss {loss.item():.3f}")
     full = opt.full_parameters() if not args.fsdp else model.full_parameters()
     flat = torch.cat([t.reshape(-1).float() for t in full.values()])
     every = torch.empty(comm.world_size * flat.numel())
     comm.all_gather(every, flat)
     same = all(torch.equal(c, flat) for c in every.view(comm.world_size, -1))
     held = model.sharding_unit.engine.storage(opt) if args.fsdp else opt.storage()
-    print(f"rank {comm.rank}: bytes held {held}; parameters identical on all ranks: {same}")
+    say(f"rank {comm.rank}: bytes held {held}; parameters identical on all ranks: {same}")
     assert same
     comm.close()
 
