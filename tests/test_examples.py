@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,3 +76,18 @@ def test_checkpoint_example_under_torchrun(tmp_path):
     assert (tmp_path / "step-4" / "index.json").exists() and (
         tmp_path / "model.safetensors"
     ).exists()
+
+
+@pytest.mark.parametrize("flags", [["--stage", "2"], ["--fsdp", "--bf16"]], ids=["zero2", "fsdp"])
+def test_zero_example_spawns_its_ranks(flags):
+    """Run as the README says (no torchrun: the example spawns 2 ranks); the
+    loss falls and every rank ends with the same full parameters."""
+    cmd = [sys.executable, str(ROOT / "examples" / "zero_train.py"), *flags, "--steps", "21"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("parameters identical on all ranks: True") == 2, p.stdout
+    for rank in (0, 1):
+        losses = [
+            float(x) for x in re.findall(rf"rank {rank} \S+ step \d+: loss ([\d.]+)", p.stdout)
+        ]
+        assert len(losses) == 3 and losses[-1] < losses[0] - 0.5, p.stdout

@@ -31,6 +31,7 @@ from pycollectives import _C
 from strategies.ddp import DistributedDataParallel
 from strategies.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from strategies.models.gpt import GPT, GPTConfig
+from strategies.sharding import EngineMeter
 
 VARIANTS = {  # label: (reshard_after_forward, prefetch)
     "reshard": (True, 2),
@@ -192,10 +193,25 @@ def job_shapes_and_prefetch(comm: pc.Communicator) -> list[str]:
             bad.append(f"after backward: param {tuple(w.shape)}, grad {w.grad is not None}")
         opt.step()
         model(x, y).backward()  # the second iteration prefetches by the first's order
-        most = model.sharding_unit.engine.max_gathered
+        engine = model.sharding_unit.engine
+        most = engine.max_gathered
         want = 2 + prefetch if reshard else 1 + deep.n_layer
         if most != want:
             bad.append(f"reshard={reshard}, prefetch={prefetch}: {most} units gathered at once")
+        # the meter: all-gathers in flight at once never exceed the prefetch
+        # bound (an on-demand gather counts one), every one started was waited
+        # for, and the waits, copies and reduce-scatters took time
+        m = engine.meter
+        gathers = 2 * (1 + deep.n_layer) * (2 if reshard else 1)  # 2 iterations, every unit
+        if m.max_in_flight != max(prefetch, 1) or m.in_flight != 0:
+            bad.append(f"prefetch={prefetch}: in flight {m.in_flight}, at most {m.max_in_flight}")
+        if not (m.gather_wait_s > 0 and m.reduce_wait_s > 0 and m.grad_copy_s > 0):
+            bad.append(f"prefetch={prefetch}: meter {m.as_dict()}")
+        if m.step_gather_s != 0 or m.gathers != gathers:
+            bad.append(f"prefetch={prefetch}: {m.gathers} gathers, meter {m.as_dict()}")
+        m.reset()
+        if m.as_dict() != EngineMeter().as_dict():
+            bad.append(f"reset left {m.as_dict()}")
     return bad
 
 

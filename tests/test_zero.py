@@ -359,6 +359,7 @@ def job_storage(comm: pc.Communicator, param_dtype: torch.dtype | None) -> dict:
         model(*local_batch(comm, 0)).backward()
         zero.step()
         out[stage] = zero.storage()
+        out[f"meter{stage}"] = zero.engine.meter.as_dict()
         units = zero.engine.units
         out["P"] = sum(p.numel() * 4 for p in GPT(model.config).parameters())
         out["padded"] = sum(f.layout.padded_numel * 4 for u in units for f in u.flats)
@@ -387,6 +388,10 @@ def test_storage_per_rank_matches_zero_formulas(pool, world_size, mixed):
     n = world_size
     res = pool(n).run(job_storage, torch.bfloat16 if mixed else None)
     for s in res:
+        # the meter: stages 1/2 all-gather after the step, stage 3 per unit in forward/backward
+        assert [s[f"meter{k}"]["step_gather_s"] > 0 for k in (1, 2, 3)] == [True, True, False], s
+        assert [s[f"meter{k}"]["gathers"] for k in (1, 2)] == [0, 0], s
+        assert s["meter3"]["gathers"] > 0 and s["meter3"]["in_flight"] == 0, s
         p = s["padded"] // 4  # parameters, padded
         steps = 4 * s["flats"]
         total = {

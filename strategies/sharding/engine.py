@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +32,7 @@ from pycollectives import Communicator
 
 from .communications import BACKWARD, FORWARD, STEP, OrderGuard, all_gather_flat
 from .gradients import GradReducer
+from .meter import EngineMeter
 from .unit import FREE, ShardedUnit
 
 __all__ = ["ShardingEngine", "cast_floats"]
@@ -81,6 +83,7 @@ class ShardingEngine:
         self.step = 0  # synchronized backwards completed
         self.micro = 0  # backwards without synchronization since
         self.max_gathered = 0  # the most sharded units gathered at once (a measurement)
+        self.meter = EngineMeter()  # exposed communication, copies, gathers in flight
         self._depth = 0
         self._in_backward = False
         self._task = -1  # the autograd graph task of the backward in progress
@@ -104,6 +107,7 @@ class ShardingEngine:
         if unit.state != FREE:
             return
         unit.start_gather(self.announce(unit, phase) if unit.flats else None)
+        self.meter.gather_started()
         live = sum(u.state != FREE for u in self.units if u.shard_params and u.flats)
         self.max_gathered = max(self.max_gathered, live)
 
@@ -265,6 +269,7 @@ class ShardingEngine:
     # -- between steps ------------------------------------------------------------------
     def gather_after_step(self) -> None:
         """ZeRO-1/2: every rank's updated shard into every rank's full parameters (in place)."""
+        t0 = time.perf_counter()
         self._positions.pop(STEP, None)
         pending = []
         for u in self.grads.order:
@@ -274,6 +279,7 @@ class ShardingEngine:
             self.guard.settle(check)
             if work is not None:
                 work.wait()
+        self.meter.step_gather_s += time.perf_counter() - t0
 
     def shards_written(self) -> None:
         """Collective: call after writing new values into the master shards (a

@@ -23,6 +23,7 @@ sequence of collectives.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -156,6 +157,7 @@ class GradReducer:
     def unit_complete(self, unit: ShardedUnit) -> None:
         """Deposits a unit's gradients (all arrived, or the backward ended) and
         starts whatever reduce-scatters the fixed order allows."""
+        t0, waited = time.perf_counter(), self.engine.meter.reduce_wait_s
         for f in unit.trainable:
             if f in self.persistent:
                 self._deposit_persistent(f)
@@ -172,6 +174,8 @@ class GradReducer:
                 buf, owner = self._take(unit, f)
                 write_grads(f, buf, self.accum.pop(f, None))
                 self.staged[f] = (buf, owner)
+        waited = self.engine.meter.reduce_wait_s - waited  # _take may wait for a buffer
+        self.engine.meter.grad_copy_s += time.perf_counter() - t0 - waited
         if self.sync and self.overlap:
             self.launch_ready()
 
@@ -220,9 +224,11 @@ class GradReducer:
 
     def finish(self, r: _Reduce) -> None:
         """Waits for one reduce-scatter and folds its result into the flat's grad_shard."""
+        t0 = time.perf_counter()
         self.engine.guard.settle(r.check)
         if r.work is not None:
             r.work.wait()
+        self.engine.meter.reduce_wait_s += time.perf_counter() - t0
         f, res = r.flat, r.out
         if f in self.persistent:
             carry = self.carry.pop(f, None)

@@ -12,6 +12,7 @@ per trainable parameter (every unit). What to do when is the engine's business.
 from __future__ import annotations
 
 import functools
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -156,10 +157,13 @@ class ShardedUnit:
         one) and points the parameters at the full buffers."""
         if self.state != GATHERING:
             return
+        t0 = time.perf_counter()
         guard.settle(self._check)
         for w in self._works:
             if w is not None:
                 w.wait()
+        if self.engine is not None:
+            self.engine.meter.gather_finished(time.perf_counter() - t0)
         self._works, self._check = [], None
         for f in self.flats:
             f.use_full()

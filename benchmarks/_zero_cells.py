@@ -1,0 +1,202 @@
+"""The rank side of the ZeRO step-time benchmarks (zero_step.py,
+zero_prefetch.py): every training setup as a "cell" that one rank can build,
+step and drop, and the loop that times them in interleaved rounds.
+
+Each rank holds three communication stacks side by side: a pycollectives
+communicator (strategies.DDP, ZeroOptimizer, fully_shard), the default
+torch.distributed group over gloo (torch FSDP2, DeepSpeed) and a second group
+over the "pycoll" torch.distributed backend (torch FSDP2). Cells:
+
+    compute        one process's step on the same per-rank batch, no communication
+    dp             strategies.DDP (defaults) + torch AdamW
+    zero1..zero3   ZeroOptimizer(AdamW, stage), prefetch 2
+    fsdp           fully_shard per block and root (reshard_after_forward) + AdamW
+    zero3-pK, fsdp-pK   the same with prefetch K
+    fsdp2-gloo, fsdp2-pycoll   torch.distributed.fsdp.fully_shard per block and root
+    ds2, ds3       DeepSpeed ZeRO-2 / ZeRO-3 on the gloo group (where it imports)
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Step = Callable[[], None]
+Cell = tuple[Step, Step, Any, list]  # backward (with zero_grad, forward), update, setup, keep
+
+
+def _ours(mode: str, cfg: Any, comm: Any, batch: tuple, prefetch: int) -> Cell:
+    from _zero_setups import build
+
+    setup = build(mode, cfg, comm, prefetch=prefetch)
+    return (lambda: setup.backward(*batch)), setup.update, setup, [setup]
+
+
+def _compute(cfg: Any, batch: tuple) -> Cell:
+    from _zero_setups import fresh_gpt
+
+    model = fresh_gpt(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def backward() -> None:
+        opt.zero_grad()
+        model(*batch).backward()
+
+    return backward, opt.step, None, [model, opt]
+
+
+def _fsdp2(cfg: Any, pg: Any, batch: tuple) -> Cell:
+    from _zero_setups import fresh_gpt
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(pg, "cpu")
+    model = fresh_gpt(cfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def backward() -> None:
+        opt.zero_grad()
+        model(*batch).backward()
+
+    return backward, opt.step, None, [model, opt]
+
+
+def _deepspeed(stage: int, cfg: Any, batch: tuple) -> Cell:
+    import deepspeed
+    from _zero_setups import fresh_gpt
+
+    model = fresh_gpt(cfg)
+    config = {
+        "train_micro_batch_size_per_gpu": batch[0].shape[0],
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
+    )
+
+    def backward() -> None:
+        engine.backward(engine(*batch))
+
+    return backward, engine.step, None, [engine]
+
+
+def deepspeed_status() -> str:
+    """'' when DeepSpeed imports, else why not (the exception's text)."""
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _stats_total(comm: Any) -> tuple[float, int]:
+    """Seconds and bytes (sent) of every collective so far on `comm`."""
+    st = comm.stats()
+    return sum(v["time_s"] for v in st.values()), sum(v["bytes_sent"] for v in st.values())
+
+
+def rank_main(
+    rank: int, world: int, port: int, cells: list[str], cfg: Any, args: Any, rnd: int, init: str
+) -> dict[str, Any]:
+    """Round `rnd` on this rank (fresh processes per round: torch FSDP2 and
+    DeepSpeed do not give all their memory back, nor do the windows before the
+    communicator closes): builds the groups, then builds every cell in turn
+    (the order reversed in odd rounds; GPT's initial values loaded from the
+    file `init`), runs `args.warmup` untimed and
+    `args.steps` timed steps, and drops it. Returns per cell the list of
+    per-step records: seconds (in all, forward + backward, update), and for pycollectives cells the engine meter
+    and the communicator's collective seconds and bytes in that step."""
+    import torch.distributed as dist
+
+    import pycollectives as pc
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(300))
+    comm = pc.init(rank=rank, world_size=world, store=dist.PrefixStore("ours", store))
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world
+    )
+    pycoll_pg = dist.new_group(backend="pycoll")
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(cfg.vocab_size, (args.batch, cfg.seq_len), generator=g)
+    batch = (x, torch.roll(x, -1, 1))
+    records: dict[str, list[dict]] = {c: [] for c in cells}
+    from _zero_setups import preload_initial
+
+    preload_initial(cfg, init)
+    for _ in (rnd,):
+        for cell in cells if rnd % 2 == 0 else list(reversed(cells)):
+            if cell == "compute":
+                backward, update, setup, keep = _compute(cfg, batch)
+            elif cell.startswith("fsdp2-"):
+                pg = pycoll_pg if cell.endswith("pycoll") else dist.group.WORLD
+                backward, update, setup, keep = _fsdp2(cfg, pg, batch)
+            elif cell.startswith("ds"):
+                backward, update, setup, keep = _deepspeed(int(cell[2]), cfg, batch)
+            else:
+                mode, _, pf = cell.partition("-p")
+                backward, update, setup, keep = _ours(mode, cfg, comm, batch, int(pf or 2))
+            for i in range(args.warmup + args.steps):
+                comm.barrier()
+                dist.barrier()
+                s0 = _stats_total(comm)
+                if setup is not None and setup.meter is not None:
+                    setup.meter.reset()
+                t0 = time.perf_counter()
+                backward()
+                t1 = time.perf_counter()
+                update()
+                t2 = time.perf_counter()
+                s1 = _stats_total(comm)
+                if i < args.warmup:
+                    continue
+                rec: dict[str, Any] = {"s": t2 - t0, "fb": t1 - t0, "opt": t2 - t1}
+                rec.update(comm_s=s1[0] - s0[0], bytes=s1[1] - s0[1])
+                if setup is not None and setup.meter is not None:
+                    rec["meter"] = setup.meter.as_dict()
+                records[cell].append(rec)
+            del backward, update, setup, keep
+            gc.collect()
+    dist.destroy_process_group()
+    comm.close()
+    return records
+
+
+def medians(per_rank: list[dict[str, list[dict]]], rounds: int) -> dict[str, dict[str, Any]]:
+    """Per cell: the median over steps of the slowest rank's step time, the
+    same per round ("rounds": a list), and the medians (over steps, rank 0)
+    of its forward + backward and optimizer update times, the meter's and the
+    stats' figures."""
+    out: dict[str, dict[str, Any]] = {}
+    for cell, recs in per_rank[0].items():
+        if not recs:
+            continue
+        slow = [max(r[cell][i]["s"] for r in per_rank) for i in range(len(recs))]
+        per = len(slow) // rounds  # the records are in round order
+        row = {
+            "step": statistics.median(slow),
+            "fb": statistics.median(r["fb"] for r in recs),
+            "opt": statistics.median(r["opt"] for r in recs),
+            "comm_s": statistics.median(r["comm_s"] for r in recs),
+            "bytes": statistics.median(r["bytes"] for r in recs),
+            "n": len(slow),
+            "rounds": [statistics.median(slow[k * per : (k + 1) * per]) for k in range(rounds)],
+        }
+        if "meter" in recs[0]:
+            for k in recs[0]["meter"]:
+                row[k] = statistics.median(r["meter"][k] for r in recs)
+            row["max_in_flight"] = max(r["meter"]["max_in_flight"] for r in recs)
+        out[cell] = row
+    return out
