@@ -42,6 +42,8 @@ class StepGradAverager:
         overlap: False: every all-reduce waits for finish().
 
     Use: zero the .grad, run the step's backwards, then `finish()`.
+    `early` counts the buckets of the last step whose all-reduce started
+    before finish() (overlapping the step).
     """
 
     def __init__(
@@ -68,14 +70,21 @@ class StepGradAverager:
         self.names = [n for n, _ in early + last]
         self.params = [p for _, p in early + last]
         device = self.params[0].device if self.params else torch.device("cpu")
-        self.buckets = BucketSet(
-            comm,
-            self.params,
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_cap_mb=first_bucket_cap_mb,
-            device=device,
-        )
-        self._size = [len(b.members) for b in self.buckets.buckets]
+        self._views: list[torch.Tensor] = []
+        self._bucket_of: list[int] = []
+        self._buffers: list[torch.Tensor] = []
+        self._size: list[int] = []
+        for group in (early, last):  # the late ones in buckets of their own
+            if not group:
+                continue
+            bs = BucketSet(comm, [p for _, p in group], bucket_cap_mb=bucket_cap_mb,
+                           first_bucket_cap_mb=first_bucket_cap_mb, device=device)  # fmt: skip
+            base = len(self._buffers)
+            self._views += [bs.view(i) for i in range(len(group))]
+            self._bucket_of += [base + bs.bucket_of(i) for i in range(len(group))]
+            self._buffers += [b.buffer for b in bs.buckets]
+            self._size += [len(b.members) for b in bs.buckets]
+        self.early = 0
         self._reset()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._hook(i))
@@ -89,6 +98,7 @@ class StepGradAverager:
         self._pending = list(self._size)
         self._works: list[Work | None] = [None] * len(self._size)
         self._next = 0
+        self._early = 0
         self._overflow: list[str] = []
 
     def _hook(self, i: int):  # noqa: ANN202
@@ -100,21 +110,22 @@ class StepGradAverager:
                 self._deposit(i)
                 if self.overlap:
                     self._launch_ready()
+                    self._early = self._next
 
         return hook
 
     def _deposit(self, i: int) -> None:
-        g, view = self.params[i].grad, self.buckets.view(i)
+        g, view = self.params[i].grad, self._views[i]
         if g is None:
             view.zero_()
         else:
             view.copy_(g)
         self._sent[i] = True
-        self._pending[self.buckets.bucket_of(i)] -= 1
+        self._pending[self._bucket_of[i]] -= 1
 
     def _launch_ready(self) -> None:
         while self._next < len(self._pending) and self._pending[self._next] == 0:
-            buf = self.buckets.buckets[self._next].buffer
+            buf = self._buffers[self._next]
             self._works[self._next] = self.comm.all_reduce(buf, ReduceOp.AVG, async_op=True)
             self._next += 1
 
@@ -127,6 +138,7 @@ class StepGradAverager:
         when the ranks run the same model) when a parameter got more than
         `accumulations` gradients after its bucket had been sent.
         """
+        self.early = self._early
         try:
             for i in range(len(self.params)):
                 if not self._sent[i]:
@@ -136,7 +148,7 @@ class StepGradAverager:
                 if w is not None:
                     w.wait()
             for i, p in enumerate(self.params):
-                view = self.buckets.view(i)
+                view = self._views[i]
                 if p.grad is None:
                     p.grad = view.clone()
                 else:

@@ -60,8 +60,11 @@ def job_train(comm: pc.Communicator, dp: int, tp: int, pp: int, change: dict) ->
         losses = [trainer.step().loss for _ in range(STEPS)]
         end = trainer.full_parameters()
         coords = (dims.dp_rank, dims.tp_rank, dims.pp_rank)
+        early = trainer.averager.early if trainer.averager else None
     as_np = lambda d: {n: t.numpy() for n, t in d.items()}  # noqa: E731
-    return dict(coords=coords, ids=ids, losses=losses, start=as_np(start), end=as_np(end))
+    return dict(
+        coords=coords, early=early, ids=ids, losses=losses, start=as_np(start), end=as_np(end)
+    )
 
 
 LAYOUTS = [  # (dp, tp, pp, options)
@@ -90,6 +93,8 @@ def test_3d_matches_one_process(pool, dp, tp, pp, change):
             assert torch.equal(t, start[name]), (r["coords"], name)
             got_start[name] = t
         got_end.update({n: torch.from_numpy(v) for n, v in r["end"].items()})
+        if dp > 1 and not change.get("zero") and change["schedule"] != "zbh1":
+            assert r["early"] >= 1, r["early"]  # a bucket's all-reduce overlapped the step
         worst = max(abs(a - b) for a, b in zip(r["losses"], losses, strict=True))
         assert worst <= 1e-12, (r["coords"], worst)
     assert set(got_start) == set(start) == set(got_end)
