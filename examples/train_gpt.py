@@ -3,7 +3,8 @@ pycollectives (strategies/parallel3d.py).
 
     python examples/train_gpt.py --dp 2 --tp 2 --pp 2 --steps 20
     python examples/train_gpt.py --dp 2 --pp 2 --schedule zbh1 --microbatches 4
-    python examples/train_gpt.py --dp 4 --zero 1
+    python examples/train_gpt.py --dp 2 --pp 2 --zero 1
+    python examples/train_gpt.py --dp 2 --tp 2 --fsdp
     torchrun --nproc-per-node 8 examples/train_gpt.py --dp 2 --tp 2 --pp 2
 
 Under torchrun each process is one rank; otherwise the script starts
@@ -42,8 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4, help="per step and dp rank")
     p.add_argument("--batch", type=int, default=16, help="global batch (samples per step)")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--zero", type=int, default=0, help="ZeRO stage on the dp axis (1)")
-    p.add_argument("--fsdp", action="store_true", help="FSDP on the dp axis (refused with pp)")
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage on dp (2, 3: --pp 1)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP on the dp axis (--pp 1)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp, --pp 1 only")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=32)

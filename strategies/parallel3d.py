@@ -20,8 +20,12 @@ For the rank at (dp_rank, tp_rank, pp_rank), `Trainer3D`:
   steps its shard of the optimizer state, all-gather);
 - steps AdamW.
 
+With pp = 1, `zero` 2/3 and `fsdp` shard over the dp axis instead: no
+pipeline runtime, the one stage accumulates the micro-batches itself
+(no_sync but for the last backward), its blocks the ZeRO/FSDP units.
+
 What does not compose, refused on every rank with the flags named
-(docs/parallel3d.md): ZeRO-2/3 and FSDP on the dp axis (their reduce-scatter
+(docs/parallel3d.md): ZeRO-2/3 and FSDP with pp > 1 (their reduce-scatter
 in backward, or their per-unit gathers around each forward, assume one
 forward and one backward per step; a pipeline step runs m interleaved
 forwards and backwards per stage, sums the tied weight's gradient after the
@@ -31,6 +35,7 @@ parallelism with pp > 1 (the stages would exchange sequence shards).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -39,6 +44,7 @@ from torch import nn
 
 from pycollectives import ReduceOp
 from strategies.data import GlobalBatches, SyntheticSequences
+from strategies.fsdp import fully_shard
 from strategies.grad_average import StepGradAverager
 from strategies.mesh import ParallelDims
 from strategies.models.gpt import Block, Embedding, GPTConfig, LMHead
@@ -57,8 +63,8 @@ SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zb
 @dataclass(frozen=True)
 class TrainOptions:
     """How to train: the schedule and its micro-batches, the dp-axis
-    optimizer (zero: 0 = all-reduce, 1 = ZeRO-1; fsdp and zero 2/3 are
-    refused with pp, see the module docstring), the data and AdamW."""
+    optimizer (zero: 0 = all-reduce, 1-3 = ZeRO stage; fsdp; zero 2/3 and
+    fsdp need pp = 1, see the module docstring), the data and AdamW."""
 
     schedule: str = "1f1b"  # a key of SCHEDULES
     microbatches: int = 4  # per step and data-parallel rank
@@ -96,19 +102,21 @@ def problems(dims: ParallelDims, config: GPTConfig, opts: TrainOptions) -> list[
         out.append(f"--schedule {opts.schedule!r} is not one of {', '.join(SCHEDULES)}")
     if opts.zero not in (0, 1, 2, 3):
         out.append(f"--zero {opts.zero} must be 0, 1, 2 or 3")
-    elif opts.zero in (2, 3):
+    elif opts.zero in (2, 3) and dims.pp > 1:
         out.append(
-            f"--zero {opts.zero} does not compose with the pipeline runtime (its reduce-scatter "
-            "during backward assumes one backward per step; a pipeline step runs one per "
-            "micro-batch, sums the tied embedding/head gradient after the last, and ZB-H1 "
-            "computes weight gradients outside autograd): use --zero 1"
+            f"--zero {opts.zero} with --pp {dims.pp} does not compose with the pipeline runtime "
+            "(its reduce-scatter during backward assumes one backward per step; a pipeline step "
+            "runs one per micro-batch, sums the tied embedding/head gradient after the last, and "
+            "ZB-H1 computes weight gradients outside autograd): use --zero 1, or --pp 1"
         )
-    if opts.fsdp:
+    if opts.fsdp and dims.pp > 1:
         out.append(
-            "--fsdp does not compose with the pipeline runtime (its per-block gathers around "
-            "each forward and backward assume one forward then one backward per step): use "
-            "--zero 1" + (" (and not --fsdp with --zero)" if opts.zero else "")
+            f"--fsdp with --pp {dims.pp} does not compose with the pipeline runtime (its "
+            "per-block gathers around each forward and backward assume one forward then one "
+            "backward per step): use --zero 1, or --pp 1"
         )
+    if opts.fsdp and opts.zero:
+        out.append(f"--fsdp and --zero {opts.zero}: choose one")
     if opts.sequence_parallel and dims.pp > 1:
         out.append(f"--sequence-parallel with --pp {dims.pp} > 1 is not supported")
     if opts.microbatches < 1 or opts.global_batch < 1:
@@ -151,6 +159,8 @@ class Trainer3D:
         agree(dims.world, "Trainer3D", error, digest(f"{config}/{opts}/{dims.sizes}"),
               "train another model or with other options", opts.timeout)  # fmt: skip
         m = opts.microbatches
+        # --zero 2/3 and --fsdp (pp = 1): plain accumulation, no pipeline runtime
+        self.sharded = opts.zero in (2, 3) or opts.fsdp
         v = opts.virtual_stages if opts.schedule == "interleaved" else 1
         self.schedule = build(SCHEDULES[opts.schedule], dims.pp, m, v)
         held = self.schedule.stages_of(dims.pp_rank)
@@ -159,7 +169,11 @@ class Trainer3D:
             sp = opts.sequence_parallel
             stages = [parallelize_gpt(st, dims, sequence_parallel=sp) for st in stages]
         self.stages = stages
-        self.runtime = PipelineRuntime(self.schedule, stages, dims.pp_comm, timeout=opts.timeout)
+        self.runtime = None
+        if not self.sharded:
+            self.runtime = PipelineRuntime(
+                self.schedule, stages, dims.pp_comm, timeout=opts.timeout
+            )
         named, seen = [], set()
         for st in stages:
             for n, p in st.named_parameters():
@@ -169,12 +183,19 @@ class Trainer3D:
         self.named_params = named
         tied = [p for st in stages for p in st.tied_parameters().values()]
         adamw = dict(lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay)
+        blocks = [b for st in stages for b in st.blocks if isinstance(b, Block)]
         self.averager: StepGradAverager | None = None
         self.zero: ZeroOptimizer | None = None
-        if opts.zero == 1:
-            blocks = [b for st in stages for b in st.blocks if isinstance(b, Block)]
-            self.zero = ZeroOptimizer(nn.ModuleList(stages), torch.optim.AdamW, dims.dp_comm,
-                                      stage=1, units=blocks, external_gradients=True, **adamw)  # fmt: skip
+        if opts.fsdp:
+            for b in blocks:
+                fully_shard(b, dims.dp_comm)
+            root = fully_shard(stages[0], dims.dp_comm)
+            root.sharding_unit.lazy_engine(root.sharding_unit)  # the engine now, not at forward
+            self.optimizer = torch.optim.AdamW(root.parameters(), **adamw)
+        elif opts.zero:
+            model = stages[0] if self.sharded else nn.ModuleList(stages)
+            self.zero = ZeroOptimizer(model, torch.optim.AdamW, dims.dp_comm, stage=opts.zero,
+                                      units=blocks, external_gradients=opts.zero == 1, **adamw)  # fmt: skip
             self.optimizer = self.zero.optimizer
         else:
             if dims.dp > 1:
@@ -200,35 +221,64 @@ class Trainer3D:
         """Collective: one training step (step `step_index`, then incremented)."""
         start = time.perf_counter()
         k = self.step_index
-        for _, p in self.named_params:
-            p.grad = None
         if self.zero is not None:
             self.zero.zero_grad()
-        result = self.runtime.step(self.microbatches(k))
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        for _, p in self.named_params:
+            p.grad = None
+        if self.runtime is not None:
+            losses = self.runtime.step(self.microbatches(k)).losses
+        else:
+            losses = self._accumulate(self.microbatches(k))
         if self.zero is not None:
-            self.zero.reduce_gradients()
+            if self.zero.stage == 1:
+                self.zero.reduce_gradients()
             self.zero.step()
         else:
             if self.averager is not None:
                 self.averager.finish()
             self.optimizer.step()
         mine = 0.0
-        if result.losses is not None and self.dims.tp_rank == 0:
-            mine = sum(result.losses) / len(result.losses) / self.dims.dp
+        if losses is not None and self.dims.tp_rank == 0:
+            mine = sum(losses) / len(losses) / self.dims.dp
         loss = torch.tensor([mine], dtype=torch.float64)
         self.dims.world.all_reduce(loss, ReduceOp.SUM)
         self.step_index += 1
         tokens = self.opts.global_batch * self.config.seq_len
         return StepStats(k, float(loss[0]), tokens, time.perf_counter() - start)
 
+    def _accumulate(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+        """--zero 2/3, --fsdp (one stage): forward and backward of each
+        micro-batch (loss / m), communicating in the last backward only."""
+        model, m, losses = self.stages[0], len(microbatches), []
+        for j, (x, y) in enumerate(microbatches):
+            quiet = contextlib.nullcontext()
+            if j < m - 1:
+                quiet = self.zero.no_sync() if self.zero is not None else model.no_sync()
+            with quiet:
+                loss = model(x, y)
+                (loss / m).backward()
+            losses.append(float(loss.detach()))
+        return losses
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Collective over dims.tp_comm: the parameters of this rank's stages
-        as full tensors (tensor-parallel shards all-gathered), by their names
-        in the whole GPT (the tied head under embed.tok.weight)."""
+        """Collective over dims.tp_comm (and dims.dp_comm with --zero 2/3 or
+        --fsdp): the parameters of this rank's stages as full tensors
+        (tensor-parallel and data-parallel shards gathered), by their names in
+        the whole GPT (the tied head under embed.tok.weight)."""
+        if self.opts.fsdp:
+            local = self.stages[0].full_parameters()
+        elif self.sharded:
+            local = self.zero.full_parameters()
+        else:
+            local = {n: p.detach() for n, p in self.named_params}
         shapes, out = full_shapes(self.config), {}
         tp = self.dims.tp_comm
-        for name, p in self.named_params:
-            full, t = shapes[name], p.detach().contiguous()
+        for name, value in local.items():
+            if name == "head.weight" and self.config.tie_embeddings:
+                name = TIED
+            full, t = shapes[name], value.detach().contiguous()
             split = [d for d in range(t.dim()) if t.shape[d] != full[d]]
             if split:
                 every = t.new_empty((tp.world_size, *t.shape))

@@ -2,7 +2,8 @@
 training of a tiny GPT matches one process training the same global batches
 for 20 steps; the start is layout-invariant (the full initial weights and the
 global order of samples, gathered from the ranks, are those of one process);
-bad input raises on every rank.
+bad input raises on every rank. With pp = 1, ZeRO-2/3 and FSDP on the dp
+axis (plain gradient accumulation, tensor-parallel blocks inside).
 
 Tolerance: float64 on the CPU. The layouts sum the same numbers in other
 orders (tensor-parallel partial sums, micro-batch accumulation, the data-
@@ -72,13 +73,19 @@ LAYOUTS = [  # (dp, tp, pp, options)
     (2, 1, 2, {"schedule": "gpipe"}),
     (1, 2, 2, {"schedule": "zbh1"}),
     (2, 1, 2, {"schedule": "interleaved", "zero": 1}),
+    # pp = 1: ZeRO-2/3 and FSDP on the dp axis, tensor-parallel blocks inside
+    (2, 2, 1, {"zero": 2}),
+    (2, 2, 1, {"zero": 3}),
+    (2, 2, 1, {"fsdp": True}),
 ]
 
 
 @pytest.mark.parametrize(
     "dp,tp,pp,change",
     LAYOUTS,
-    ids=[f"dp{d}-tp{t}-pp{p}-" + "-".join(map(str, c.values())) for d, t, p, c in LAYOUTS],
+    ids=[
+        f"dp{d}-tp{t}-pp{p}-" + "-".join(f"{k}={v}" for k, v in c.items()) for d, t, p, c in LAYOUTS
+    ],
 )
 def test_3d_matches_one_process(pool, dp, tp, pp, change):
     start, losses, end = reference()
@@ -93,7 +100,8 @@ def test_3d_matches_one_process(pool, dp, tp, pp, change):
             assert torch.equal(t, start[name]), (r["coords"], name)
             got_start[name] = t
         got_end.update({n: torch.from_numpy(v) for n, v in r["end"].items()})
-        if dp > 1 and not change.get("zero") and change["schedule"] != "zbh1":
+        plain = not (change.get("zero") or change.get("fsdp"))
+        if dp > 1 and plain and change["schedule"] != "zbh1":
             assert r["early"] >= 1, r["early"]  # a bucket's all-reduce overlapped the step
         worst = max(abs(a - b) for a, b in zip(r["losses"], losses, strict=True))
         assert worst <= 1e-12, (r["coords"], worst)
@@ -131,7 +139,8 @@ def job_bad_input(comm: pc.Communicator) -> dict[str, str]:
     try_("layers", (1, 1, 4), dataclasses.replace(CONFIG, n_layer=3))
     try_("interleaved", (2, 1, 2), schedule="interleaved", virtual_stages=3)
     try_("zero2", (2, 1, 2), zero=2)
-    try_("fsdp", (4, 1, 1), fsdp=True)
+    try_("fsdp", (2, 1, 2), fsdp=True)
+    try_("both", (4, 1, 1), fsdp=True, zero=1)
     try_("batch", (2, 1, 2), global_batch=6)
     try_("schedule", (1, 1, 4), schedule="zbh2")
     # ranks that disagree: rank 1 asks for other micro-batches
@@ -147,8 +156,9 @@ def test_bad_input_raises_on_every_rank(pool):
         assert "vocab_size=33 is not divisible by --tp 2" in out["vocab"], out["vocab"]
         assert "fewer layers than stages: n_layer=3" in out["layers"], out["layers"]
         assert "--pp 2 x 3 stages per rank = 6 stages" in out["interleaved"], out["interleaved"]
-        assert "--zero 2 does not compose with the pipeline" in out["zero2"], out["zero2"]
-        assert "--fsdp does not compose with the pipeline" in out["fsdp"], out["fsdp"]
+        assert "--zero 2 with --pp 2 does not compose with the pipeline" in out["zero2"]
+        assert "--fsdp with --pp 2 does not compose with the pipeline" in out["fsdp"]
+        assert "--fsdp and --zero 1: choose one" in out["both"], out["both"]
         assert "--batch 6 is not divisible by --dp 2 x --microbatches 2" in out["batch"]
         assert "--schedule 'zbh2' is not one of" in out["schedule"], out["schedule"]
         assert "ranks [1] train another model or with other options" in out["differ"]
