@@ -11,8 +11,8 @@ tensor-parallel layers' time against the plain nn.Linear at tp = 2.
    median step time (rank 0's wall clock; the step is collective).
 2. TP layers at tp = 2: ColumnParallelLinear (d -> 4d) and RowParallelLinear
    (4d -> d), forward + backward on [batch, seq, features] activations,
-   against nn.Linear of the full size in one process (the other rank idle):
-   medians over --reps repetitions after two warm-ups.
+   against nn.Linear of the full size on rank 0 alone (rank 1 waiting),
+   alternating: medians over --reps rounds after two warm-up rounds.
 
 On a 2-core machine, 4 and 8 ranks share the 2 cores: the figures compare
 the layouts' overheads (messages, bubbles, duplicated work), not a
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import sys
 import time
@@ -85,35 +86,31 @@ def job_tp_layers(rank: int, world: int, reps: int, d: int, tokens: int) -> dict
     h = torch.randn(tokens // 128, 128, 4 * d, generator=g)
     col_full, row_full = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
 
-    def timed(fn, sync: bool) -> float:  # noqa: ANN001
-        for _ in range(2):
-            fn()
-        times = []
-        for _ in range(reps):
-            if sync:
-                comm.barrier()
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times) * 1e3
-
-    def fwd_bwd(layer: torch.nn.Module, inp: torch.Tensor):  # noqa: ANN202
-        def go() -> None:
-            a = inp.clone().requires_grad_()
-            layer(a).sum().backward()
-            layer.zero_grad(set_to_none=True)
-
-        return go
+    def fwd_bwd(layer: torch.nn.Module, inp: torch.Tensor) -> float:
+        comm.barrier()
+        t = time.perf_counter()
+        a = inp.clone().requires_grad_()
+        layer(a).sum().backward()
+        layer.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
 
     out = {}
-    for name, full, inp in (("column", col_full, x), ("row", row_full, h)):
-        plain = timed(fwd_bwd(full, inp), False) if rank == 0 else None
-        comm.barrier()
-        with ParallelDims(comm, tp=2) as dims:
+    with ParallelDims(comm, tp=2) as dims:
+        for name, full, inp in (("column", col_full, x), ("row", row_full, h)):
             kind = ColumnParallelLinear if name == "column" else RowParallelLinear
             tp_layer = kind.from_linear(full, dims.tp_comm)
             tp_in = inp if name == "column" else inp.chunk(2, -1)[dims.tp_rank].contiguous()
-            out[name] = (plain, timed(fwd_bwd(tp_layer, tp_in), True))
+            plain, par = [], []
+            for rep in range(reps + 2):  # alternating, the first two rounds warm-up
+                if rank == 0:
+                    t = fwd_bwd(full, inp)  # rank 1 waits in the next barrier
+                    plain += [t] if rep >= 2 else []
+                else:
+                    comm.barrier()
+                t = fwd_bwd(tp_layer, tp_in)
+                par += [t] if rep >= 2 else []
+            out[name] = (statistics.median(plain) * 1e3 if plain else None,
+                         statistics.median(par) * 1e3)  # fmt: skip
     comm.close()
     return out
 
@@ -127,12 +124,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024, help="TP layers: tokens per call")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    load = [os.getloadavg()[0]]
     rows = []
     for world in map(int, args.worlds.split(",")):
         start = time.time()
         rows += run(job_layouts, world, args.steps, timeout=900)[0]
         print(f"{world} ranks: {time.time() - start:.0f} s", flush=True)
     tp = run(job_tp_layers, 2, args.reps, args.d, args.tokens, timeout=600)[0]
+    load.append(os.getloadavg()[0])
     table = [
         "| ranks | dp | tp | pp | median step (ms) | tokens/s | loss after the steps |",
         "|---|---|---|---|---|---|---|",
@@ -160,6 +159,8 @@ def main() -> None:
         f"per dp rank, 1F1B, AdamW, fp32, one thread per rank; median of {args.steps} steps "
         "after one warm-up.",
         "4 and 8 ranks share 2 cores: the layouts differ by their overheads, not by speedup.",
+        f"Load average (1 min) at the start and the end: {load[0]:.1f}, {load[1]:.1f} (the "
+        "machine is shared: other jobs ran beside this one).",
     ]
     emit_section(BEGIN, END, "3D training: tokens/s per dp x tp x pp layout, TP layers",
                  "`python benchmarks/train_gpt_layouts.py`", notes, table + tp_table,

@@ -85,3 +85,19 @@ def test_train_gpt_example_bad_input():
     p = _train_gpt("--tp", "2", "--heads", "3", "--d-model", "30", "--steps", "1")
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.count("n_head=3 is not divisible by --tp 2") == 1, p.stderr
+
+
+def test_train_gpt_example_save_and_resume(tmp_path):
+    """--save after 3 steps with dp=2 (spawned), --resume under torchrun with
+    pp=2: the second run starts at step 3. Needs strategies.checkpoint."""
+    import pytest
+
+    pytest.importorskip("strategies.checkpoint")
+    ckpt = str(tmp_path / "ckpt")
+    p = _train_gpt("--dp", "2", "--steps", "3", "--save", ckpt)
+    assert p.returncode == 0, p.stdout + p.stderr
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           str(ROOT / "examples" / "train_gpt.py"), "--pp", "2", "--steps", "5", "--resume", ckpt]  # fmt: skip
+    q = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert q.returncode == 0, q.stdout + q.stderr
+    assert "steps 3..5" in q.stdout and "after 5 steps" in q.stdout, q.stdout
