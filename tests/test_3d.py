@@ -166,3 +166,51 @@ def test_bad_input_raises_on_every_rank(pool):
             assert text.startswith("ValueError"), (case, text)
             if case != "dims":  # ParallelDims's own message names the rank its own way
                 assert f"raised on rank {r}" in text, (case, text)
+
+
+# ---- StepGradAverager alone
+
+
+def job_averager(comm: pc.Communicator) -> dict:
+    from torch import nn
+
+    from strategies.grad_average import StepGradAverager
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)  # the same weights on every rank
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+
+    def batch(r: int, j: int) -> torch.Tensor:
+        return torch.full((3, 4), float(r + j))
+
+    model, ref, w = net(), net(), comm.world_size
+    named = list(model.named_parameters())
+    avg = StepGradAverager(named, comm, accumulations=2, late=[model[1].weight])
+    for j in range(2):  # two micro-batches: the early buckets go in the second backward
+        model(batch(comm.rank, j)).sum().backward()
+    avg.finish()
+    early = avg.early
+    for r in range(w):  # one process, every rank's micro-batches
+        for j in range(2):
+            ref(batch(r, j)).sum().backward()
+    want = dict(ref.named_parameters())
+    bad = [n for n, p in named if not torch.allclose(p.grad, want[n].grad / w, atol=1e-6)]
+    for p in model.parameters():
+        p.grad = None
+    for j in range(3):  # a third backward after the buckets were sent
+        model(batch(comm.rank, j)).sum().backward()
+    try:
+        avg.finish()
+        overflow = "no error"
+    except RuntimeError as e:
+        overflow = str(e)
+    return dict(early=early, bad=bad, overflow=overflow)
+
+
+def test_step_grad_averager(pool):
+    """Averages the step's accumulated gradients; the non-late bucket's
+    all-reduce starts during the last backward; a gradient arriving after its
+    bucket was sent raises on every rank."""
+    for r, out in enumerate(pool(2).run(job_averager, timeout=60)):
+        assert out["bad"] == [] and out["early"] == 1, out
+        assert f"rank {r}: parameters ['1.bias', '0.bias', '0.weight']" in out["overflow"], out
