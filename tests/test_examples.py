@@ -101,3 +101,15 @@ def test_train_gpt_example_save_and_resume(tmp_path):
     q = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert q.returncode == 0, q.stdout + q.stderr
     assert "steps 3..5" in q.stdout and "after 5 steps" in q.stdout, q.stdout
+
+
+def test_checkpoint_example_under_torchrun(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           str(ROOT / "examples" / "checkpoint_resume.py"), "--dir", str(tmp_path)]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("resumed under FSDP from step 4") == 2, p.stdout
+    assert "consolidated 28 tensors" in p.stdout, p.stdout
+    assert (tmp_path / "step-4" / "index.json").exists() and (
+        tmp_path / "model.safetensors"
+    ).exists()

@@ -312,9 +312,20 @@ class ShardingEngine:
     def shards_written(self) -> None:
         """Collective: call after writing new values into the master shards (a
         checkpoint load): gathered units are freed (their next use gathers the
-        new values) and unsharded units' full parameters are all-gathered."""
+        new values) and unsharded units' full parameters are all-gathered,
+        frozen ones included (sharded units have nothing to gather)."""
         self._free_all()
-        self.gather_after_step()
+        self._positions.pop(STEP, None)
+        pending = [
+            (self.announce(u, STEP), all_gather_flat(self.comm, f))
+            for u in self.units
+            if not u.shard_params
+            for f in u.flats
+        ]
+        for check, work in pending:
+            self.guard.settle(check)
+            if work is not None:
+                work.wait()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -1,0 +1,58 @@
+"""Sharded checkpoints that load into another layout (ZeRO-1/2/3, FSDP,
+tensor parallel, one process), on pycollectives.
+
+    save("ckpt/step-100", comm, model, optimizer, extra={"step": 100})
+    extra = load("ckpt/step-100", comm, model, optimizer)     # any other layout
+    python -m strategies.checkpoint consolidate ckpt/step-100 model.safetensors
+
+    format.py       the on-disk format: one safetensors file per rank + index.json (why: there)
+    pieces.py       Piece: a box of a global tensor, optionally narrowed to a flat range
+    sharded.py      save_pieces / load_pieces: the low-level, layout-free entry points
+    state.py        a model and optimizer (ZeRO, FSDP, plain) as named entries on this rank
+    saving.py       save(): a model and optimizer in any layout -> pieces
+    loading.py      load(): pieces -> a model and optimizer in any layout
+    consolidation.py  one safetensors file from a checkpoint, streaming, without torch
+    __main__.py     python -m strategies.checkpoint consolidate DIR OUT
+"""
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .consolidation import consolidate
+    from .format import read_index, read_stats
+    from .loading import load
+    from .pieces import Piece
+    from .saving import save
+    from .sharded import CheckpointError, load_pieces, save_pieces
+
+# Imported on first use (PEP 562), so that `python -m strategies.checkpoint
+# consolidate` and consolidate.py run without torch or pycollectives.
+_WHERE = {
+    "CheckpointError": "sharded",
+    "Piece": "pieces",
+    "consolidate": "consolidation",
+    "load": "loading",
+    "load_pieces": "sharded",
+    "read_index": "format",
+    "read_stats": "format",
+    "save": "saving",
+    "save_pieces": "sharded",
+}
+__all__ = [
+    "CheckpointError",
+    "Piece",
+    "consolidate",
+    "load",
+    "load_pieces",
+    "read_index",
+    "read_stats",
+    "save",
+    "save_pieces",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'strategies.checkpoint' has no attribute {name!r}")
+    return getattr(import_module(f".{_WHERE[name]}", __name__), name)
