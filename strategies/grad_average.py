@@ -8,9 +8,12 @@ communication overlaps the rest of the step.
 strategies.DDP decides at the end of each backward; here a gradient is final
 when its post-accumulate hook has fired `accumulations` times (one per
 micro-batch: the m-th backward through that parameter). Gradients that
-arrive otherwise (ZB-H1's W, the tied weight's sum, a parameter used twice)
-are listed as `late` or simply never reach the count: `finish()` sends
-whatever is left, after the step. Buckets launch in one fixed order on every
+arrive otherwise must be listed as `late` (`finish()` sends them after the
+step): the tied weight's sum, and ZB-H1's split layers, whose weight
+gradients W computes outside autograd while their hooks still fire in I
+(torch runs a parameter's post-accumulate hooks even when the autograd
+Function returned None for it). A parameter used twice per backward is
+caught (RuntimeError in finish()). Buckets launch in one fixed order on every
 rank (reverse parameter order, the late ones last), as DDP's do.
 """
 

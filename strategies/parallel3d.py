@@ -48,7 +48,7 @@ from strategies.fsdp import fully_shard
 from strategies.grad_average import StepGradAverager
 from strategies.mesh import ParallelDims
 from strategies.models.gpt import Block, Embedding, GPTConfig, LMHead
-from strategies.pipeline import PipelineRuntime, build, gpt_stages
+from strategies.pipeline import PipelineRuntime, SplitLinear, SplitLMHead, build, gpt_stages
 from strategies.pipeline.communications import agree, digest
 from strategies.pipeline.stage import TIED
 from strategies.tensor_parallel import parallelize_gpt
@@ -181,7 +181,12 @@ class Trainer3D:
                     seen.add(id(p))
                     named.append((TIED if n == "head.weight" and config.tie_embeddings else n, p))
         self.named_params = named
-        tied = [p for st in stages for p in st.tied_parameters().values()]
+        # Late: the tied weight (summed after the step) and ZB-H1's split layers'
+        # weights (gradients in W; their hooks fire in I without one).
+        late = [p for st in stages for p in st.tied_parameters().values()]
+        for mod in (mod for st in stages for mod in st.modules()):
+            if isinstance(mod, SplitLinear | SplitLMHead):
+                late += [p for p in (mod.weight, getattr(mod, "bias", None)) if p is not None]
         adamw = dict(lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay)
         blocks = [b for st in stages for b in st.blocks if isinstance(b, Block)]
         self.averager: StepGradAverager | None = None
@@ -200,7 +205,7 @@ class Trainer3D:
         else:
             if dims.dp > 1:
                 self.averager = StepGradAverager(
-                    named, dims.dp_comm, accumulations=m, late=tied, overlap=opts.overlap
+                    named, dims.dp_comm, accumulations=m, late=late, overlap=opts.overlap
                 )
             self.optimizer = torch.optim.AdamW([p for _, p in named], **adamw)
         self.data = SyntheticSequences(

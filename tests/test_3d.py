@@ -72,6 +72,7 @@ LAYOUTS = [  # (dp, tp, pp, options)
     (2, 2, 2, {"schedule": "1f1b"}),
     (2, 1, 2, {"schedule": "gpipe"}),
     (1, 2, 2, {"schedule": "zbh1"}),
+    (2, 1, 2, {"schedule": "zbh1"}),  # split linears (W outside autograd) under dp
     (2, 1, 2, {"schedule": "interleaved", "zero": 1}),
     # pp = 1: ZeRO-2/3 and FSDP on the dp axis, tensor-parallel blocks inside
     (2, 2, 1, {"zero": 2}),
