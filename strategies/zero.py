@@ -92,6 +92,11 @@ class ZeroOptimizer:
             reduce_dtype (default param_dtype) and kept so until the step:
             the paper's mixed-precision column (2 + 2 + 12 bytes a parameter).
         assume_elementwise: accept an optimizer class not known to be elementwise.
+        external_gradients: stage 1 only: backward leaves the gradients in
+            .grad (no hooks); call `reduce_gradients()` once they are all
+            there, before step(). For drivers whose gradients of one step come
+            from many backwards and outside autograd (a pipeline step: its
+            micro-batches, ZB-H1's weight gradients, the tied weight's sum).
 
     Raises ValueError on every rank for a bad stage, an optimizer that does not
     fit, parameters on several devices, or models that differ between ranks.
@@ -111,11 +116,17 @@ class ZeroOptimizer:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         assume_elementwise: bool = False,
+        external_gradients: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         problems = optimizer_problems(optimizer_class, optimizer_kwargs, assume_elementwise)
         if stage not in (1, 2, 3):
             problems.append(f"stage={stage!r} must be 1, 2 or 3")
+        if external_gradients and stage != 1:
+            problems.append(
+                f"external_gradients=True needs stage=1, not stage={stage!r} (stage 2 frees "
+                "gradients during backward, stage 3 shards the parameters between uses)"
+            )
         for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
                 problems.append(f"{name}={dt!r} must be a floating-point torch.dtype")
@@ -129,6 +140,7 @@ class ZeroOptimizer:
             "prefetch": prefetch,
             "check_order": check_order,
             "mixed_precision": [str(param_dtype), str(reduce_dtype)],
+            "external_gradients": external_gradients,
         }
         what = f"ZeroOptimizer(stage={stage})"
         named = list(model.named_parameters())
@@ -165,6 +177,7 @@ class ZeroOptimizer:
             reduce_buffers=reduce_buffers,
             overlap_reduce=stage >= 2,
             master_grads=False,
+            grad_hooks=not external_gradients,
         )
         self._flats = [f for u in self.engine.units for f in u.trainable]
         self.optimizer = optimizer_class([f.opt_param for f in self._flats], **optimizer_kwargs)
@@ -197,6 +210,12 @@ class ZeroOptimizer:
         if self.stage < 3:
             self.engine.gather_after_step()
         return out
+
+    def reduce_gradients(self) -> None:
+        """Collective (external_gradients=True): reduce-scatters the gradients
+        the parameters hold in .grad into this rank's shards (the average over
+        the ranks) and releases .grad. Raises RuntimeError otherwise."""
+        self.engine.reduce_gradients()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the reduced gradients (the next backward starts from zero)."""

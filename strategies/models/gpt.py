@@ -37,6 +37,7 @@ __all__ = [
     "GPTConfig",
     "LMHead",
     "initial_value",
+    "materialize",
 ]
 
 
@@ -113,13 +114,33 @@ def initial_value(
     return value.to(dtype)
 
 
+def materialize(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
+    """Replaces every meta parameter of `module` by an uninitialized one on
+    `device` (floating point ones in `dtype`), keeping shared parameters shared.
+    (nn.Module.to_empty runs empty_like through torch._refs, whose first use
+    imports sympy: seconds per process.)"""
+    made: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in made:
+                dt = dtype if p.is_floating_point() else p.dtype
+                t = torch.empty(tuple(p.shape), dtype=dt, device=device)
+                made[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+            setattr(mod, name, made[id(p)])
+
+
 class Embedding(nn.Module):
     """Token plus learned position embeddings: [B, T] ids -> [B, T, d_model]."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.tok = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos = nn.Embedding(config.seq_len, config.d_model)
+        # Given tables: nn.Embedding's own init (normal_) on the meta device goes
+        # through torch._refs and imports torch._dynamo (seconds per process).
+        v, t, d = config.vocab_size, config.seq_len, config.d_model
+        self.tok = nn.Embedding(v, d, _weight=torch.empty(v, d))
+        self.pos = nn.Embedding(t, d, _weight=torch.empty(t, d))
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -216,10 +237,7 @@ class GPT(nn.Module):
             self.embed = Embedding(config)
             self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
             self.head = LMHead(config, self.embed.tok.weight if config.tie_embeddings else None)
-        self.to_empty(device=device)
-        if config.tie_embeddings:
-            self.head.weight = self.embed.tok.weight
-        self.to(dtype)
+        materialize(self, device, dtype)
         self.reset_parameters()
 
     @torch.no_grad()

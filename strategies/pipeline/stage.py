@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from strategies.models.gpt import Block, Embedding, GPTConfig, LMHead, initial_value
+from strategies.models.gpt import Block, Embedding, GPTConfig, LMHead, initial_value, materialize
 
 __all__ = ["GPTStage", "TensorSpec", "balance", "gpt_stages", "layer_split"]
 
@@ -162,8 +162,7 @@ class GPTStage(nn.Module):
                 Block(config) if i in layers else nn.Identity() for i in range(config.n_layer)
             )
             self.head = LMHead(config) if last else None
-        self.to_empty(device=device)
-        self.to(dtype)
+        materialize(self, device, dtype)
         if first and last and config.tie_embeddings:
             self.head.weight = self.embed.tok.weight
         with torch.no_grad():

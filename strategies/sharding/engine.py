@@ -53,6 +53,10 @@ class ShardingEngine:
         master_grads: keep reduced gradients in the master dtype (FSDP: the
             parameters show them); False: in the reduce dtype (ZeroOptimizer
             casts them for its step).
+        grad_hooks: False: the parameters' gradient hooks do nothing; the
+            gradients stay in .grad until `reduce_gradients()` (unsharded
+            units: a driver whose gradients arrive over many backwards and
+            outside autograd, such as a pipeline step).
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class ShardingEngine:
         reduce_buffers: int = 3,
         overlap_reduce: bool = True,
         master_grads: bool = True,
+        grad_hooks: bool = True,
     ) -> None:
         if prefetch < 0 or reduce_buffers < 0:
             raise ValueError(
@@ -80,6 +85,7 @@ class ShardingEngine:
             self, overlap=overlap_reduce, buffers=reduce_buffers, master_grads=master_grads
         )
         self.require_grad_sync = True
+        self.grad_hooks = grad_hooks
         self.step = 0  # synchronized backwards completed
         self.micro = 0  # backwards without synchronization since
         self.max_gathered = 0  # the most sharded units gathered at once (a measurement)
@@ -228,6 +234,8 @@ class ShardingEngine:
 
     def grad_ready(self, unit: ShardedUnit, g: int, i: int) -> None:
         """Post-accumulate-grad hook of parameter i of unit's trainable flat g."""
+        if not self.grad_hooks:
+            return
         self._begin_backward()
         if unit.complete or (g, i) in unit.ready:
             name = unit.trainable[g].layout.slots[i].name
@@ -265,6 +273,32 @@ class ShardingEngine:
             self._bwd_prev = self._bwd_now
         finally:
             self._in_backward = False
+
+    def reduce_gradients(self) -> None:
+        """Collective: reduces the gradients the parameters hold now in .grad,
+        as the end of a synchronized backward does (every unit complete, the
+        reduce-scatters in the fixed order), then releases .grad. For an
+        engine built with grad_hooks=False and unsharded units.
+
+        Raises RuntimeError when the hooks are on or a unit is sharded."""
+        if self.grad_hooks or any(u.shard_params for u in self.units):
+            raise RuntimeError(
+                f"sharding: rank {self.comm.rank}: reduce_gradients needs grad_hooks=False and "
+                "unsharded units (ZeRO-1/2)"
+            )
+        self.grads.begin(True)
+        for u in self.units:
+            u.ready.clear()
+            u.complete = False
+        for u in self.grads.order:
+            self._complete(u)
+        self.grads.launch_ready(everything=True)
+        self.grads.finish_all()
+        self.guard.settle()
+        for u in self.units:
+            for f in u.trainable:
+                f.expose_grads()
+        self.step, self.micro = self.step + 1, 0
 
     # -- between steps ------------------------------------------------------------------
     def gather_after_step(self) -> None:

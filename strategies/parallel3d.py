@@ -1,0 +1,306 @@
+"""3D parallel training of the reference GPT: data x tensor x pipeline
+parallelism composed on one ParallelDims.
+
+For the rank at (dp_rank, tp_rank, pp_rank), `Trainer3D`:
+
+- builds the pipeline stages this pp rank holds (gpt_stages: global
+  parameter names, each initialized from (seed, name, full shape)) and makes
+  them tensor-parallel over dims.tp_comm (parallelize_gpt: this rank's shard
+  of the same full weights), so the full initial weights do not depend on
+  the layout;
+- takes its data-parallel share of each global batch (strategies.data:
+  the global order of samples depends only on the seed) and cuts it into
+  the schedule's micro-batches; every rank of a pipeline (and of a tp group)
+  builds the same micro-batches;
+- runs the pipeline schedule on dims.pp_comm (PipelineRuntime: the tied
+  embedding/head gradient summed between the first and last stage);
+- averages the gradients over dims.dp_comm: bucketed all-reduces launched
+  while the step still runs (StepGradAverager), or with zero=1 a ZeRO-1
+  optimizer on the dp axis (reduce-scatter after the step, each dp rank
+  steps its shard of the optimizer state, all-gather);
+- steps AdamW.
+
+With pp = 1, `zero` 2/3 and `fsdp` shard over the dp axis instead: no
+pipeline runtime, the one stage accumulates the micro-batches itself
+(no_sync but for the last backward), its blocks the ZeRO/FSDP units.
+
+What does not compose, refused on every rank with the flags named
+(docs/parallel3d.md): ZeRO-2/3 and FSDP with pp > 1 (their reduce-scatter
+in backward, or their per-unit gathers around each forward, assume one
+forward and one backward per step; a pipeline step runs m interleaved
+forwards and backwards per stage, sums the tied weight's gradient after the
+last, and ZB-H1 computes weight gradients outside autograd), and sequence
+parallelism with pp > 1 (the stages would exchange sequence shards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pycollectives import ReduceOp
+from strategies.data import GlobalBatches, SyntheticSequences
+from strategies.fsdp import fully_shard
+from strategies.grad_average import StepGradAverager
+from strategies.mesh import ParallelDims
+from strategies.models.gpt import Block, Embedding, GPTConfig, LMHead
+from strategies.pipeline import PipelineRuntime, SplitLinear, SplitLMHead, build, gpt_stages
+from strategies.pipeline.communications import agree, digest
+from strategies.pipeline.stage import TIED
+from strategies.tensor_parallel import parallelize_gpt
+from strategies.zero import ZeroOptimizer
+
+__all__ = ["SCHEDULES", "StepStats", "TrainOptions", "Trainer3D", "full_shapes", "problems"]
+
+# command-line names -> strategies.pipeline.build names
+SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zbh1": "zb-h1"}
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """How to train: the schedule and its micro-batches, the dp-axis
+    optimizer (zero: 0 = all-reduce, 1-3 = ZeRO stage; fsdp; zero 2/3 and
+    fsdp need pp = 1, see the module docstring), the data and AdamW."""
+
+    schedule: str = "1f1b"  # a key of SCHEDULES
+    microbatches: int = 4  # per step and data-parallel rank
+    virtual_stages: int = 2  # interleaved only: stages per rank
+    zero: int = 0
+    fsdp: bool = False
+    sequence_parallel: bool = False
+    global_batch: int = 8  # samples per step, over all dp ranks
+    num_samples: int = 4096
+    data_seed: int = 0
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    dtype: torch.dtype = torch.float32
+    overlap: bool = True  # dp all-reduces during the step
+    timeout: float | None = None  # seconds, for the pipeline's messages
+
+
+@dataclass
+class StepStats:
+    """One step: the global mean loss (the same on every rank), the tokens
+    of the global batch and this rank's wall time for the step."""
+
+    step: int
+    loss: float
+    tokens: int
+    seconds: float
+
+
+def problems(dims: ParallelDims, config: GPTConfig, opts: TrainOptions) -> list[str]:
+    """What is wrong with training `config` with `opts` on `dims` (the same
+    list on every rank: a function of the arguments only)."""
+    out = []
+    if opts.schedule not in SCHEDULES:
+        out.append(f"--schedule {opts.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if opts.zero not in (0, 1, 2, 3):
+        out.append(f"--zero {opts.zero} must be 0, 1, 2 or 3")
+    elif opts.zero in (2, 3) and dims.pp > 1:
+        out.append(
+            f"--zero {opts.zero} with --pp {dims.pp} does not compose with the pipeline runtime "
+            "(its reduce-scatter during backward assumes one backward per step; a pipeline step "
+            "runs one per micro-batch, sums the tied embedding/head gradient after the last, and "
+            "ZB-H1 computes weight gradients outside autograd): use --zero 1, or --pp 1"
+        )
+    if opts.fsdp and dims.pp > 1:
+        out.append(
+            f"--fsdp with --pp {dims.pp} does not compose with the pipeline runtime (its "
+            "per-block gathers around each forward and backward assume one forward then one "
+            "backward per step): use --zero 1, or --pp 1"
+        )
+    if opts.fsdp and opts.zero:
+        out.append(f"--fsdp and --zero {opts.zero}: choose one")
+    if opts.sequence_parallel and dims.pp > 1:
+        out.append(f"--sequence-parallel with --pp {dims.pp} > 1 is not supported")
+    if opts.microbatches < 1 or opts.global_batch < 1:
+        out.append(f"--microbatches {opts.microbatches}, --batch {opts.global_batch} must be >= 1")
+    elif opts.global_batch % (dims.dp * opts.microbatches):
+        out.append(
+            f"--batch {opts.global_batch} is not divisible by --dp {dims.dp} x --microbatches "
+            f"{opts.microbatches}: every micro-batch must hold the same number of samples"
+        )
+    for what, size in (("n_head", config.n_head), ("vocab_size", config.vocab_size),
+                       ("MLP hidden size", config.hidden)):  # fmt: skip
+        if size % dims.tp:
+            out.append(f"{what}={size} is not divisible by --tp {dims.tp}")
+    if opts.sequence_parallel and config.seq_len % dims.tp:
+        out.append(f"seq_len={config.seq_len} is not divisible by --tp {dims.tp}")
+    v = opts.virtual_stages if opts.schedule == "interleaved" else 1
+    if v < 1:
+        out.append(f"virtual_stages={v} must be >= 1")
+    elif config.n_layer < dims.pp * v:
+        out.append(
+            f"fewer layers than stages: n_layer={config.n_layer} blocks cannot fill "
+            f"--pp {dims.pp} x {v} stages per rank = {dims.pp * v} stages"
+        )
+    return out
+
+
+class Trainer3D:
+    """Trains the GPT of `config` on `dims` (see the module docstring).
+
+    Collective over dims.world to build and to step. Raises ValueError on
+    every rank, naming the flags, for options that do not fit (`problems`)
+    or that differ between ranks; the pipeline runtime, parallelize_gpt and
+    ZeroOptimizer check what they build the same way.
+    """
+
+    def __init__(self, dims: ParallelDims, config: GPTConfig, opts: TrainOptions) -> None:
+        self.dims, self.config, self.opts = dims, config, opts
+        found = problems(dims, config, opts)
+        error = ValueError("; ".join(found)) if found else None
+        agree(dims.world, "Trainer3D", error, digest(f"{config}/{opts}/{dims.sizes}"),
+              "train another model or with other options", opts.timeout)  # fmt: skip
+        m = opts.microbatches
+        # --zero 2/3 and --fsdp (pp = 1): plain accumulation, no pipeline runtime
+        self.sharded = opts.zero in (2, 3) or opts.fsdp
+        v = opts.virtual_stages if opts.schedule == "interleaved" else 1
+        self.schedule = build(SCHEDULES[opts.schedule], dims.pp, m, v)
+        held = self.schedule.stages_of(dims.pp_rank)
+        stages = gpt_stages(config, held, self.schedule.num_stages, dtype=opts.dtype)
+        if dims.tp > 1:
+            sp = opts.sequence_parallel
+            stages = [parallelize_gpt(st, dims, sequence_parallel=sp) for st in stages]
+        self.stages = stages
+        self.runtime = None
+        if not self.sharded:
+            self.runtime = PipelineRuntime(
+                self.schedule, stages, dims.pp_comm, timeout=opts.timeout
+            )
+        named, seen = [], set()
+        for st in stages:
+            for n, p in st.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    named.append((TIED if n == "head.weight" and config.tie_embeddings else n, p))
+        self.named_params = named
+        # Late: the tied weight (summed after the step) and ZB-H1's split layers'
+        # weights (gradients in W; their hooks fire in I without one).
+        late = [p for st in stages for p in st.tied_parameters().values()]
+        for mod in (mod for st in stages for mod in st.modules()):
+            if isinstance(mod, SplitLinear | SplitLMHead):
+                late += [p for p in (mod.weight, getattr(mod, "bias", None)) if p is not None]
+        adamw = dict(lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay)
+        blocks = [b for st in stages for b in st.blocks if isinstance(b, Block)]
+        self.averager: StepGradAverager | None = None
+        self.zero: ZeroOptimizer | None = None
+        if opts.fsdp:
+            for b in blocks:
+                fully_shard(b, dims.dp_comm)
+            root = fully_shard(stages[0], dims.dp_comm)
+            root.sharding_unit.lazy_engine(root.sharding_unit)  # the engine now, not at forward
+            self.optimizer = torch.optim.AdamW(root.parameters(), **adamw)
+        elif opts.zero:
+            model = stages[0] if self.sharded else nn.ModuleList(stages)
+            self.zero = ZeroOptimizer(model, torch.optim.AdamW, dims.dp_comm, stage=opts.zero,
+                                      units=blocks, external_gradients=opts.zero == 1, **adamw)  # fmt: skip
+            self.optimizer = self.zero.optimizer
+        else:
+            if dims.dp > 1:
+                self.averager = StepGradAverager(
+                    named, dims.dp_comm, accumulations=m, late=late, overlap=opts.overlap
+                )
+            self.optimizer = torch.optim.AdamW([p for _, p in named], **adamw)
+        self.data = SyntheticSequences(
+            config.vocab_size, config.seq_len, opts.num_samples, seed=opts.data_seed
+        )
+        self.batches = GlobalBatches(opts.num_samples, opts.global_batch, dp_size=dims.dp,
+                                     dp_rank=dims.dp_rank, seed=opts.data_seed)  # fmt: skip
+        self.step_index = 0  # the next step to run (a resumed run sets it)
+
+    def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This dp rank's share of step `step`'s global batch, cut into the
+        schedule's micro-batches (inputs, targets)."""
+        x, y = self.data.batch(self.batches.ids(step))
+        m = self.opts.microbatches
+        return list(zip(x.chunk(m), y.chunk(m), strict=True))
+
+    def step(self) -> StepStats:
+        """Collective: one training step (step `step_index`, then incremented)."""
+        start = time.perf_counter()
+        k = self.step_index
+        if self.zero is not None:
+            self.zero.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        for _, p in self.named_params:
+            p.grad = None
+        if self.runtime is not None:
+            losses = self.runtime.step(self.microbatches(k)).losses
+        else:
+            losses = self._accumulate(self.microbatches(k))
+        if self.zero is not None:
+            if self.zero.stage == 1:
+                self.zero.reduce_gradients()
+            self.zero.step()
+        else:
+            if self.averager is not None:
+                self.averager.finish()
+            self.optimizer.step()
+        mine = 0.0
+        if losses is not None and self.dims.tp_rank == 0:
+            mine = sum(losses) / len(losses) / self.dims.dp
+        loss = torch.tensor([mine], dtype=torch.float64)
+        self.dims.world.all_reduce(loss, ReduceOp.SUM)
+        self.step_index += 1
+        tokens = self.opts.global_batch * self.config.seq_len
+        return StepStats(k, float(loss[0]), tokens, time.perf_counter() - start)
+
+    def _accumulate(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+        """--zero 2/3, --fsdp (one stage): forward and backward of each
+        micro-batch (loss / m), communicating in the last backward only."""
+        model, m, losses = self.stages[0], len(microbatches), []
+        for j, (x, y) in enumerate(microbatches):
+            quiet = contextlib.nullcontext()
+            if j < m - 1:
+                quiet = self.zero.no_sync() if self.zero is not None else model.no_sync()
+            with quiet:
+                loss = model(x, y)
+                (loss / m).backward()
+            losses.append(float(loss.detach()))
+        return losses
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Collective over dims.tp_comm (and dims.dp_comm with --zero 2/3 or
+        --fsdp): the parameters of this rank's stages as full tensors
+        (tensor-parallel and data-parallel shards gathered), by their names in
+        the whole GPT (the tied head under embed.tok.weight)."""
+        if self.opts.fsdp:
+            local = self.stages[0].full_parameters()
+        elif self.sharded:
+            local = self.zero.full_parameters()
+        else:
+            local = {n: p.detach() for n, p in self.named_params}
+        shapes, out = full_shapes(self.config), {}
+        tp = self.dims.tp_comm
+        for name, value in local.items():
+            if name == "head.weight" and self.config.tie_embeddings:
+                name = TIED
+            full, t = shapes[name], value.detach().contiguous()
+            split = [d for d in range(t.dim()) if t.shape[d] != full[d]]
+            if split:
+                every = t.new_empty((tp.world_size, *t.shape))
+                tp.all_gather(every, t)
+                t = torch.cat(list(every), split[0])
+            out[name] = t.clone()
+        return out
+
+
+def full_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's full shape in the GPT of `config`, by name (built on meta)."""
+    with torch.device("meta"):
+        parts = {"embed.": Embedding(config), "head.": LMHead(config)}
+        block = Block(config)
+    out = {pre + n: tuple(p.shape) for pre, mod in parts.items() for n, p in mod.named_parameters()}
+    for i in range(config.n_layer):
+        out.update({f"blocks.{i}.{n}": tuple(p.shape) for n, p in block.named_parameters()})
+    if config.tie_embeddings:
+        out.pop("head.weight")
+    return out

@@ -1,0 +1,217 @@
+"""3D parallelism (strategies/parallel3d.py) on local ranks: dp x tp x pp
+training of a tiny GPT matches one process training the same global batches
+for 20 steps; the start is layout-invariant (the full initial weights and the
+global order of samples, gathered from the ranks, are those of one process);
+bad input raises on every rank. With pp = 1, ZeRO-2/3 and FSDP on the dp
+axis (plain gradient accumulation, tensor-parallel blocks inside).
+
+Tolerance: float64 on the CPU. The layouts sum the same numbers in other
+orders (tensor-parallel partial sums, micro-batch accumulation, the data-
+parallel average, the tied weight's two halves), so they agree with one
+process up to rounding: after 20 AdamW steps the losses within 1e-12 and
+every parameter within 1e-10 (measured: about 3e-14).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+import pycollectives as pc
+from strategies.data import GlobalBatches, SyntheticSequences
+from strategies.mesh import ParallelDims
+from strategies.models import GPT, GPTConfig
+from strategies.parallel3d import Trainer3D, TrainOptions
+
+STEPS = 20
+CONFIG = GPTConfig(vocab_size=32, seq_len=8, n_layer=4, n_head=2, d_model=16, seed=5)
+OPTIONS = TrainOptions(microbatches=2, global_batch=8, dtype=torch.float64, timeout=60)
+
+
+@functools.cache
+def reference() -> tuple[dict[str, torch.Tensor], list[float], dict[str, torch.Tensor]]:
+    """One process: initial weights, losses and final weights of STEPS steps
+    of AdamW over the whole global batches."""
+    model = GPT(CONFIG, dtype=torch.float64)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    o = OPTIONS
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    data = SyntheticSequences(CONFIG.vocab_size, CONFIG.seq_len, o.num_samples, seed=o.data_seed)
+    batches = GlobalBatches(o.num_samples, o.global_batch, seed=o.data_seed)
+    losses = []
+    for k in range(STEPS):
+        x, y = data.batch(batches.global_ids(k))
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return start, losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def job_train(comm: pc.Communicator, dp: int, tp: int, pp: int, change: dict) -> dict:
+    """Trains STEPS steps; returns what the test compares (numpy: no shared memory)."""
+    with ParallelDims(comm, dp=dp, tp=tp, pp=pp) as dims:
+        trainer = Trainer3D(dims, CONFIG, dataclasses.replace(OPTIONS, **change))
+        start = trainer.full_parameters()
+        ids = [trainer.batches.ids(k).tolist() for k in range(3)]
+        losses = [trainer.step().loss for _ in range(STEPS)]
+        end = trainer.full_parameters()
+        coords = (dims.dp_rank, dims.tp_rank, dims.pp_rank)
+        early = trainer.averager.early if trainer.averager else None
+    as_np = lambda d: {n: t.numpy() for n, t in d.items()}  # noqa: E731
+    return dict(
+        coords=coords, early=early, ids=ids, losses=losses, start=as_np(start), end=as_np(end)
+    )
+
+
+LAYOUTS = [  # (dp, tp, pp, options)
+    (2, 2, 2, {"schedule": "1f1b"}),
+    (2, 1, 2, {"schedule": "gpipe"}),
+    (1, 2, 2, {"schedule": "zbh1"}),
+    (2, 1, 2, {"schedule": "zbh1"}),  # split linears (W outside autograd) under dp
+    (2, 1, 2, {"schedule": "interleaved", "zero": 1}),
+    # pp = 1: ZeRO-2/3 and FSDP on the dp axis, tensor-parallel blocks inside
+    (2, 2, 1, {"zero": 2}),
+    (2, 2, 1, {"zero": 3}),
+    (2, 2, 1, {"fsdp": True}),
+]
+
+
+@pytest.mark.parametrize(
+    "dp,tp,pp,change",
+    LAYOUTS,
+    ids=[
+        f"dp{d}-tp{t}-pp{p}-" + "-".join(f"{k}={v}" for k, v in c.items()) for d, t, p, c in LAYOUTS
+    ],
+)
+def test_3d_matches_one_process(pool, dp, tp, pp, change):
+    start, losses, end = reference()
+    out = pool(dp * tp * pp).run(job_train, dp, tp, pp, change, timeout=240)
+    got_start, got_end = {}, {}
+    ids: dict[int, list] = {}
+    for r in out:
+        dp_rank = r["coords"][0]
+        assert ids.setdefault(dp_rank, r["ids"]) == r["ids"], "ranks of one dp group differ"
+        for name, v in r["start"].items():  # layout-invariant start: bitwise the same weights
+            t = torch.from_numpy(v)
+            assert torch.equal(t, start[name]), (r["coords"], name)
+            got_start[name] = t
+        got_end.update({n: torch.from_numpy(v) for n, v in r["end"].items()})
+        plain = not (change.get("zero") or change.get("fsdp"))
+        if dp > 1 and plain and change["schedule"] != "zbh1":
+            assert r["early"] >= 1, r["early"]  # a bucket's all-reduce overlapped the step
+        worst = max(abs(a - b) for a, b in zip(r["losses"], losses, strict=True))
+        assert worst <= 1e-12, (r["coords"], worst)
+    assert set(got_start) == set(start) == set(got_end)
+    batches = GlobalBatches(OPTIONS.num_samples, OPTIONS.global_batch, seed=OPTIONS.data_seed)
+    for k in range(3):  # the global order of samples: the dp shares, in dp order
+        assert sum((ids[d][k] for d in range(dp)), []) == batches.global_ids(k).tolist()
+    for name, want in end.items():
+        diff = (got_end[name] - want).abs().max().item()
+        assert diff <= 1e-10, (name, diff)
+    assert losses[-1] < losses[0] - 0.2, losses  # it learns
+
+
+# ---- bad input: the same error on every rank, never a hang
+
+
+def job_bad_input(comm: pc.Communicator) -> dict[str, str]:
+    """Each case on a communicator of its own."""
+    out = {}
+
+    def try_(name: str, sizes: tuple[int, int, int], cfg: GPTConfig = CONFIG, **change) -> None:
+        sub = comm.split(0)
+        try:
+            with ParallelDims(sub, dp=sizes[0], tp=sizes[1], pp=sizes[2]) as dims:
+                Trainer3D(dims, cfg, dataclasses.replace(OPTIONS, **change))
+            out[name] = "no error"
+        except (ValueError, RuntimeError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+        finally:
+            sub.close()
+
+    try_("dims", (2, 2, 2))
+    try_("heads", (1, 2, 2), dataclasses.replace(CONFIG, n_head=3, d_model=18))
+    try_("vocab", (1, 2, 2), dataclasses.replace(CONFIG, vocab_size=33))
+    try_("layers", (1, 1, 4), dataclasses.replace(CONFIG, n_layer=3))
+    try_("interleaved", (2, 1, 2), schedule="interleaved", virtual_stages=3)
+    try_("zero2", (2, 1, 2), zero=2)
+    try_("fsdp", (2, 1, 2), fsdp=True)
+    try_("both", (4, 1, 1), fsdp=True, zero=1)
+    try_("batch", (2, 1, 2), global_batch=6)
+    try_("schedule", (1, 1, 4), schedule="zbh2")
+    # ranks that disagree: rank 1 asks for other micro-batches
+    try_("differ", (2, 1, 2), microbatches=4 if comm.rank == 1 else 2)
+    return out
+
+
+def test_bad_input_raises_on_every_rank(pool):
+    for r, out in enumerate(pool(4).run(job_bad_input, timeout=120)):
+        assert out["dims"].startswith("ValueError") and "dp=2 x tp=2 x pp=2 = 8" in out["dims"]
+        assert "world size is 4" in out["dims"], out["dims"]
+        assert "n_head=3 is not divisible by --tp 2" in out["heads"], out["heads"]
+        assert "vocab_size=33 is not divisible by --tp 2" in out["vocab"], out["vocab"]
+        assert "fewer layers than stages: n_layer=3" in out["layers"], out["layers"]
+        assert "--pp 2 x 3 stages per rank = 6 stages" in out["interleaved"], out["interleaved"]
+        assert "--zero 2 with --pp 2 does not compose with the pipeline" in out["zero2"]
+        assert "--fsdp with --pp 2 does not compose with the pipeline" in out["fsdp"]
+        assert "--fsdp and --zero 1: choose one" in out["both"], out["both"]
+        assert "--batch 6 is not divisible by --dp 2 x --microbatches 2" in out["batch"]
+        assert "--schedule 'zbh2' is not one of" in out["schedule"], out["schedule"]
+        assert "ranks [1] train another model or with other options" in out["differ"]
+        for case, text in out.items():
+            assert text.startswith("ValueError"), (case, text)
+            if case != "dims":  # ParallelDims's own message names the rank its own way
+                assert f"raised on rank {r}" in text, (case, text)
+
+
+# ---- StepGradAverager alone
+
+
+def job_averager(comm: pc.Communicator) -> dict:
+    from torch import nn
+
+    from strategies.grad_average import StepGradAverager
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)  # the same weights on every rank
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+
+    def batch(r: int, j: int) -> torch.Tensor:
+        return torch.full((3, 4), float(r + j))
+
+    model, ref, w = net(), net(), comm.world_size
+    named = list(model.named_parameters())
+    avg = StepGradAverager(named, comm, accumulations=2, late=[model[1].weight])
+    for j in range(2):  # two micro-batches: the early buckets go in the second backward
+        model(batch(comm.rank, j)).sum().backward()
+    avg.finish()
+    early = avg.early
+    for r in range(w):  # one process, every rank's micro-batches
+        for j in range(2):
+            ref(batch(r, j)).sum().backward()
+    want = dict(ref.named_parameters())
+    bad = [n for n, p in named if not torch.allclose(p.grad, want[n].grad / w, atol=1e-6)]
+    for p in model.parameters():
+        p.grad = None
+    for j in range(3):  # a third backward after the buckets were sent
+        model(batch(comm.rank, j)).sum().backward()
+    try:
+        avg.finish()
+        overflow = "no error"
+    except RuntimeError as e:
+        overflow = str(e)
+    return dict(early=early, bad=bad, overflow=overflow)
+
+
+def test_step_grad_averager(pool):
+    """Averages the step's accumulated gradients; the non-late bucket's
+    all-reduce starts during the last backward; a gradient arriving after its
+    bucket was sent raises on every rank."""
+    for r, out in enumerate(pool(2).run(job_averager, timeout=60)):
+        assert out["bad"] == [] and out["early"] == 1, out
+        assert f"rank {r}: parameters ['1.bias', '0.bias', '0.weight']" in out["overflow"], out
