@@ -48,7 +48,7 @@ from strategies.fsdp import fully_shard
 from strategies.grad_average import StepGradAverager
 from strategies.mesh import ParallelDims
 from strategies.models.gpt import Block, Embedding, GPTConfig, LMHead
-from strategies.pipeline import PipelineRuntime, SplitLinear, SplitLMHead, build, gpt_stages
+from strategies.pipeline import PipelineRuntime, build, deferred_parameters, gpt_stages
 from strategies.pipeline.communications import agree, digest
 from strategies.pipeline.stage import TIED
 from strategies.tensor_parallel import parallelize_gpt
@@ -182,11 +182,10 @@ class Trainer3D:
                     named.append((TIED if n == "head.weight" and config.tie_embeddings else n, p))
         self.named_params = named
         # Late: the tied weight (summed after the step) and ZB-H1's split layers'
-        # weights (gradients in W; their hooks fire in I without one).
+        # weights and biases, tensor-parallel ones included (gradients in W;
+        # their hooks fire in I without one).
         late = [p for st in stages for p in st.tied_parameters().values()]
-        for mod in (mod for st in stages for mod in st.modules()):
-            if isinstance(mod, SplitLinear | SplitLMHead):
-                late += [p for p in (mod.weight, getattr(mod, "bias", None)) if p is not None]
+        late += deferred_parameters(stages)
         adamw = dict(lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay)
         blocks = [b for st in stages for b in st.blocks if isinstance(b, Block)]
         self.averager: StepGradAverager | None = None

@@ -45,6 +45,7 @@ from strategies.pipeline import (
     balance,
     build,
     chrome_trace,
+    deferred_parameters,
     draw_measured_and_simulated,
     gpt_stages,
     layer_split,
@@ -425,33 +426,79 @@ def test_a_dead_rank_fails_the_others():
 # ---- with tensor parallelism: stages keep global names, parallelize_gpt applies
 
 
-def job_tp_pp(comm: pc.Communicator) -> list[str]:
+def _watch_w(rt: PipelineRuntime, names: dict[int, str], seen: dict[str, bool]) -> None:
+    """Records, for each parameter W accumulates into, whether it had no
+    .grad right before the step's first W and had one right after (seen)."""
+    for st in rt.stages.values():
+        store, run_w = st.store, st.store.backward_weight
+
+        def watched(j: int, store=store, run_w=run_w) -> None:  # noqa: ANN001
+            params = store.parameters(j)
+            before = [p.grad is None for p in params]
+            run_w(j)
+            for p, none in zip(params, before, strict=True):
+                n = names[id(p)]
+                seen[n] = seen.get(n, True) and (none or j > 0) and p.grad is not None
+
+        store.backward_weight = watched
+
+
+def job_tp_pp(comm: pc.Communicator) -> dict:
+    """tp=2 x pp=2, 1F1B and ZB-H1 (the tensor-parallel layers split): each
+    against one process; ZB-H1 against 1F1B; what ZB-H1's W computed."""
     m = 4
+    out: dict = {"bad": [], "grads": {}}
     with ParallelDims(comm, tp=2, pp=2) as dims:
-        s = build("1f1b", 2, m)
         cfg = config(4)
-        stages = gpt_stages(cfg, s.stages_of(dims.pp_rank), 2, dtype=torch.float64)
-        stages = [parallelize_gpt(st, dims) for st in stages]
-        PipelineRuntime(s, stages, dims.pp_comm, timeout=30).step(microbatches(m))
         ref = GPT(cfg, dtype=torch.float64)
         for x, y in microbatches(m):
             (ref(x, y) / m).backward()
         want = dict(ref.named_parameters())
-        bad = []
-        for n, p in stages[0].named_parameters():
-            full = want[TIED if n in ("head.weight",) else n].grad
-            every = p.grad.new_empty((2, *p.grad.shape))
-            dims.tp_comm.all_gather(every, p.grad.contiguous())
-            split = [d for d in range(p.dim()) if p.shape[d] != full.shape[d]]
-            got = torch.cat(list(every), split[0]) if split else every[0]
-            if not torch.allclose(got, full, rtol=1e-10, atol=1e-12):
-                bad.append(f"{n}: {(got - full).abs().max():.3g}")
-        return bad
+        for name in ("1f1b", "zb-h1"):
+            s = build(name, 2, m)
+            stages = gpt_stages(cfg, s.stages_of(dims.pp_rank), 2, dtype=torch.float64)
+            stages = [parallelize_gpt(st, dims) for st in stages]
+            rt = PipelineRuntime(s, stages, dims.pp_comm, timeout=30)
+            seen: dict[str, bool] = {}
+            _watch_w(rt, {id(p): n for n, p in stages[0].named_parameters()}, seen)
+            rt.step(microbatches(m))
+            out["grads"][name] = {n: p.grad.clone() for n, p in stages[0].named_parameters()}
+            if name == "zb-h1":
+                out["w"] = seen
+                out["in_i"] = sorted(
+                    n for n, p in stages[0].named_parameters() if id(p) not in
+                    {id(q) for q in deferred_parameters(stages)}
+                )  # fmt: skip
+            for n, p in stages[0].named_parameters():
+                full = want[TIED if n in ("head.weight",) else n].grad
+                every = p.grad.new_empty((2, *p.grad.shape))
+                dims.tp_comm.all_gather(every, p.grad.contiguous())
+                split = [d for d in range(p.dim()) if p.shape[d] != full.shape[d]]
+                got = torch.cat(list(every), split[0]) if split else every[0]
+                if not torch.allclose(got, full, rtol=1e-10, atol=1e-12):
+                    out["bad"].append(f"{name} {n}: {(got - full).abs().max():.3g}")
+        out["stage"] = dims.pp_rank
+    return out
 
 
 def test_pipeline_with_tensor_parallel_stages(pool):
-    for r, bad in enumerate(pool(4).run(job_tp_pp, timeout=120)):
-        assert bad == [], (r, bad)
+    """tp=2 x pp=2 matches one process (within rounding: tp sums partial
+    products) under 1F1B and ZB-H1; under ZB-H1 the tensor-parallel layers'
+    weights and biases get their gradients in W only (none before the first
+    W, all of them after it), every other parameter in I, and the gradients
+    are bitwise those of 1F1B's unsplit layers."""
+    for r, out in enumerate(pool(4).run(job_tp_pp, timeout=120)):
+        assert out["bad"] == [], (r, out["bad"])
+        one, zb = out["grads"]["1f1b"], out["grads"]["zb-h1"]
+        differ = [n for n in one if not torch.equal(one[n], zb[n])]
+        assert differ == [], (r, differ)
+        tp_layers = {n for n in one if ".attn." in n or ".mlp." in n or n == "head.weight"}
+        assert set(out["w"]) == tp_layers and all(out["w"].values()), (r, out["w"])
+        assert set(out["in_i"]) == set(one) - tp_layers, (r, out["in_i"])
+        if out["stage"] == 0:  # embedding, layer norms; stage 1: its layer norms and ln_f
+            assert "embed.tok.weight" in out["in_i"], out["in_i"]
+        else:
+            assert "head.weight" in out["w"], out["w"]
 
 
 def job_records(comm: pc.Communicator) -> tuple[int, set]:
@@ -467,3 +514,65 @@ def test_records_cover_every_action(pool):
     want = {(r, str(a)) for r, acts in enumerate(s.actions) for a in acts}
     for n, got in pool(2).run(job_records):
         assert n == len(want) and got == want
+
+
+def job_split_tp_layers(comm: pc.Communicator, sp: bool) -> dict:
+    """One tp=2 stage, with or without sequence parallelism: F, I, W of two
+    micro-batches through the split layers against F, B of unsplit ones; then
+    the split layers outside a micro-batch (every gradient in backward)."""
+    m = 2
+    with ParallelDims(comm, tp=2) as dims:
+        cfg = config(2, tie_embeddings=False)
+        split, plain = (
+            AutogradStage(parallelize_gpt(gpt_stages(cfg, [0], 1, dtype=torch.float64)[0], dims,
+                                          sequence_parallel=sp), 0, 1, m, split_weights=s)
+            for s in (True, False)
+        )  # fmt: skip
+        for j, (x, y) in enumerate(microbatches(m)):
+            split.forward(j, x, y)
+            plain.forward(j, x, y)
+        for j in range(m):
+            split.backward_input(j, None)
+            plain.backward(j, None)
+        named = dict(split.module.named_parameters())
+        after_i = sorted(n for n, p in named.items() if p.grad is None)
+        deferred = {id(p) for p in deferred_parameters([split.module])}
+        for j in range(m):
+            split.backward_weight(j)
+        want = dict(plain.module.named_parameters())
+
+        def bad() -> list[str]:
+            return [
+                f"{n}: {(p.grad - want[n].grad).abs().max():.3g}"
+                for n, p in named.items()
+                if not torch.allclose(p.grad, want[n].grad, rtol=1e-10, atol=1e-12)
+            ]
+
+        bad_w = bad()
+        for p in named.values():
+            p.grad = None
+        for x, y in microbatches(m):
+            (split.module(x, y) / m).backward()
+        return dict(
+            after_i=after_i,
+            deferred=sorted(n for n, p in named.items() if id(p) in deferred),
+            bad_w=bad_w,
+            bad_outside=bad(),
+        )
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_split_tensor_parallel_layers(pool, sp):
+    """The split tensor-parallel layers' gradients equal the unsplit layers'
+    (within rounding), with and without sequence parallelism; after I the
+    column- and row-parallel weights and biases and the head's weight have
+    none, except the row-parallel bias under sequence parallelism (summed
+    across tp, a communication, so computed in I)."""
+    for r, out in enumerate(pool(2).run(job_split_tp_layers, sp, timeout=60)):
+        assert out["bad_w"] == [] and out["bad_outside"] == [], (r, out)
+        tp_layers = [f"blocks.{b}.{layer}.{p}" for b in range(2)
+                     for layer in ("attn.proj", "attn.qkv", "mlp.fc", "mlp.proj")
+                     for p in ("bias", "weight")]  # fmt: skip
+        if sp:
+            tp_layers = [n for n in tp_layers if not n.endswith("proj.bias")]
+        assert out["after_i"] == out["deferred"] == sorted([*tp_layers, "head.weight"]), (r, out)

@@ -34,7 +34,13 @@ from strategies.pipeline.split_backward import (
     SplitLinear,
     SplitLMHead,
     WeightGradStore,
+    deferred_parameters,
     split_weight_gradients,
+)
+from strategies.pipeline.split_tensor_parallel import (
+    SplitColumnParallelLinear,
+    SplitParallelLMHead,
+    SplitRowParallelLinear,
 )
 from strategies.pipeline.stage import GPTStage, TensorSpec, balance, gpt_stages, layer_split
 from strategies.pipeline.timeline import draw_timeline, draw_timelines, missing_matplotlib
@@ -57,8 +63,11 @@ __all__ = [
     "Measured",
     "PipelineError",
     "PipelineRuntime",
+    "SplitColumnParallelLinear",
     "SplitLMHead",
     "SplitLinear",
+    "SplitParallelLMHead",
+    "SplitRowParallelLinear",
     "StepResult",
     "TensorSpec",
     "WeightGradStore",
@@ -72,6 +81,7 @@ __all__ = [
     "normalized",
     "run_step",
     "save_chrome_trace",
+    "deferred_parameters",
     "split_weight_gradients",
     "Kind",
     "Op",

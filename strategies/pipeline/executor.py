@@ -12,8 +12,9 @@ micro-batches, the same division a single process does before each
 - F(j): forward, saving the graph; returns the output (detached) to send.
 - B(j): autograd backward from the output, its output gradient given;
   returns the input gradient. Weight gradients accumulate into .grad.
-- I(j): the same backward with the linear layers' weight gradients left in
-  the WeightGradStore (split_backward.py); W(j) computes them.
+- I(j): the same backward with the linear layers' weight gradients (plain
+  and tensor-parallel) left in the WeightGradStore (split_backward.py,
+  split_tensor_parallel.py); W(j) computes them.
 
 Bytes held are counted exactly: during F, a saved-tensor hook sees every
 tensor autograd saves for backward and records its storage (once, and not
@@ -49,8 +50,9 @@ def _storage_bytes(tensors: list[torch.Tensor], exclude: set[int]) -> int:
 class AutogradStage:
     """F, B, I and W of `module` (stage `index` of a pipeline of
     `num_stages`) over `num_microbatches` micro-batches. With `split_weights`
-    its nn.Linear layers are first made SplitLinear (in place) so that I and
-    W can run apart.
+    its linear layers (nn.Linear, the LM head, the tensor-parallel ones) are
+    first made split versions (in place, split_weight_gradients) so that I
+    and W can run apart.
 
     Raises TypeError if the module lacks input_spec/output_spec.
     """

@@ -24,8 +24,12 @@ Other parameters get their gradients in I, from autograd, as before:
   dbeta would keep x-hat and dY alive until W for O(d) work per token;
 - embeddings: their gradient is an index-add of the output gradient, with
   no input gradient to hurry for;
-- any other layer (tensor-parallel layers included): unchanged, full
-  backward in I.
+- any other layer: unchanged, full backward in I.
+
+Tensor-parallel layers split too (split_tensor_parallel.py): their
+communications stay the named autograd functions they are, around the same
+split linear Function, so every collective runs in I and W computes
+without communicating.
 
 Outside a pipeline step (no micro-batch open) a SplitLinear computes every
 gradient in its backward, as nn.Linear does.
@@ -34,7 +38,7 @@ gradient in its backward, as nn.Linear does.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -43,15 +47,21 @@ from torch import nn
 
 from strategies.models.gpt import LMHead
 
-__all__ = ["SplitLMHead", "SplitLinear", "WeightGradStore", "split_weight_gradients"]
+__all__ = [
+    "SplitLMHead",
+    "SplitLinear",
+    "WeightGradStore",
+    "deferred_parameters",
+    "split_weight_gradients",
+]
 
 
 class _Pending(NamedTuple):
     """What W needs of one linear layer for one micro-batch."""
 
-    weight: nn.Parameter
+    weight: nn.Parameter | None  # None: a bias alone (split_tensor_parallel's bias add)
     bias: nn.Parameter | None
-    x: torch.Tensor  # [tokens, in]
+    x: torch.Tensor | None  # [tokens, in]; None with weight None
     dy: torch.Tensor  # [tokens, out]
 
 
@@ -132,7 +142,11 @@ class WeightGradStore:
 
     def held(self, j: int) -> list[torch.Tensor]:
         """The tensors micro-batch j keeps for its W (X and dY of each layer)."""
-        return [t for e in self._pending.get(j, ()) for t in (e.x, e.dy)]
+        return [t for e in self._pending.get(j, ()) for t in (e.x, e.dy) if t is not None]
+
+    def parameters(self, j: int) -> list[nn.Parameter]:
+        """The parameters W of micro-batch j will accumulate into, in order."""
+        return [p for e in self._pending.get(j, ()) for p in (e.weight, e.bias) if p is not None]
 
     def backward_weight(self, j: int) -> None:
         """W of micro-batch j: dW = dY^T X and db = sum(dY) of every layer its I
@@ -145,7 +159,8 @@ class WeightGradStore:
             raise RuntimeError(f"WeightGradStore: W of micro-batch {j} before its forward")
         with torch.no_grad():
             for e in entries:
-                accumulate(e.weight, weight_grad(e.dy, e.x))
+                if e.weight is not None:
+                    accumulate(e.weight, weight_grad(e.dy, e.x))
                 if e.bias is not None:
                     accumulate(e.bias, bias_grad(e.dy))
 
@@ -171,6 +186,10 @@ class SplitLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _LinearFn.apply(x, self.weight, self.bias, self.store.open)
 
+    def deferred_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients W computes."""
+        return [p for p in (self.weight, self.bias) if p is not None]
+
 
 class SplitLMHead(LMHead):
     """LMHead whose output projection's weight gradient waits for W."""
@@ -190,20 +209,40 @@ class SplitLMHead(LMHead):
             return logits
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
+    def deferred_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients W computes."""
+        return [self.weight]
+
 
 def split_weight_gradients(module: nn.Module, store: WeightGradStore) -> int:
-    """Replaces, in place, every nn.Linear (exactly that class, not a
-    subclass such as a tensor-parallel layer) and LMHead inside `module` by
-    its split version recording into `store`; parameters and their names are
-    unchanged. Returns how many layers were replaced."""
+    """Replaces, in place, every nn.Linear and LMHead inside `module`, and
+    every ColumnParallelLinear, RowParallelLinear and ParallelLMHead (exactly
+    those classes, not subclasses), by its split version recording into
+    `store`; parameters and their names are unchanged. Returns how many
+    layers were replaced."""
+    # here, not at the top: split_tensor_parallel builds on this module
+    from strategies.pipeline.split_tensor_parallel import tensor_parallel_splits
+
+    splits = {nn.Linear: SplitLinear.from_linear, LMHead: SplitLMHead.from_head}
+    splits.update(tensor_parallel_splits())
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, SplitLinear.from_linear(child, store))
-            elif type(child) is LMHead:
-                setattr(parent, name, SplitLMHead.from_head(child, store))
-            else:
-                continue
-            count += 1
+            split = splits.get(type(child))
+            if split is not None:
+                setattr(parent, name, split(child, store))
+                count += 1
     return count
+
+
+def deferred_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """The parameters whose gradients W computes (those of the split layers
+    inside `modules`), each once: their post-accumulate-grad hooks fire in I
+    without a gradient, so a gradient averager must send them after W."""
+    out: dict[int, nn.Parameter] = {}
+    for root in modules:
+        for mod in root.modules():
+            fn = getattr(mod, "deferred_parameters", None)
+            if fn is not None and isinstance(mod, nn.Module):
+                out.update((id(p), p) for p in fn())
+    return list(out.values())
