@@ -80,23 +80,8 @@ void Prims::reduce2(void* dst0, void* dst1, const void* a, const void* b, size_t
   }
 }
 
-bool Prims::send_from(const void* src, size_t bytes) {
-  if (c_.exec || !send_->sends_from_user()) return false;
-  (void)acquire_out();  // the slot for what the socket does not take at once
-  send_->post_from(c_.tag, src, bytes);
-  c_.bytes_sent += bytes;
-  return true;
-}
-
-bool Prims::recv_into(void* dst, size_t bytes) {
-  if (c_.exec || !recv_->recv_into(dst, bytes, c_.tag, *c_.mon)) return false;
-  c_.bytes_recv += bytes;
-  return true;
-}
-
 void Prims::send(const void* src, size_t n) {
   const size_t b = n * c_.esize();
-  if (send_from(src, b)) return;
   void* out = acquire_out();
   do_copy(c_, out, nullptr, src, b);
   post_out(b);
@@ -104,10 +89,6 @@ void Prims::send(const void* src, size_t n) {
 
 void Prims::copy_send(const void* src, void* dst, size_t n) {
   const size_t b = n * c_.esize();
-  if (send_from(src, b)) {
-    if (src != dst) do_copy(c_, dst, nullptr, src, b, c_.out_store);
-    return;
-  }
   void* out = acquire_out();
   if (src == dst)
     do_copy(c_, out, nullptr, src, b);
@@ -118,7 +99,6 @@ void Prims::copy_send(const void* src, void* dst, size_t n) {
 
 void Prims::recv(void* dst, size_t n) {
   const size_t b = n * c_.esize();
-  if (recv_into(dst, b)) return;
   const void* in = wait_in(b);
   do_copy(c_, dst, nullptr, in, b, c_.out_store);
   release_in();
@@ -142,12 +122,6 @@ void Prims::recv_reduce_copy(const void* src, void* dst, size_t n) {
 void Prims::recv_reduce_copy_send(const void* src, void* dst, size_t n) {
   const size_t b = n * c_.esize();
   const void* in = wait_in(b);
-  if (!c_.exec && send_->sends_from_user()) {  // the sum once, into dst, sent from there
-    reduce2(dst, nullptr, in, src, n, true);
-    release_in();
-    (void)send_from(dst, b);
-    return;
-  }
   void* out = acquire_out();
   reduce2(dst, out, in, src, n, true);
   release_in();
@@ -156,12 +130,6 @@ void Prims::recv_reduce_copy_send(const void* src, void* dst, size_t n) {
 
 void Prims::recv_copy_send(void* dst, size_t n) {
   const size_t b = n * c_.esize();
-  if (recv_into(dst, b)) {
-    if (send_from(dst, b)) return;
-    void* out = acquire_out();
-    do_copy(c_, out, nullptr, dst, b);
-    return post_out(b);
-  }
   const void* in = wait_in(b);
   void* out = acquire_out();
   do_copy(c_, dst, out, in, b, c_.out_store);

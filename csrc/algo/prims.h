@@ -38,10 +38,6 @@ class Prims {
   void release_in();
   void* acquire_out();
   void post_out(size_t bytes);
-  // Straight between the caller's buffer and the socket (TCP links, CPU
-  // memory); false where the transport or the memory does not allow it.
-  bool send_from(const void* src, size_t bytes);
-  bool recv_into(void* dst, size_t bytes);
   // dst0 (and dst1) = a op b, finished (divided for AVG) when `final`.
   void reduce2(void* dst0, void* dst1, const void* a, const void* b, size_t n, bool final);
 

@@ -34,15 +34,6 @@ class SendConn {
   virtual bool ready() = 0;
   // Hands the slot returned by the last acquire() to the receiver.
   virtual void post(const SlotTag& tag, size_t bytes) = 0;
-  // Whether post_from() sends from the caller's buffer (a transport that
-  // writes to a socket); otherwise the algorithms copy into the slot.
-  virtual bool sends_from_user() const { return false; }
-  // Like post() of a slot holding [src, src + bytes): sends what it can
-  // straight from src, and copies the rest into the slot of the last
-  // acquire(), so that src is free again when it returns.
-  virtual void post_from(const SlotTag& tag, const void* src, size_t bytes) {
-    (void)tag, (void)src, (void)bytes;
-  }
 };
 
 class RecvConn {
@@ -55,14 +46,6 @@ class RecvConn {
   virtual bool ready() = 0;
   // Gives the slot returned by the last wait() back to the sender.
   virtual void release() = 0;
-  // Receives the next slot straight into [dst, dst + bytes) and releases it,
-  // if this transport can (a socket's) and the slot carries `want` and
-  // `bytes`; false otherwise (nothing written: wait() then returns the slot,
-  // for the caller to name the mismatch).
-  virtual bool recv_into(void* dst, size_t bytes, const SlotTag& want, WaitMonitor& mon) {
-    (void)dst, (void)bytes, (void)want, (void)mon;
-    return false;
-  }
 };
 
 }  // namespace pyc

@@ -3,11 +3,9 @@
 
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <sstream>
@@ -261,53 +259,11 @@ void TcpSendConn::post(const SlotTag& tag, size_t bytes) {
   char* frame = base_ + current_ * stride_ + 64 - kHdr;
   DataHeader h{tag.seq, 0, tag.w0, tag.w1, bytes};
   std::memcpy(frame, &h, kHdr);
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    queue_[stripe_].push_back(Frame{current_, 0, kHdr + bytes});
-  }
-  after_post(bytes);
-}
-
-void TcpSendConn::post_from(const SlotTag& tag, const void* src, size_t bytes) {
-  PYC_ASSERT(current_ >= 0 && bytes <= env_.slot_bytes);
-  char* frame = base_ + current_ * stride_ + 64 - kHdr;
-  DataHeader h{tag.seq, 0, tag.w0, tag.w1, bytes};
-  std::memcpy(frame, &h, kHdr);
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    size_t sent = 0;
-    if (queue_[stripe_].empty() && error_ == 0) {
-      iovec iov[2] = {{frame, kHdr}, {const_cast<void*>(src), bytes}};
-      msghdr m{};
-      m.msg_iov = iov;
-      m.msg_iovlen = 2;
-      for (;;) {
-        const ssize_t n = ::sendmsg(fds_[stripe_], &m, MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (n >= 0)
-          sent = static_cast<size_t>(n);
-        else if (errno == EINTR)
-          continue;
-        else if (errno != EAGAIN && errno != EWOULDBLOCK)
-          error_ = errno;  // after_post() gives the verdict
-        break;
-      }
-    }
-    if (sent == kHdr + bytes) {
-      free_.push_back(current_);
-    } else {
-      const size_t done = sent > kHdr ? sent - kHdr : 0;  // payload the kernel took
-      std::memcpy(frame + kHdr + done, static_cast<const char*>(src) + done, bytes - done);
-      queue_[stripe_].push_back(Frame{current_, sent, kHdr + bytes});
-    }
-  }
-  after_post(bytes);
-}
-
-void TcpSendConn::after_post(size_t bytes) {
   bool more = false;
   int err = 0;
   {
     std::lock_guard<std::mutex> lk(mu_);
+    queue_[stripe_].push_back(Frame{current_, 0, kHdr + bytes});
     stripe_ = (stripe_ + 1) % static_cast<int>(queue_.size());
     current_ = -1;
     sent_.fetch_add(bytes, std::memory_order_relaxed);
@@ -400,14 +356,15 @@ bool TcpRecvConn::adopt(int stripe, int fd) {
   return true;
 }
 
-bool TcpRecvConn::read_to(size_t want, char* payload) {
+bool TcpRecvConn::progress() {
+  if (held_) return true;
   if (error_ != 0) return false;
   const int fd = fds_[stripe_].load(std::memory_order_acquire);
   if (fd < 0) return false;
-  while (got_ < want) {
-    const size_t end = got_ < kHdr ? kHdr : want;
-    char* dst = got_ < kHdr ? reinterpret_cast<char*>(&hdr_) + got_ : payload + (got_ - kHdr);
-    const ssize_t n = recv_some(fd, dst, end - got_);
+  for (;;) {
+    const size_t want = got_ < kHdr ? kHdr : kHdr + hdr_.bytes;
+    char* dst = got_ < kHdr ? reinterpret_cast<char*>(&hdr_) + got_ : buf_ + (got_ - kHdr);
+    const ssize_t n = recv_some(fd, dst, want - got_);
     if (n == 0) return false;
     if (n < 0) {
       error_ = n == kEof ? -1 : static_cast<int>(-n);
@@ -418,38 +375,12 @@ bool TcpRecvConn::read_to(size_t want, char* payload) {
       error_ = EPROTO;
       return false;
     }
-    if (got_ == kHdr) want = std::min(want, kHdr + hdr_.bytes);
+    if (got_ >= kHdr && got_ == kHdr + hdr_.bytes) {
+      recvd_.fetch_add(hdr_.bytes, std::memory_order_relaxed);
+      held_ = true;
+      return true;
+    }
   }
-  return true;
-}
-
-bool TcpRecvConn::progress() {
-  if (held_) return true;
-  if (!read_to(kHdr, buf_) || !read_to(kHdr + hdr_.bytes, buf_)) return false;
-  recvd_.fetch_add(hdr_.bytes, std::memory_order_relaxed);
-  held_ = true;
-  return true;
-}
-
-bool TcpRecvConn::recv_into(void* dst, size_t bytes, const SlotTag& want, WaitMonitor& mon) {
-  if (held_) return false;  // ready() read it whole: wait() returns it
-  mon.peer = peer_;
-  auto read = [&](size_t to, char* payload) {
-    if (read_to(to, payload)) return;
-    if (error_ == 0)
-      net_wait([&] { return read_to(to, payload) || error_ != 0; },
-               [&] { return fds_[stripe_].load(std::memory_order_acquire); }, POLLIN, mon,
-               env_.cfg.spin_us);
-    if (error_ != 0) fail(mon);
-  };
-  read(kHdr, buf_);
-  if (!(SlotTag{hdr_.seq, hdr_.w0, hdr_.w1} == want) || hdr_.bytes != bytes) return false;
-  char* out = static_cast<char*>(dst);
-  if (got_ > kHdr) std::memcpy(out, buf_, got_ - kHdr);  // read by ready() meanwhile
-  read(kHdr + bytes, out);
-  recvd_.fetch_add(bytes, std::memory_order_relaxed);
-  release();
-  return true;
 }
 
 void TcpRecvConn::fail(WaitMonitor& mon) {

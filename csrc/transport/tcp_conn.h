@@ -6,14 +6,10 @@
 // frame to the socket at once (non-blocking); what the kernel does not take
 // stays queued and the network thread writes it as the socket drains, so a
 // rank waiting for something else never holds its peers up. A slot is free
-// again once the kernel has all of it. post_from() spares the copy: the
-// header and the caller's buffer go to the kernel in one sendmsg(), and only
-// what it does not take is copied into the slot. The receiver reads the next
-// frame into its one slot when it waits for it (or asks whether it is
-// there), or, with recv_into(), its header and then the payload straight into
-// the caller's buffer: the data waits in the kernel's buffers until the
-// algorithm needs it, and TCP's window holds the sender back, as the slots'
-// count does in shared memory.
+// again once the kernel has all of it. The receiver reads the next frame
+// into its one slot when it waits for it (or asks whether it is there): the
+// data waits in the kernel's buffers until the algorithm needs it, and TCP's
+// window holds the sender back, as the slots' count does in shared memory.
 //
 // The connection of a direction is made by the sender when it first sends
 // (PYCOLL_SOCKET_NSOCKS sockets, frames striped over them in turn), and
@@ -76,11 +72,6 @@ class TcpSendConn final : public SendConn {
   // failed socket's error.
   bool ready() override;
   void post(const SlotTag& tag, size_t bytes) override;
-  bool sends_from_user() const override { return true; }
-  // Writes the frame's header and src in one sendmsg() when nothing is queued
-  // before it on its socket; what the kernel does not take is copied into the
-  // slot and queued as post() queues it.
-  void post_from(const SlotTag& tag, const void* src, size_t bytes) override;
 
   // The network thread: writes what is queued. Returns the errno that failed
   // the socket (then the peer's state says why), 0 otherwise; *more: frames
@@ -101,9 +92,6 @@ class TcpSendConn final : public SendConn {
   };
   void connect(WaitMonitor& mon);
   int push_locked();
-  // After a frame is queued or sent: the next socket; a failed socket's
-  // verdict, or the network thread told to write what is queued.
-  void after_post(size_t bytes);
   [[noreturn]] void fail(int err, WaitMonitor& mon, const char* what);
 
   const TcpLinkEnv& env_;
@@ -133,10 +121,6 @@ class TcpRecvConn final : public RecvConn {
   RecvSlot wait(WaitMonitor& mon) override;
   bool ready() override;
   void release() override;
-  // The header first (kept for wait() if it is not `want`), then the payload
-  // straight into dst: the part already read into the slot (by ready()) is
-  // copied, the rest read from the socket.
-  bool recv_into(void* dst, size_t bytes, const SlotTag& want, WaitMonitor& mon) override;
 
   // The network thread: the peer's connection for `stripe` passed its
   // handshake. False if that stripe has one already.
@@ -148,10 +132,6 @@ class TcpRecvConn final : public RecvConn {
   // Reads what has arrived of the next frame; true once it is whole. Errors
   // and end of stream set error_ (errno, or -1 for the end).
   bool progress();
-  // Reads what has arrived of [got_, want) of the current frame, the header
-  // into hdr_ and the payload at `payload` (the frame's first payload byte);
-  // true once got_ == want. Errors as progress().
-  bool read_to(size_t want, char* payload);
   [[noreturn]] void fail(WaitMonitor& mon);
 
   const TcpLinkEnv& env_;
