@@ -108,8 +108,7 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, double tim
 
   std::vector<std::tuple<int64_t, int64_t>> members;  // (key, old rank) of my color
   for (int r = 0; r < n; ++r)
-    if (color >= 0 && all_ids[3 * r] == color)
-      members.emplace_back(all_ids[3 * r + 1], all_ids[3 * r + 2]);
+    if (color >= 0 && all_ids[3 * r] == color) members.emplace_back(all_ids[3 * r + 1], r);
   std::sort(members.begin(), members.end());
   const int new_n = static_cast<int>(members.size());
   int new_rank = -1, creator = -1;  // creator: the first member on this host (old rank)
