@@ -58,7 +58,7 @@ _live: weakref.WeakSet = weakref.WeakSet()  # closed at exit: see _close_all_at_
 
 
 class Communicator:
-    """A group of ranks on one host; create with pycollectives.init() or split()."""
+    """A group of ranks (on one host or several); create with pycollectives.init() or split()."""
 
     def __init__(self, core: Any) -> None:
         self._c = core
@@ -479,7 +479,13 @@ class Communicator:
         self, color: int | None, key: int = 0, *, timeout: Timeout = None
     ) -> Communicator | None:
         """Collective: ranks with equal `color` form a new communicator, ordered by
-        (key, rank). Returns None where color is None or negative."""
+        (key, rank). Returns None where color is None or negative. Across hosts,
+        a color spanning hosts makes a communicator across them (shared memory
+        within each host, TCP between them), set up through this one.
+
+        Raises TypeError for a color or key that is not an int, and, on every
+        rank of a color, ValueError (bad input, a bad setting) or
+        PyCollectivesError naming the rank that could not make or join it."""
         c = -1 if color is None else color
         if not isinstance(c, int) or not isinstance(key, int):
             raise TypeError(f"pycollectives: rank {self.rank}: split: color and key must be ints")

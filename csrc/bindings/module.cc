@@ -102,13 +102,8 @@ PYBIND11_MODULE(_C, m) {
       [](int world_size) {
         // Rank 0's settings with their defaults for `world_size` ranks, which
         // bind every host's segment (rendezvous.py publishes them).
-        const CommConfig c = CommConfig::from_env();
-        const size_t slot = c.slot_bytes      ? c.slot_bytes
-                            : world_size <= 4 ? 256 << 10
-                            : world_size <= 8 ? 128 << 10
-                                              : 64 << 10;
-        return py::make_tuple(slot, c.nslots ? c.nslots : 4,
-                              c.oneshot_bytes ? c.oneshot_bytes : 32 << 10,
+        const CommConfig c = CommConfig::from_env().resolved(world_size);
+        return py::make_tuple(c.slot_bytes, c.nslots, c.oneshot_bytes,
                               static_cast<uint32_t>(c.algo));
       },
       py::arg("world_size"));

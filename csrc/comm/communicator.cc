@@ -54,6 +54,15 @@ CommConfig CommConfig::from_env() {
   return c;
 }
 
+CommConfig CommConfig::resolved(int world_size) const {
+  CommConfig c = *this;
+  if (c.slot_bytes == 0)
+    c.slot_bytes = world_size <= 4 ? 256 << 10 : world_size <= 8 ? 128 << 10 : 64 << 10;
+  if (c.nslots == 0) c.nslots = 4;
+  if (c.oneshot_bytes == 0) c.oneshot_bytes = 32 << 10;
+  return c;
+}
+
 const char* Communicator::algo_name() const {
   switch (algo_) {
     case Algo::kRing:
@@ -92,13 +101,10 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
   // Across hosts, the segment holds this host's ranks, by local index.
   const int li = topo_.local(rank);
   if (creator) {
-    size_t slot = cfg.slot_bytes ? cfg.slot_bytes
-                  : n <= 4       ? 256 << 10
-                  : n <= 8       ? 128 << 10
-                                 : 64 << 10;
-    uint32_t nslots = cfg.nslots ? cfg.nslots : 4;
-    size_t oneshot = cfg.oneshot_bytes ? cfg.oneshot_bytes : 32 << 10;
-    Algo algo = cfg.algo;
+    const CommConfig own = cfg.resolved(n);
+    size_t slot = own.slot_bytes, oneshot = own.oneshot_bytes;
+    uint32_t nslots = own.nslots;
+    Algo algo = own.algo;
     if (hosts != nullptr) {  // rank 0's, resolved: every host's segment alike
       slot = hosts->slot_bytes;
       nslots = hosts->nslots;
@@ -188,6 +194,7 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
                                              },
                                              interrupt_hook_);
   if (hosts != nullptr) {
+    net_hint_ = hosts->hint;
     net_ = std::make_unique<TcpNet>(topo_, NetConfig::from_env(), hosts->comm_id,
                                     layout_.slot_bytes, layout_.nslots, *this, hosts->hint);
     for (int p = 0; p < n; ++p)

@@ -54,6 +54,9 @@ struct CommConfig {
   // PYCOLL_SLOT_BYTES, PYCOLL_NSLOTS, PYCOLL_ONESHOT_BYTES, PYCOLL_ALGO,
   // PYCOLL_STREAM_BYTES, PYCOLL_CMA_TUNE
   static CommConfig from_env();
+  // These settings with the segment's defaults for `world_size` ranks in
+  // place of the zeros (what a creator makes, and what binds every host).
+  CommConfig resolved(int world_size) const;
 };
 
 // What a communicator whose ranks span hosts is made with (rendezvous.py):
@@ -356,6 +359,7 @@ class Communicator final : public Links, public NetHost {
   std::vector<SendConn*> send_;  // by rank: shared memory within the host, TCP across
   std::vector<RecvConn*> recv_;
   std::unique_ptr<TcpNet> net_;  // across hosts
+  std::string net_hint_;         // HostSetup::hint, for the communicators split from this one
   std::vector<char> scratch_;
   OneShotAreas oneshot_{};
   std::vector<uint32_t> known_started_;  // lower bounds of peers' `started`

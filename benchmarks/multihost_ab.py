@@ -1,0 +1,101 @@
+"""A/B of two builds of the extension across hosts: 2 hosts x 1 rank over veth
+(tests/netns.py; root only), all-reduce, all-gather and reduce-scatter at 2
+and 16 MiB with pycollectives only (benchmarks/multihost.py's job_sweep).
+
+The two builds' `_C*.so` (--old, --new) are copied in turn into pycollectives/
+before each round, in alternating order (old, new; new, old; ...), and the
+installed one is put back at the end. On a shared machine the time per call
+moves several-fold between rounds, so the table gives, beside the medians, the
+median over rounds of new/old (each round's pair run back to back) and in how
+many rounds the new build was faster. Writes its section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import _doc  # noqa: E402
+import multihost  # noqa: E402
+import netns  # noqa: E402
+from multihost_jobs import run_on_hosts  # noqa: E402
+
+BEGIN, END = "<!-- multihost_ab:begin -->", "<!-- multihost_ab:end -->"
+SIZES = [2 << 20, 16 << 20]
+COLLS = ["all_reduce", "all_gather", "reduce_scatter"]
+
+
+def table(res: dict[tuple, list[float]]) -> list[str]:
+    """Medians (ms), their ratio, the median of the rounds' ratios, the rounds won."""
+    out = [
+        "| collective | size | old ms | new ms | new / old (medians) "
+        "| new / old (median over rounds) | rounds new faster |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for coll in COLLS:
+        for size in SIZES:
+            old, new = res[(coll, size, "old")], res[(coll, size, "new")]
+            ratios = [b / a for a, b in zip(old, new, strict=True)]
+            o, n = statistics.median(old), statistics.median(new)
+            out.append(
+                f"| {coll} | {_doc.size_label(size)} | {o * 1e3:.2f} | {n * 1e3:.2f} | "
+                f"{n / o:.2f} | {statistics.median(ratios):.2f} | "
+                f"{sum(r < 1 for r in ratios)}/{len(ratios)} |"
+            )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--old", required=True, help="the baseline build's _C*.so")
+    ap.add_argument("--new", required=True, help="the candidate build's _C*.so")
+    ap.add_argument("--what", default="", help="what the new build changes (for the notes)")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    if netns.unavailable():
+        sys.exit(f"multihost_ab: {netns.unavailable()}")
+    installed = next((ROOT / "pycollectives").glob("_C*.so"))
+    keep = installed.read_bytes()
+    res: dict[tuple, list[float]] = {}
+    try:
+        with netns.Fabric(2) as fabric:
+            for rnd in range(args.rounds):
+                for which in ("old", "new") if rnd % 2 == 0 else ("new", "old"):
+                    shutil.copyfile(getattr(args, which), installed)
+                    rows = run_on_hosts(
+                        fabric, [0, 1], multihost.job_sweep, COLLS, SIZES, 0, timeout=300
+                    )[0]
+                    for _, coll, size, sec in rows:
+                        res.setdefault((coll, size, which), []).append(sec)
+                    print(rnd, which, [(c, s, f"{t * 1e3:.2f} ms") for _, c, s, t in rows])
+    finally:
+        installed.write_bytes(keep)
+    notes = [
+        "Hosts: network namespaces on one machine, one veth pair each to a bridge; the "
+        "machine is shared with other jobs",
+        f"{args.rounds} rounds, each running both builds back to back (order alternating); "
+        "a round's time is the median of 3 repetitions (multihost.py's job_sweep)",
+    ]
+    if args.what:
+        notes.append(f"New: {args.what}")
+    _doc.emit_section(
+        BEGIN,
+        END,
+        "Across hosts: A/B of two builds (2 hosts x 1 rank)",
+        "`sudo python benchmarks/multihost_ab.py --old OLD.so --new NEW.so`",
+        notes,
+        table(res),
+        not args.no_write,
+    )
+
+
+if __name__ == "__main__":
+    main()
