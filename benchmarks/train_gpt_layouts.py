@@ -1,4 +1,4 @@
-"""Tokens/s of 3D training (strategies/parallel3d.py, what examples/train_gpt.py
+"""Tokens/s of 3D training (strategies/parallel3d/, what examples/train_gpt.py
 runs) for every dp x tp x pp layout of 4 and of 8 processes, and the
 tensor-parallel layers' time against the plain nn.Linear at tp = 2.
 

@@ -1,5 +1,5 @@
 """Trains the reference GPT with data x tensor x pipeline parallelism on
-pycollectives (strategies/parallel3d.py).
+pycollectives (strategies/parallel3d/).
 
     python examples/train_gpt.py --dp 2 --tp 2 --pp 2 --steps 20
     python examples/train_gpt.py --dp 2 --pp 2 --schedule zbh1 --microbatches 4
@@ -62,14 +62,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def save(trainer, directory: str) -> None:  # noqa: ANN001
     """Writes the checkpoint of `trainer` into `directory` (collective)."""
-    from strategies.parallel3d_checkpoint import save_trainer
+    from strategies.parallel3d.checkpoint import save_trainer
 
     save_trainer(trainer, directory)
 
 
 def resume(trainer, directory: str) -> None:  # noqa: ANN001
     """Loads `directory` into `trainer`, which continues at the saved step (collective)."""
-    from strategies.parallel3d_checkpoint import load_trainer
+    from strategies.parallel3d.checkpoint import load_trainer
 
     load_trainer(trainer, directory)
 

@@ -1,4 +1,4 @@
-"""3D parallelism (strategies/parallel3d.py) on local ranks: dp x tp x pp
+"""3D parallelism (strategies/parallel3d/) on local ranks: dp x tp x pp
 training of a tiny GPT matches one process training the same global batches
 for 20 steps; the start is layout-invariant (the full initial weights and the
 global order of samples, gathered from the ranks, are those of one process);

@@ -1,4 +1,4 @@
-"""Checkpoints of 3D training (strategies/parallel3d_checkpoint.py): saved in
+"""Checkpoints of 3D training (strategies/parallel3d/checkpoint.py): saved in
 one dp x tp x pp layout and ZeRO stage, resumed in another, the run ends
 where the uninterrupted one does (float64: parameters within 1e-10, as
 tests/test_3d.py bounds the layouts against one process); bad input raises
@@ -19,7 +19,7 @@ from test_3d import CONFIG, OPTIONS  # noqa: E402
 
 from strategies.mesh import ParallelDims  # noqa: E402
 from strategies.parallel3d import Trainer3D  # noqa: E402
-from strategies.parallel3d_checkpoint import load_trainer, save_trainer  # noqa: E402
+from strategies.parallel3d.checkpoint import load_trainer, save_trainer  # noqa: E402
 
 STEPS, SAVE_AT = 6, 3
 

@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 
 from strategies.checkpoint import Piece, load_pieces, read_index, save_pieces
-from strategies.parallel3d import Trainer3D, full_shapes
 from strategies.pipeline.communications import agree
 from strategies.pipeline.stage import TIED
+
+from .trainer import Trainer3D, full_shapes
 
 __all__ = ["load_trainer", "save_trainer"]
 

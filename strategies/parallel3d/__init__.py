@@ -1,0 +1,17 @@
+"""3D parallelism: data x tensor x pipeline parallel training of the GPT on
+one ParallelDims (trainer.py), and its checkpoints, resumable in any other
+layout (checkpoint.py). See docs/parallel3d.md."""
+
+from .checkpoint import load_trainer, save_trainer
+from .trainer import SCHEDULES, StepStats, Trainer3D, TrainOptions, full_shapes, problems
+
+__all__ = [
+    "SCHEDULES",
+    "StepStats",
+    "TrainOptions",
+    "Trainer3D",
+    "full_shapes",
+    "load_trainer",
+    "problems",
+    "save_trainer",
+]
