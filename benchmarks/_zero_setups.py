@@ -18,6 +18,7 @@ from strategies.ddp import DistributedDataParallel
 from strategies.fsdp import MixedPrecisionPolicy, fully_shard
 from strategies.models.gpt import GPT, GPTConfig
 from strategies.sharding import EngineMeter
+from strategies.sharding.engine import count_storage
 from strategies.zero import ZeroOptimizer
 
 __all__ = [
@@ -88,21 +89,6 @@ def preload_initial(config: GPTConfig, path: str) -> None:
 def fresh_gpt(config: GPTConfig) -> GPT:
     """A new GPT(config) with GPT's initial values (cached per process)."""
     return _CachedGPT(config)
-
-
-def count_storage(roles: dict[str, list[torch.Tensor]]) -> dict[str, int]:
-    """Bytes per role, each storage counted once (in the first role that holds it)."""
-    seen: set[int] = set()
-    out = {}
-    for role, tensors in roles.items():
-        total = 0
-        for t in tensors:
-            s = t.untyped_storage()
-            if s.nbytes() and s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                total += s.nbytes()
-        out[role] = total
-    return out
 
 
 def _opt_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -270,16 +270,25 @@ def _signature(module: nn.Module) -> int:
     return int.from_bytes(h.digest()[:8], "little") >> 1
 
 
-def _check_same_model(comm: Communicator, module: nn.Module) -> None:
-    mine = torch.tensor([sum(1 for _ in module.parameters()), _signature(module)])
+def ranks_that_differ(
+    comm: Communicator, count: int, signature: int
+) -> tuple[list[int], list[int]]:
+    """Collective: the ranks whose (count, signature) differ from rank 0's, and every rank's count."""
+    mine = torch.tensor([count, signature])
     every = torch.empty(2 * comm.world_size, dtype=torch.int64)
     comm.all_gather(every, mine)
     every = every.view(comm.world_size, 2)
     differ = [r for r in range(comm.world_size) if not torch.equal(every[r], every[0])]
+    return differ, every[:, 0].tolist()
+
+
+def _check_same_model(comm: Communicator, module: nn.Module) -> None:
+    count = sum(1 for _ in module.parameters())
+    differ, counts = ranks_that_differ(comm, count, _signature(module))
     if differ:
         raise ValueError(
             f"DistributedDataParallel: rank {comm.rank}: the model on ranks {differ} differs "
-            f"from rank 0's (parameter counts {every[:, 0].tolist()}); every rank must wrap a "
+            f"from rank 0's (parameter counts {counts}); every rank must wrap a "
             "model with the same parameter names, shapes and dtypes"
         )
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from pycollectives import Communicator, ReduceOp, Work
 from pycollectives.bucketing import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, BucketSet
+from strategies.ddp import ranks_that_differ
 
 __all__ = ["StepGradAverager"]
 
@@ -177,14 +178,11 @@ def _check_same(comm: Communicator, named: Sequence[tuple[str, nn.Parameter]]) -
     h = hashlib.sha256()
     for n, p in named:
         h.update(f"{n}:{tuple(p.shape)}:{p.dtype};".encode())
-    mine = torch.tensor([len(named), int.from_bytes(h.digest()[:8], "little") >> 1])
-    every = torch.empty(2 * comm.world_size, dtype=torch.int64)
-    comm.all_gather(every, mine)
-    every = every.view(comm.world_size, 2)
-    differ = [r for r in range(comm.world_size) if not torch.equal(every[r], every[0])]
+    signature = int.from_bytes(h.digest()[:8], "little") >> 1
+    differ, counts = ranks_that_differ(comm, len(named), signature)
     if differ:
         raise ValueError(
             f"StepGradAverager: rank {comm.rank}: ranks {differ} average other parameters "
-            f"(counts {every[:, 0].tolist()}) than rank 0: every rank of the data-parallel "
+            f"(counts {counts}) than rank 0: every rank of the data-parallel "
             "group must hold the same parameter names, shapes and dtypes"
         )

@@ -35,7 +35,7 @@ from .gradients import GradReducer
 from .meter import EngineMeter
 from .unit import FREE, ShardedUnit
 
-__all__ = ["ShardingEngine", "cast_floats"]
+__all__ = ["ShardingEngine", "cast_floats", "count_storage"]
 
 
 class ShardingEngine:
@@ -395,17 +395,22 @@ class ShardingEngine:
                 for t in st.values()
                 if isinstance(t, torch.Tensor)
             ]
-        seen: set[int] = set()
-        out = {}
-        for role, tensors in roles.items():
-            total = 0
-            for t in tensors:
-                s = t.untyped_storage()
-                if s.nbytes() and s.data_ptr() not in seen:
-                    seen.add(s.data_ptr())
-                    total += s.nbytes()
-            out[role] = total
-        return out
+        return count_storage(roles)
+
+
+def count_storage(roles: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    """Bytes per role, each storage counted once (in the first role that holds it)."""
+    seen: set[int] = set()
+    out = {}
+    for role, tensors in roles.items():
+        total = 0
+        for t in tensors:
+            s = t.untyped_storage()
+            if s.nbytes() and s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+        out[role] = total
+    return out
 
 
 def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
