@@ -32,6 +32,22 @@ bool next_pos(const BlockMap& m, size_t chunk, Pos* p) {
   return p->seg < m.nsegs;
 }
 
+// Chunk q of block b (the ring's blocks are numbered modulo the ranks): its
+// length (0 past the end of the block's segment) and its first element.
+struct Chunks {
+  const OpCtx& c;
+  const BlockMap& m;
+  size_t chunk;
+  size_t seg_len(long b, const Pos& q) const { return m.len[c.mod(b) * m.nsegs + q.seg]; }
+  size_t len(long b, const Pos& q) const {
+    const size_t l = seg_len(b, q);
+    return q.off >= l ? size_t{0} : std::min(chunk, l - q.off);
+  }
+  size_t first(long b, const Pos& q) const {
+    return m.off[c.mod(b) * m.nsegs + q.seg] + std::min(q.off, seg_len(b, q));
+  }
+};
+
 bool first_pos(const BlockMap& m, Pos* p) {
   p->seg = 0;
   p->off = 0;
@@ -62,15 +78,9 @@ void ring_reduce_scatter_map(OpCtx& c, const void* in, void* out, const BlockMap
   }
   Prims p(c, c.mod(r + 1), c.mod(r - 1));
   const size_t chunk = p.chunk_elems();
-  auto len = [&](long b, const Pos& q) {
-    const size_t l = m.len[c.mod(b) * m.nsegs + q.seg];
-    return q.off >= l ? size_t{0} : std::min(chunk, l - q.off);
-  };
-  auto at = [&](long b, const Pos& q) {
-    return src + (m.off[c.mod(b) * m.nsegs + q.seg] +
-                  std::min(q.off, m.len[c.mod(b) * m.nsegs + q.seg])) *
-                     es;
-  };
+  const Chunks ch{c, m, chunk};
+  auto len = [&](long b, const Pos& q) { return ch.len(b, q); };
+  auto at = [&](long b, const Pos& q) { return src + ch.first(b, q) * es; };
   Pos q;
   if (!first_pos(m, &q)) return;
   p.send(at(r - 1, q), len(r - 1, q));
@@ -93,15 +103,9 @@ void ring_all_gather_map(OpCtx& c, void* buf, const BlockMap& m) {
   auto* base = static_cast<char*>(buf);
   Prims p(c, c.mod(r + 1), c.mod(r - 1));
   const size_t chunk = p.chunk_elems();
-  auto len = [&](long b, const Pos& q) {
-    const size_t l = m.len[c.mod(b) * m.nsegs + q.seg];
-    return q.off >= l ? size_t{0} : std::min(chunk, l - q.off);
-  };
-  auto at = [&](long b, const Pos& q) {
-    return base + (m.off[c.mod(b) * m.nsegs + q.seg] +
-                   std::min(q.off, m.len[c.mod(b) * m.nsegs + q.seg])) *
-                      es;
-  };
+  const Chunks ch{c, m, chunk};
+  auto len = [&](long b, const Pos& q) { return ch.len(b, q); };
+  auto at = [&](long b, const Pos& q) { return base + ch.first(b, q) * es; };
   Pos q;
   if (!first_pos(m, &q)) return;
   p.send(at(r, q), len(r, q));
