@@ -27,7 +27,7 @@ OPS = [pc.ReduceOp.SUM, pc.ReduceOp.PROD, pc.ReduceOp.MIN, pc.ReduceOp.MAX, pc.R
 WORLD_SIZES = [1, 2, 3, 4]
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)
 def _pattern(n: int, count: int, op: pc.ReduceOp, signed: bool) -> tuple:
     """Every rank's data (int64, [n, count]) and its exact reduction (float64),
     computed once per shape and cast to each dtype by the caller."""
