@@ -471,16 +471,16 @@ SCENARIOS = {
 }
 
 
-def _job(rank: int, n: int) -> bytes:
-    """Every scenario under gloo, then under pycoll, in this rank's process."""
+def _job(rank: int, n: int, port_offset: int = 0) -> bytes:
+    """Every scenario under gloo, then under pycoll, in this rank's process;
+    their store at MASTER_ADDR:MASTER_PORT + port_offset."""
     import torch.distributed as dist
 
     import pycollectives  # noqa: F401 - registers "pycoll"
 
     warnings.filterwarnings("ignore")
-    store = dist.TCPStore(
-        "127.0.0.1", int(os.environ["MASTER_PORT"]), n, rank == 0, wait_for_workers=False
-    )
+    port = int(os.environ["MASTER_PORT"]) + port_offset
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], port, n, rank == 0, wait_for_workers=False)
     results: dict[str, dict[str, Any]] = {}
     for backend in BACKENDS:
         dist.init_process_group(
@@ -540,7 +540,11 @@ _EXACT_OPS = {
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_pycoll_matches_gloo(n: int, scenario: str) -> None:
-    res = _results(n)
+    check_matches_gloo(_results(n), n, scenario)
+
+
+def check_matches_gloo(res: list[dict[str, dict[str, Any]]], n: int, scenario: str) -> None:
+    """The ranks' pycoll results of `scenario` against their gloo results."""
     for rank in range(n):
         gloo, pyc = res[rank]["gloo"][scenario], res[rank]["pycoll"][scenario]
         assert gloo.keys() == pyc.keys()

@@ -1,5 +1,12 @@
-"""The strategies across hosts, unchanged (network namespaces, netns.py): on
-2 hosts x 2 ranks (ranks 0, 1 on host 0; 2, 3 on host 1) the 3D trainer
+"""What sits above the core, unchanged across hosts (network namespaces,
+netns.py).
+
+The torch.distributed backend "pycoll" on 2 hosts x 1 rank: every scenario of
+test_backend.py (the c10d API, functional collectives, torch DDP, FSDP2, TP)
+under gloo and then "pycoll" in the same processes, pycoll's results against
+gloo's by test_backend's rules (2 ranks: bitwise).
+
+On 2 hosts x 2 ranks (ranks 0, 1 on host 0; 2, 3 on host 1) the 3D trainer
 (strategies.parallel3d) trains the tiny GPT of test_3d.py and matches one
 process within test_3d's tolerances:
 
@@ -12,9 +19,12 @@ process within test_3d's tolerances:
 
 from __future__ import annotations
 
+import io
+
 import netns
 import pytest
 import test_3d as t3
+import test_backend as tb
 import torch
 from multihost_jobs import run_on_hosts
 
@@ -55,3 +65,16 @@ def test_3d_training_across_hosts_matches_one_process(fabric, dp, tp, pp, change
     for name, want in end.items():
         diff = (got[name] - want).abs().max().item()
         assert diff <= 1e-10, (name, diff)
+
+
+def job_backend(comm) -> bytes:  # noqa: ANN001
+    """test_backend's scenarios, their torch store beside pycollectives' own."""
+    return tb._job(comm.rank, comm.world_size, port_offset=1)
+
+
+def test_torch_backend_across_hosts_matches_gloo(fabric):
+    env = {"GLOO_SOCKET_IFNAME": "eth0"}  # gloo's interface inside each namespace
+    raw = run_on_hosts(fabric, [0, 1], job_backend, env=env, timeout=180)
+    res = [torch.load(io.BytesIO(b), weights_only=False) for b in raw]
+    for scenario in tb.SCENARIOS:
+        tb.check_matches_gloo(res, 2, scenario)
