@@ -304,7 +304,8 @@ class Communicator:
 
         `src=None` receives from any source (MPI_ANY_SOURCE): the message of
         whichever peer sends one first, after every operation issued before
-        this one (CPU buffers only). Returns the sender's rank, or with
+        this one (CPU buffers; across hosts CUDA tensors too, staged through host
+        memory). Returns the sender's rank, or with
         `async_op` a Work whose `source` is the sender's rank once it completed.
         Raises ValueError for a bad `src` or buffer, and the core's errors.
         """
