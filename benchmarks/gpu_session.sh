@@ -12,7 +12,8 @@
 #   test   python -m pytest -q -m cuda tests/ (every CUDA test, part 2's included),
 #          then the unmarked tests of tests/test_cuda_kernels.py (device queries,
 #          the clear error without a visible device).
-#   bench  every benchmarks/cuda_*.py, each under `timeout`; a script whose --help
+#   bench  every benchmarks/cuda_*.py (cuda_collectives, cuda_kernels, cuda_staging: what host
+#          staging across hosts costs), each under `timeout`; a script whose --help
 #          mentions --json is given --json $OUT/<name>.json. docs/benchmarks.md
 #          (whose sections the scripts rewrite) is copied to $OUT.
 #   sanitize  (optional) compute-sanitizer memcheck over a subset of

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _C
-from ._buffers import ITEMSIZE, describe, describe_cuda, is_cuda_buffer, require_cuda
+from ._buffers import ITEMSIZE, describe, is_cuda_buffer
+from ._cuda_args import cuda_args, cuda_ret, describe_pair, stage, stage_batch_p2p, stage_pair
+from ._staging import Staged
 from .work import CudaWork, Timeout, Work, to_seconds
 
 __all__ = ["Communicator", "CudaWork", "ReduceOp", "Timeout", "Work", "to_seconds"]
@@ -70,6 +72,9 @@ class Communicator:
         # caller drops its Work (the progress thread still reads and writes them).
         self._inflight: collections.deque = collections.deque()
         self._cuda_device: int | None = None  # set by the first CUDA operation
+        # Ranks on several hosts: CUDA buffers go through pinned host copies (_staging.py).
+        self._across_hosts = any(core.host_of)
+        self._stager: Any = None  # made by the first staged operation
         # all_reduce_coalesced's window buckets, by (shapes and dtypes, cap): see bucketing.py
         self._coalesced_buckets: dict = {}
         _live.add(self)
@@ -88,75 +93,11 @@ class Communicator:
         self._inflight.append((work, buffers))
         return Work(work, self)
 
-    def _cuda_args(self, name: str, *specs: tuple[Buffer, str, bool]) -> tuple[list, int, Any]:
-        """Describes the CUDA buffers of one call: specs are (buffer, argument
-        name, writable). Returns ([(address, numel, dtype code)], device,
-        current-stream getter). Raises ValueError naming the argument, the rank
-        and the operation for a build without CUDA, a machine without a device,
-        ranks on several hosts (CUDA IPC is within a host), a CPU buffer among
-        CUDA ones, or buffers on different devices."""
-        require_cuda(self.rank, name, specs[0][1])
-        if any(self.hosts):
-            raise ValueError(
-                f"pycollectives: rank {self.rank}: {name}: {specs[0][1]} is a CUDA tensor, and "
-                "the ranks span hosts: CUDA tensors go through CUDA IPC, within one host only "
-                "(copy it to the CPU for a collective across hosts)"
-            )
-        descs, device, first, stream = [], None, specs[0][1], None
-        for buf, arg, writable in specs:
-            ptr, n, dt, dev, get_stream = describe_cuda(buf, self.rank, name, arg, writable)
-            if dev is not None and device is not None and dev != device:
-                raise ValueError(
-                    f"pycollectives: rank {self.rank}: {name}: {arg} is on cuda:{dev}, but "
-                    f"{first} is on cuda:{device}: all buffers of one call must be on one device"
-                )
-            if device is None:
-                device, first = dev, arg
-            stream = stream or get_stream
-            descs.append((ptr, n, dt))
-        if device is None:  # empty buffers without an address: the communicator's device
-            device = self._cuda_device if self._cuda_device is not None else 0
-        self._cuda_device = device
-        return descs, device, stream
-
-    def _cuda_ret(self, work: Any, async_op: bool, stream: Any, *buffers: Buffer) -> Work | None:
-        """Keeps the buffers alive until the CUDA operation completes; returns a
-        CudaWork, or (synchronous call) makes the current stream wait for it."""
-        self._prune()
-        self._inflight.append((work, buffers))
-        if async_op:
-            return CudaWork(work, self, stream)
-        work.wait_stream(stream(), -1.0)
-        return None
-
-    def _describe_pair(self, name: str, output: Buffer, input: Buffer) -> tuple:  # noqa: A002
-        """Describes the output (written) and input (read) of one call, which
-        must share a dtype: returns ((ptr, numel, dtype) of output, the same of
-        input, None or (device, current-stream getter) for CUDA buffers).
-        Raises ValueError naming the argument, the rank and the operation."""
-        if is_cuda_buffer(output):
-            [o, i], dev, stream = self._cuda_args(
-                name, (output, "output", True), (input, "input", False)
-            )
-            cuda = (dev, stream)
-        else:
-            o = describe(output, self.rank, name, "output")
-            i = describe(input, self.rank, name, "input", writable=False)
-            cuda = None
-        self._same_dtype(o[2], i[2], name)
-        return o, i, cuda
-
     def _prune(self) -> None:
         """Drops the buffers of operations that completed (they complete in order)."""
         inflight = self._inflight
         while inflight and inflight[0][0].is_completed():
             inflight.popleft()
-
-    def _same_dtype(self, out_dt: int, in_dt: int, name: str) -> None:
-        if out_dt != in_dt:
-            raise ValueError(
-                f"pycollectives: rank {self.rank}: {name}: output dtype differs from input dtype"
-            )
 
     def _root(self, root: int, arg: str, name: str) -> int:
         if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < self.world_size:
@@ -179,9 +120,12 @@ class Communicator:
             return None
         if is_cuda_buffer(tensor):
             code = _op_code(op, self.rank, "all_reduce")
-            [(ptr, n, dt)], dev, stream = self._cuda_args("all_reduce", (tensor, "tensor", True))
+            [(ptr, n, dt)], dev, stream = cuda_args(self, "all_reduce", (tensor, "tensor", True))
+            if self._across_hosts:
+                call = lambda h, a: self.all_reduce(h[0], op, async_op=a, timeout=timeout)  # noqa: E731
+                return stage(self, [Staged(tensor, "tensor", True, True)], call, async_op)
             w = _C.cuda_all_reduce(self._c, ptr, n, dt, code, dev, stream(), to_seconds(timeout))
-            return self._cuda_ret(w, async_op, stream, tensor)
+            return cuda_ret(self, w, async_op, stream, tensor)
         ptr, n, dt = describe(tensor, self.rank, "all_reduce", "tensor")
         code = _op_code(op, self.rank, "all_reduce")
         return self._ret(
@@ -201,7 +145,7 @@ class Communicator:
         if not async_op and timeout is None and self._fast.reduce_scatter(output, input, op):
             return None
         name = "reduce_scatter"
-        (po, no, do), (pi, ni, di), cuda = self._describe_pair(name, output, input)
+        (po, no, do), (pi, ni, di), cuda = describe_pair(self, name, output, input)
         if ni != no * self.world_size:
             raise ValueError(
                 f"pycollectives: rank {self.rank}: {name}: input has {ni} elements, expected "
@@ -210,12 +154,15 @@ class Communicator:
         es = ITEMSIZE[di]
         _check_no_overlap((pi, ni * es), (po, no * es), pi + self.rank * no * es, self.rank, name)
         code = _op_code(op, self.rank, name)
+        if cuda and self._across_hosts:
+            call = lambda o, i, a: self.reduce_scatter(o, i, op, async_op=a, timeout=timeout)  # noqa: E731
+            return stage_pair(self, output, input, call, async_op)
         if cuda:
             dev, stream = cuda
             w = _C.cuda_reduce_scatter(
                 self._c, po, pi, no, di, code, dev, stream(), to_seconds(timeout)
             )
-            return self._cuda_ret(w, async_op, stream, output, input)
+            return cuda_ret(self, w, async_op, stream, output, input)
         w = self._c.reduce_scatter(po, pi, no, di, code, async_op, to_seconds(timeout))
         return self._ret(w, output, input)
 
@@ -231,7 +178,7 @@ class Communicator:
         if not async_op and timeout is None and self._fast.all_gather(output, input):
             return None
         name = "all_gather"
-        (po, no, do), (pi, ni, di), cuda = self._describe_pair(name, output, input)
+        (po, no, do), (pi, ni, di), cuda = describe_pair(self, name, output, input)
         if no != ni * self.world_size:
             raise ValueError(
                 f"pycollectives: rank {self.rank}: {name}: output has {no} elements, expected "
@@ -239,10 +186,13 @@ class Communicator:
             )
         es = ITEMSIZE[di]
         _check_no_overlap((po, no * es), (pi, ni * es), po + self.rank * ni * es, self.rank, name)
+        if cuda and self._across_hosts:
+            call = lambda o, i, a: self.all_gather(o, i, async_op=a, timeout=timeout)  # noqa: E731
+            return stage_pair(self, output, input, call, async_op)
         if cuda:
             dev, stream = cuda
             w = _C.cuda_all_gather(self._c, po, pi, ni, di, dev, stream(), to_seconds(timeout))
-            return self._cuda_ret(w, async_op, stream, output, input)
+            return cuda_ret(self, w, async_op, stream, output, input)
         w = self._c.all_gather(po, pi, ni, di, async_op, to_seconds(timeout))
         return self._ret(w, output, input)
 
@@ -253,10 +203,14 @@ class Communicator:
         if not async_op and timeout is None and self._fast.broadcast(tensor, src):
             return None
         if is_cuda_buffer(tensor):
-            [(ptr, n, dt)], dev, stream = self._cuda_args("broadcast", (tensor, "tensor", True))
+            [(ptr, n, dt)], dev, stream = cuda_args(self, "broadcast", (tensor, "tensor", True))
             src = self._root(src, "src", "broadcast")
+            if self._across_hosts:
+                call = lambda h, a: self.broadcast(h[0], src, async_op=a, timeout=timeout)  # noqa: E731
+                bufs = [Staged(tensor, "tensor", self.rank == src, self.rank != src)]
+                return stage(self, bufs, call, async_op)
             w = _C.cuda_broadcast(self._c, ptr, n, dt, src, dev, stream(), to_seconds(timeout))
-            return self._cuda_ret(w, async_op, stream, tensor)
+            return cuda_ret(self, w, async_op, stream, tensor)
         ptr, n, dt = describe(tensor, self.rank, "broadcast", "tensor")
         src = self._root(src, "src", "broadcast")
         return self._ret(self._c.broadcast(ptr, n, dt, src, async_op, to_seconds(timeout)), tensor)
@@ -274,12 +228,16 @@ class Communicator:
         if not async_op and timeout is None and self._fast.reduce(tensor, dst, op):
             return None
         if is_cuda_buffer(tensor):
-            [(ptr, n, dt)], dev, stream = self._cuda_args("reduce", (tensor, "tensor", True))
+            [(ptr, n, dt)], dev, stream = cuda_args(self, "reduce", (tensor, "tensor", True))
             dst = self._root(dst, "dst", "reduce")
             code = _op_code(op, self.rank, "reduce")
+            if self._across_hosts:
+                call = lambda h, a: self.reduce(h[0], dst, op, async_op=a, timeout=timeout)  # noqa: E731
+                bufs = [Staged(tensor, "tensor", True, self.rank == dst)]
+                return stage(self, bufs, call, async_op)
             to = to_seconds(timeout)
             w = _C.cuda_reduce(self._c, ptr, n, dt, code, dst, dev, stream(), to)
-            return self._cuda_ret(w, async_op, stream, tensor)
+            return cuda_ret(self, w, async_op, stream, tensor)
         ptr, n, dt = describe(tensor, self.rank, "reduce", "tensor")
         dst = self._root(dst, "dst", "reduce")
         code = _op_code(op, self.rank, "reduce")
@@ -299,7 +257,7 @@ class Communicator:
         if not async_op and timeout is None and self._fast.all_to_all(output, input):
             return None
         name = "all_to_all"
-        (po, no, do), (pi, ni, di), cuda = self._describe_pair(name, output, input)
+        (po, no, do), (pi, ni, di), cuda = describe_pair(self, name, output, input)
         if no != ni:
             raise ValueError(
                 f"pycollectives: rank {self.rank}: {name}: output has {no} elements, input {ni}"
@@ -311,10 +269,13 @@ class Communicator:
             )
         es = ITEMSIZE[di]
         _check_no_overlap((po, no * es), (pi, ni * es), None, self.rank, name)
+        if cuda and self._across_hosts:
+            call = lambda o, i, a: self.all_to_all(o, i, async_op=a, timeout=timeout)  # noqa: E731
+            return stage_pair(self, output, input, call, async_op)
         if cuda:
             (dev, stream), count, to = cuda, ni // self.world_size, to_seconds(timeout)
             w = _C.cuda_all_to_all(self._c, po, pi, count, di, dev, stream(), to)
-            return self._cuda_ret(w, async_op, stream, output, input)
+            return cuda_ret(self, w, async_op, stream, output, input)
         w = self._c.all_to_all(po, pi, ni // self.world_size, di, async_op, to_seconds(timeout))
         return self._ret(w, output, input)
 
@@ -325,10 +286,13 @@ class Communicator:
         if not async_op and timeout is None and self._fast.send(tensor, dst):
             return None
         if is_cuda_buffer(tensor):
-            [(ptr, n, dt)], dev, stream = self._cuda_args("send", (tensor, "tensor", False))
+            [(ptr, n, dt)], dev, stream = cuda_args(self, "send", (tensor, "tensor", False))
             dst = self._root(dst, "dst", "send")
+            if self._across_hosts:
+                call = lambda h, a: self.send(h[0], dst, async_op=a, timeout=timeout)  # noqa: E731
+                return stage(self, [Staged(tensor, "tensor", True, False)], call, async_op)
             w = _C.cuda_send(self._c, ptr, n, dt, dst, dev, stream(), to_seconds(timeout))
-            return self._cuda_ret(w, async_op, stream, tensor)
+            return cuda_ret(self, w, async_op, stream, tensor)
         ptr, n, dt = describe(tensor, self.rank, "send", "tensor", writable=False)
         dst = self._root(dst, "dst", "send")
         return self._ret(self._c.send(ptr, n, dt, dst, async_op, to_seconds(timeout)), tensor)
@@ -340,7 +304,8 @@ class Communicator:
 
         `src=None` receives from any source (MPI_ANY_SOURCE): the message of
         whichever peer sends one first, after every operation issued before
-        this one (CPU buffers only). Returns the sender's rank, or with
+        this one (CPU buffers; across hosts CUDA tensors too, staged through host
+        memory). Returns the sender's rank, or with
         `async_op` a Work whose `source` is the sender's rank once it completed.
         Raises ValueError for a bad `src` or buffer, and the core's errors.
         """
@@ -349,10 +314,13 @@ class Communicator:
         if not async_op and timeout is None and self._fast.recv(tensor, src):
             return src
         if is_cuda_buffer(tensor):
-            [(ptr, n, dt)], dev, stream = self._cuda_args("recv", (tensor, "tensor", True))
+            [(ptr, n, dt)], dev, stream = cuda_args(self, "recv", (tensor, "tensor", True))
             src = self._root(src, "src", "recv")
+            if self._across_hosts:
+                call = lambda h, a: self.recv(h[0], src, async_op=a, timeout=timeout)  # noqa: E731
+                return stage(self, [Staged(tensor, "tensor", False, True)], call, async_op)
             w = _C.cuda_recv(self._c, ptr, n, dt, src, dev, stream(), to_seconds(timeout))
-            w = self._cuda_ret(w, async_op, stream, tensor)
+            w = cuda_ret(self, w, async_op, stream, tensor)
             return src if w is None else w
         ptr, n, dt = describe(tensor, self.rank, "recv", "tensor")
         src = self._root(src, "src", "recv")
@@ -360,7 +328,12 @@ class Communicator:
         return src if w is None else w
 
     def _recv_any(self, tensor: Buffer, async_op: bool, timeout: Timeout) -> int | Work:
-        """recv(src=None): from whichever peer sends first."""
+        """recv(src=None): from whichever peer sends first (across hosts, a CUDA
+        tensor through a host copy)."""
+        if is_cuda_buffer(tensor) and self._across_hosts:
+            cuda_args(self, "recv", (tensor, "tensor", True))
+            call = lambda h, a: self._recv_any(h[0], a, timeout)  # noqa: E731
+            return stage(self, [Staged(tensor, "tensor", False, True)], call, async_op)
         if is_cuda_buffer(tensor):
             raise ValueError(
                 f"pycollectives: rank {self.rank}: recv: src=None (any source) takes CPU "
@@ -394,6 +367,10 @@ class Communicator:
         """
         if not async_op and timeout is None and self._fast.batch_p2p(ops):
             return None
+        if self._across_hosts and any(
+            isinstance(op, tuple) and len(op) == 3 and is_cuda_buffer(op[1]) for op in ops
+        ):
+            return stage_batch_p2p(self, ops, async_op, timeout)
         name = "batch_p2p"
         items = []
         keep = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import netns
 import pytest
@@ -182,3 +183,52 @@ def job_mesh(comm: pc.Communicator) -> list[str]:
 def test_parallel_dims_tp_within_dp_across_hosts(fabric):
     for r, bad in enumerate(run_on_hosts(fabric, LAYOUT, job_mesh, timeout=120)):
         assert not bad, f"rank {r}: {bad}"
+
+
+CONNECT_BOUND = 5.0  # s: every rank of the color raises within this of the first failure
+
+
+def job_child_connect_failure(comm: pc.Communicator, bad: int) -> tuple[float, float, str, bool]:
+    """Rank `bad` listens for the new communicator on loopback only
+    (PYCOLL_SOCKET_IFNAME='=lo'), where the other host cannot reach it: the
+    rank that should connect to it fails. Returns (when split was entered,
+    when it returned or raised, what happened, whether the parent still works)."""
+    if comm.rank == bad:
+        os.environ["PYCOLL_SOCKET_IFNAME"] = "=lo"
+    comm.barrier()
+    t0 = time.time()
+    try:
+        sub = comm.split(0)
+        what = "made"
+        try:
+            sub.all_reduce(torch.ones(4), timeout=30)
+        except pc.PyCollectivesError as e:
+            what = f"made, then all_reduce raised {type(e).__name__}: {e}"
+        sub.close()
+    except (pc.PyCollectivesError, ValueError) as e:
+        what = f"{type(e).__name__}: {e}"
+    t1 = time.time()
+    os.environ.pop("PYCOLL_SOCKET_IFNAME", None)
+    t = torch.ones(5)
+    comm.all_reduce(t, timeout=60)  # past the child's wait for its connections, if it waits
+    return t0, t1, what, bool((t == comm.world_size).all())
+
+
+def test_child_connect_failure_raises_promptly_on_every_rank(fabric):
+    """split across hosts where rank 0 cannot connect to rank 2 (rank 2
+    listens on loopback): every rank raises within CONNECT_BOUND seconds,
+    naming rank 0, and the parent goes on. (Before the fifth exchange of
+    split, ranks 1 and 3 got a communicator whose first all-reduce raised,
+    and rank 2 waited for rank 0's connection for the parent's whole timeout:
+    20 s here, 600 s by default.)"""
+    out = run_on_hosts(fabric, LAYOUT, job_child_connect_failure, 2, init_timeout=20, timeout=120)
+    first = min(t1 for _, t1, _, _ in out)
+    for r, (t0, t1, what, _) in enumerate(out):
+        print(f"rank {r}: {t1 - t0:.2f} s in split ({t1 - first:.2f} s after the first): {what}")
+    for r, (_, t1, what, parent_ok) in enumerate(out):
+        # rank 0 raises its own error; the others, the error rank 0 published in the exchange
+        kind = "PeerFailure: pycollectives: rank 0: " if r == 0 else "PyCollectivesError: "
+        assert what.startswith(kind) and "could not connect to rank 2" in what, (r, what)
+        assert r == 0 or f"rank {r}: split: rank 0 could not connect" in what, (r, what)
+        assert t1 - first < CONNECT_BOUND, (r, t1 - first, what)
+        assert parent_ok, r

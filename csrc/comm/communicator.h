@@ -107,6 +107,13 @@ class Communicator final : public Links, public NetHost {
   // control connections are made (tcp_net.h). Raises PeerFailure for a rank
   // that dies meanwhile, and whatever `check` raises.
   void connect(FunctionRef<void()> check = kNoCheck, const std::vector<std::string>& addrs = {});
+  // connect() in two steps (split across hosts agrees over the parent between
+  // them, so that a rank whose connections fail is named on every rank at
+  // once): connect_out() waits for this host's ranks and, across hosts, makes
+  // this rank's own control connections, raising if one fails; connect_in()
+  // waits for the peers' connections (across hosts) or agrees on single copy.
+  void connect_out(FunctionRef<void()> check, const std::vector<std::string>& addrs);
+  void connect_in(FunctionRef<void()> check);
   // Releases the communicator (idempotent). Pending operations run on, but
   // one that a peer stays away from, idle, for a second (a point-to-point
   // one: that waits a second) is aborted instead of waiting for its
@@ -358,8 +365,9 @@ class Communicator final : public Links, public NetHost {
   std::vector<std::unique_ptr<ShmRecvConn>> shm_recv_;
   std::vector<SendConn*> send_;  // by rank: shared memory within the host, TCP across
   std::vector<RecvConn*> recv_;
-  std::unique_ptr<TcpNet> net_;  // across hosts
-  std::string net_hint_;         // HostSetup::hint, for the communicators split from this one
+  std::unique_ptr<TcpNet> net_;           // across hosts
+  Clock::time_point connect_deadline_{};  // connect_out()'s, for connect_in()
+  std::string net_hint_;  // HostSetup::hint, for the communicators split from this one
   std::vector<char> scratch_;
   OneShotAreas oneshot_{};
   std::vector<uint32_t> known_started_;  // lower bounds of peers' `started`

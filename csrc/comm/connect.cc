@@ -49,7 +49,12 @@ void Communicator::wait_all(const char* what, Clock::time_point deadline, Functi
 }
 
 void Communicator::connect(FunctionRef<void()> check, const std::vector<std::string>& addrs) {
-  const auto deadline = deadline_after(Clock::now(), timeout_s_);
+  connect_out(check, addrs);
+  connect_in(check);
+}
+
+void Communicator::connect_out(FunctionRef<void()> check, const std::vector<std::string>& addrs) {
+  const auto deadline = connect_deadline_ = deadline_after(Clock::now(), timeout_s_);
   if (multi_host() && static_cast<int>(addrs.size()) != n_)
     PYC_THROW(InvalidArgument, "pycollectives: rank " << rank_ << ": init: " << addrs.size()
                                                       << " addresses for " << n_ << " ranks");
@@ -69,10 +74,16 @@ void Communicator::connect(FunctionRef<void()> check, const std::vector<std::str
   CPU_ZERO(&all);
   for (int p : locals_) CPU_OR(&all, &all, &ctl(p)->cpus);
   if (CPU_COUNT(&all) < nlocal_) spin_polls_ = max_spin_polls_ = 16;
-  if (!multi_host()) return agree_cma(deadline, check);
+  if (!multi_host()) return;
   // Across hosts: the TCP connections to the other hosts (tcp_net.h). Single
   // copy stays off (its paths assume every rank on this host).
-  net_->start(addrs, deadline, check);
+  net_->dial(addrs, deadline, check);
+}
+
+void Communicator::connect_in(FunctionRef<void()> check) {
+  const auto deadline = connect_deadline_;
+  if (!multi_host()) return agree_cma(deadline, check);
+  net_->await_peers(deadline, check);
   for (int p = 0; p < n_; ++p)
     if (!topo_.same_host(p)) {
       send_[p] = net_->send_conn(p);

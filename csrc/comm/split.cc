@@ -1,4 +1,5 @@
 // Communicator::split (MPI_Comm_split / ncclCommSplit): four all-gathers
+// (five where a color spans hosts)
 // over the parent, which every rank makes whatever fails, so that a rank that
 // fails tells its peers why instead of leaving them to time out:
 // 1. (color, key, rank);
@@ -8,6 +9,9 @@
 //    host (as rank 0's do at init, rendezvous.py);
 // 3. the creators' results: made, with the new listening address, or why not;
 // 4. every member's: joined (opened its host's segment), with its address.
+// 5. where a color spans hosts: every member's, after it made its own TCP
+//    connections (connect_out): connected, or why not. Only then does a rank
+//    wait for its peers' connections (connect_in), which have all been made.
 // A color whose ranks span hosts makes a communicator like init's across
 // hosts (shared memory within each host, TCP between them, the same
 // hierarchical collectives), its handshakes carrying its own id; the
@@ -32,7 +36,8 @@ namespace {
 // spans hosts also carries the new communicator's id and settings (Intent, at
 // the record's end).
 constexpr size_t kRecord = 512;
-constexpr char kNone = 0, kName = 'N', kJoined = 'J', kFailed = 'E', kInvalid = 'V';
+constexpr char kNone = 0, kName = 'N', kJoined = 'J', kConnected = 'C', kFailed = 'E',
+               kInvalid = 'V';
 
 struct Intent {
   uint8_t comm_id[16];
@@ -89,6 +94,16 @@ void random_id(uint8_t out[16]) {
     PYC_SYSCHECK(k);
     got += static_cast<size_t>(k);
   }
+}
+
+// Whether the ranks of some color (all_ids: every rank's color, key, rank) are on several hosts.
+bool any_color_spans(const Topology& topo, const std::vector<int64_t>& all_ids) {
+  const int n = static_cast<int>(all_ids.size() / 3);
+  for (int r = 0; r < n; ++r)
+    for (int q = 0; q < r; ++q)
+      if (all_ids[3 * r] >= 0 && all_ids[3 * r] == all_ids[3 * q] && topo.host(r) != topo.host(q))
+        return true;
+  return false;
 }
 
 }  // namespace
@@ -197,11 +212,32 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, double tim
     if (old[i] != rank_) (void)need(old[i], kJoined, "could not join the new communicator");
     if (spans) addrs.push_back(text(all, old[i]));
   }
+  // 5. Where a color spans hosts (every rank knows from the colors): each
+  // member makes its own TCP connections, then every member learns whether
+  // all could, so that a rank that could not connect is named on every rank
+  // at once, not by the wait of the peer it should have connected to.
+  if (any_color_spans(topo_, all_ids)) {
+    if (!err && spans)
+      err = attempt(mine, me, [&] {
+        child->connect_out(kNoCheck, addrs);
+        put(mine, kConnected, "");
+      });
+    if (err) {
+      child.reset();  // its sockets close: a peer connecting to it fails at once
+      put_error(mine, err);
+    }
+    gather(all.data(), mine.data(), kRecord, DataType::kUInt8);
+    for (int i = 0; i < new_n && spans; ++i)
+      if (old[i] != rank_)
+        (void)need(old[i], kConnected,
+                   "could not connect to the other hosts for the new communicator");
+  }
   if (err) {
     child.reset();  // a creator's child, going, removes its segment
     std::rethrow_exception(err);
   }
-  if (child) child->connect(kNoCheck, addrs);
+  if (child && spans) child->connect_in(kNoCheck);
+  if (child && !spans) child->connect(kNoCheck, addrs);
   return child;
 }
 

@@ -129,6 +129,12 @@ std::string TcpNet::host_note(int p) const { return "ranks on its host: " + topo
 
 void TcpNet::start(const std::vector<std::string>& addrs, Clock::time_point deadline,
                    FunctionRef<void()> check) {
+  dial(addrs, deadline, check);
+  await_peers(deadline, check);
+}
+
+void TcpNet::dial(const std::vector<std::string>& addrs, Clock::time_point deadline,
+                  FunctionRef<void()> check) {
   const int n = topo_.size();
   PYC_ASSERT(static_cast<int>(addrs.size()) == n);
   addrs_.resize(n);
@@ -176,7 +182,11 @@ void TcpNet::start(const std::vector<std::string>& addrs, Clock::time_point dead
     }
     register_ctl(q, fd);
   }
-  for (int q : xpeers_) {  // and the higher ranks' connections, accepted by the thread
+}
+
+void TcpNet::await_peers(Clock::time_point deadline, FunctionRef<void()> check) {
+  StartMonitor mon(rank_, deadline, check);
+  for (int q : xpeers_) {  // the higher ranks' connections, accepted by the thread
     mon.peer = q;
     net_wait(
         [&] {

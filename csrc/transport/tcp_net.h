@@ -63,6 +63,13 @@ class TcpNet {
   // deadline, and whatever `check` raises (called about every 10 ms).
   void start(const std::vector<std::string>& addrs, Clock::time_point deadline,
              FunctionRef<void()> check);
+  // start() in two steps (split across hosts agrees between them, over the
+  // parent, that every rank made its own connections): dial() starts the
+  // thread and makes this rank's control connections (to its higher control
+  // peers), raising if one fails; await_peers() waits for the lower peers'.
+  void dial(const std::vector<std::string>& addrs, Clock::time_point deadline,
+            FunctionRef<void()> check);
+  void await_peers(Clock::time_point deadline, FunctionRef<void()> check);
 
   SendConn* send_conn(int p) { return send_[p].get(); }
   RecvConn* recv_conn(int p) { return recv_[p].get(); }
