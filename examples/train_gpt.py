@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage on dp (2, 3: --pp 1)")
     p.add_argument("--fsdp", action="store_true", help="FSDP on the dp axis (--pp 1)")
-    p.add_argument("--sequence-parallel", action="store_true", help="with --tp, --pp 1 only")
+    p.add_argument("--sequence-parallel", action="store_true", help="with --tp (any --pp)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=32)
     p.add_argument("--heads", type=int, default=4)

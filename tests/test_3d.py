@@ -76,6 +76,11 @@ LAYOUTS = [  # (dp, tp, pp, options)
     (1, 2, 2, {"schedule": "zbh1"}),
     (2, 1, 2, {"schedule": "zbh1"}),  # split linears (W outside autograd) under dp
     (2, 1, 2, {"schedule": "interleaved", "zero": 1}),
+    # sequence parallelism across stages: [b, t/tp, d] shards between them
+    (1, 2, 2, {"schedule": "1f1b", "sequence_parallel": True}),
+    (1, 2, 2, {"schedule": "gpipe", "sequence_parallel": True}),
+    (1, 2, 2, {"schedule": "interleaved", "sequence_parallel": True}),
+    (1, 2, 2, {"schedule": "zbh1", "sequence_parallel": True}),
     # pp = 1: ZeRO-2/3 and FSDP on the dp axis, tensor-parallel blocks inside
     (2, 2, 1, {"zero": 2}),
     (2, 2, 1, {"zero": 3}),
@@ -100,6 +105,35 @@ def test_3d_zbh1_tensor_parallel_under_dp(pool):
     them after the step (sending them in I, as it did the split linears'
     before they were late, is off after 3 steps). 3 steps: 8 processes."""
     check_layout(pool, 2, 2, 2, {"schedule": "zbh1"}, 3)
+
+
+def job_messages(comm: pc.Communicator, sp: bool, steps: int) -> dict:
+    """tp=2 x pp=2, 1F1B: the losses, the final weights and the pipeline
+    communicator's batch_p2p bytes over `steps` steps."""
+    with ParallelDims(comm, dp=1, tp=2, pp=2) as dims:
+        trainer = Trainer3D(dims, CONFIG, dataclasses.replace(OPTIONS, sequence_parallel=sp))
+        losses = [trainer.step().loss for _ in range(steps)]
+        end = {n: t.numpy() for n, t in trainer.full_parameters().items()}
+        sent = dims.pp_comm.stats()["batch_p2p"]["bytes_sent"]
+    return dict(losses=losses, end=end, sent=sent)
+
+
+def test_sequence_parallel_stages_send_sequence_shards(pool):
+    """tp=2 x pp=2 (1F1B) with and without sequence parallelism: the same
+    training (losses within 1e-12, weights within 1e-10), and each
+    activation or activation gradient between the stages is the rank's
+    [b, t/2, d] sequence shard: half the bytes."""
+    steps, m = 3, OPTIONS.microbatches
+    plain, sp = (pool(4).run(job_messages, flag, steps, timeout=120) for flag in (False, True))
+    b, t, d = OPTIONS.global_batch // m, CONFIG.seq_len, CONFIG.d_model
+    tied = CONFIG.vocab_size // 2 * d * 8  # the tied weight's tp shard, float64
+    for a, s in zip(plain, sp, strict=True):
+        assert max(abs(x - y) for x, y in zip(a["losses"], s["losses"], strict=True)) <= 1e-12
+        for name, v in a["end"].items():
+            assert abs(v - s["end"][name]).max() <= 1e-10, name
+        # per step and rank: m activations (or their gradients) and the tied gradient
+        assert a["sent"] == steps * (m * b * t * d * 8 + tied), a["sent"]
+        assert s["sent"] == steps * (m * b * (t // 2) * d * 8 + tied), s["sent"]
 
 
 def check_layout(pool, dp: int, tp: int, pp: int, change: dict, steps: int) -> None:  # noqa: ANN001

@@ -24,13 +24,17 @@ With pp = 1, `zero` 2/3 and `fsdp` shard over the dp axis instead: no
 pipeline runtime, the one stage accumulates the micro-batches itself
 (no_sync but for the last backward), its blocks the ZeRO/FSDP units.
 
+With --sequence-parallel (tp > 1) the layer norms, dropouts and residual
+stream run on [b, t/tp, d] sequence shards, and so do the activations the
+stages exchange (GPTStage.sequence_shards = tp): each pipeline message is
+1/tp of the bytes, for every schedule, ZB-H1 included.
+
 What does not compose, refused on every rank with the flags named
 (docs/parallel3d.md): ZeRO-2/3 and FSDP with pp > 1 (their reduce-scatter
 in backward, or their per-unit gathers around each forward, assume one
 forward and one backward per step; a pipeline step runs m interleaved
 forwards and backwards per stage, sums the tied weight's gradient after the
-last, and ZB-H1 computes weight gradients outside autograd), and sequence
-parallelism with pp > 1 (the stages would exchange sequence shards).
+last, and ZB-H1 computes weight gradients outside autograd).
 """
 
 from __future__ import annotations
@@ -117,8 +121,6 @@ def problems(dims: ParallelDims, config: GPTConfig, opts: TrainOptions) -> list[
         )
     if opts.fsdp and opts.zero:
         out.append(f"--fsdp and --zero {opts.zero}: choose one")
-    if opts.sequence_parallel and dims.pp > 1:
-        out.append(f"--sequence-parallel with --pp {dims.pp} > 1 is not supported")
     if opts.microbatches < 1 or opts.global_batch < 1:
         out.append(f"--microbatches {opts.microbatches}, --batch {opts.global_batch} must be >= 1")
     elif opts.global_batch % (dims.dp * opts.microbatches):

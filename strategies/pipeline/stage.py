@@ -141,7 +141,14 @@ class GPTStage(nn.Module):
     forward(x, targets=None): token ids [b, t] (first stage) or hidden states
     [b, t, d_model] in; hidden states out, or the mean cross-entropy on the
     last stage (with targets).
+
+    `sequence_shards`: the hidden states it receives and sends are this
+    rank's [b, t / sequence_shards, d_model] slice of the sequence (1: the
+    whole sequence; parallelize_gpt sets tp under sequence parallelism, so
+    the stages exchange sequence shards, 1/tp of the bytes, as Megatron's).
     """
+
+    sequence_shards: int = 1
 
     def __init__(
         self,
@@ -192,12 +199,14 @@ class GPTStage(nn.Module):
 
     def _hidden(self, inputs: TensorSpec) -> TensorSpec:
         dtype = next(p.dtype for p in self.parameters() if p.is_floating_point())
-        return TensorSpec((*inputs.shape[:2], self.config.d_model), dtype)
+        b, t = inputs.shape[:2]
+        return TensorSpec((b, t // self.sequence_shards, self.config.d_model), dtype)
 
     def input_spec(self, inputs: TensorSpec) -> TensorSpec:
         """What forward takes for micro-batches of token ids `inputs`: the ids
-        on the first stage, else [b, t, d_model] hidden states in the dtype of
-        the parameters (computed from the config, before any step runs)."""
+        on the first stage, else [b, t / sequence_shards, d_model] hidden
+        states in the dtype of the parameters (computed from the config,
+        before any step runs)."""
         return inputs if self.is_first else self._hidden(inputs)
 
     def output_spec(self, inputs: TensorSpec) -> TensorSpec | None:
