@@ -64,7 +64,7 @@ def job_train(
         end = trainer.full_parameters()
         coords = (dims.dp_rank, dims.tp_rank, dims.pp_rank)
         early = trainer.averager.early if trainer.averager else None
-    as_np = lambda d: {n: t.numpy() for n, t in d.items()}  # noqa: E731
+    as_np = lambda d: {n: t.cpu().numpy() for n, t in d.items()}  # noqa: E731
     return dict(
         coords=coords, early=early, ids=ids, losses=losses, start=as_np(start), end=as_np(end)
     )
@@ -166,6 +166,26 @@ def check_layout(pool, dp: int, tp: int, pp: int, change: dict, steps: int) -> N
         assert losses[-1] < losses[0] - 0.2, losses  # it learns
 
 
+# ---- on CUDA: the same training as on the CPU
+
+
+CUDA_OK = bool(getattr(pc._C, "cuda_built", lambda: False)()) and torch.cuda.is_available()
+CUDA_LAYOUTS = [  # 2 ranks on cuda:(rank % GPUs); (dp, tp, pp, options)
+    (1, 1, 2, {"schedule": "1f1b"}),  # activations through the host, tied gradient summed
+    (1, 2, 1, {"schedule": "1f1b", "sequence_parallel": True}),  # TP collectives on CUDA
+    (2, 1, 1, {"schedule": "1f1b"}),  # the dp average on CUDA buckets
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA_OK, reason="needs a CUDA build of pycollectives and a GPU")
+@pytest.mark.parametrize("dp,tp,pp,change", CUDA_LAYOUTS, ids=["pp2", "tp2-sp", "dp2"])
+def test_3d_on_cuda_matches_one_process(pool, dp, tp, pp, change):
+    """device="cuda", 2 ranks, 1F1B: the CUDA run matches one process on
+    the CPU (float64) within the bounds of the CPU layouts."""
+    check_layout(pool, dp, tp, pp, {**change, "device": "cuda"}, STEPS)
+
+
 # ---- bad input: the same error on every rank, never a hang
 
 
@@ -194,6 +214,7 @@ def job_bad_input(comm: pc.Communicator) -> dict[str, str]:
     try_("both", (4, 1, 1), fsdp=True, zero=1)
     try_("batch", (2, 1, 2), global_batch=6)
     try_("schedule", (1, 1, 4), schedule="zbh2")
+    try_("device", (2, 1, 2), device="cuda")
     # ranks that disagree: rank 1 asks for other micro-batches
     try_("differ", (2, 1, 2), microbatches=4 if comm.rank == 1 else 2)
     return out
@@ -212,6 +233,11 @@ def test_bad_input_raises_on_every_rank(pool):
         assert "--fsdp and --zero 1: choose one" in out["both"], out["both"]
         assert "--batch 6 is not divisible by --dp 2 x --microbatches 2" in out["batch"]
         assert "--schedule 'zbh2' is not one of" in out["schedule"], out["schedule"]
+        if CUDA_OK:
+            assert out["device"] == "no error", out["device"]
+        else:  # every rank names the flag and each rank
+            for q in range(4):
+                assert f"--device cuda: rank {q}: " in out["device"], out["device"]
         assert "ranks [1] train another model or with other options" in out["differ"]
         for case, text in out.items():
             assert text.startswith("ValueError"), (case, text)

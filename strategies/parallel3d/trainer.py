@@ -24,6 +24,12 @@ With pp = 1, `zero` 2/3 and `fsdp` shard over the dp axis instead: no
 pipeline runtime, the one stage accumulates the micro-batches itself
 (no_sync but for the last backward), its blocks the ZeRO/FSDP units.
 
+`device` ("cpu", or "cuda": each rank on cuda:(LOCAL_RANK % device count)):
+the stages' parameters, the micro-batches and the activations live there,
+so the tensor-parallel collectives, the dp gradient average and ZeRO/FSDP
+take CUDA tensors through pycollectives' CUDA path; the pipeline's messages
+and the tied gradient sum go through the host (batch_p2p takes CPU buffers).
+
 With --sequence-parallel (tp > 1) the layer norms, dropouts and residual
 stream run on [b, t/tp, d] sequence shards, and so do the activations the
 stages exchange (GPTStage.sequence_shards = tp): each pipeline message is
@@ -40,6 +46,7 @@ last, and ZB-H1 computes weight gradients outside autograd).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -47,6 +54,7 @@ import torch
 from torch import nn
 
 from pycollectives import ReduceOp
+from pycollectives._buffers import cuda_built
 from strategies.data import GlobalBatches, SyntheticSequences
 from strategies.fsdp import fully_shard
 from strategies.grad_average import StepGradAverager
@@ -58,17 +66,28 @@ from strategies.pipeline.stage import TIED
 from strategies.tensor_parallel import parallelize_gpt
 from strategies.zero import ZeroOptimizer
 
-__all__ = ["SCHEDULES", "StepStats", "TrainOptions", "Trainer3D", "full_shapes", "problems"]
+__all__ = [
+    "DEVICES",
+    "SCHEDULES",
+    "StepStats",
+    "TrainOptions",
+    "Trainer3D",
+    "full_shapes",
+    "problems",
+    "resolve_device",
+]
 
 # command-line names -> strategies.pipeline.build names
 SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zbh1": "zb-h1"}
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
 class TrainOptions:
     """How to train: the schedule and its micro-batches, the dp-axis
     optimizer (zero: 0 = all-reduce, 1-3 = ZeRO stage; fsdp; zero 2/3 and
-    fsdp need pp = 1, see the module docstring), the data and AdamW."""
+    fsdp need pp = 1, see the module docstring), the device (a key of
+    DEVICES, see resolve_device), the data and AdamW."""
 
     schedule: str = "1f1b"  # a key of SCHEDULES
     microbatches: int = 4  # per step and data-parallel rank
@@ -85,6 +104,7 @@ class TrainOptions:
     dtype: torch.dtype = torch.float32
     overlap: bool = True  # dp all-reduces during the step
     timeout: float | None = None  # seconds, for the pipeline's messages
+    device: str = "cpu"  # "cpu" or "cuda" (cuda:(LOCAL_RANK % device count))
 
 
 @dataclass
@@ -119,6 +139,8 @@ def problems(dims: ParallelDims, config: GPTConfig, opts: TrainOptions) -> list[
             "per-block gathers around each forward and backward assume one forward then one "
             "backward per step): use --zero 1, or --pp 1"
         )
+    if opts.device not in DEVICES:
+        out.append(f"--device {opts.device!r} is not one of {', '.join(DEVICES)}")
     if opts.fsdp and opts.zero:
         out.append(f"--fsdp and --zero {opts.zero}: choose one")
     if opts.microbatches < 1 or opts.global_batch < 1:
@@ -145,6 +167,33 @@ def problems(dims: ParallelDims, config: GPTConfig, opts: TrainOptions) -> list[
     return out
 
 
+def resolve_device(name: str, rank: int) -> torch.device:
+    """The device of option `name` for this process: the CPU, or for "cuda"
+    cuda:(LOCAL_RANK % torch.cuda.device_count()) (LOCAL_RANK from the
+    environment, as torchrun sets it; `rank` without it).
+
+    Raises ValueError naming --device and `rank` for "cuda" where torch sees
+    no CUDA device or pycollectives was built without CUDA, and for a name
+    not in DEVICES.
+    """
+    if name == "cpu":
+        return torch.device("cpu")
+    if name != "cuda":
+        raise ValueError(f"--device {name!r}: rank {rank}: not one of {', '.join(DEVICES)}")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"--device cuda: rank {rank}: torch sees no CUDA device (torch.cuda.is_available() "
+            f"is False; torch {torch.__version__}): use --device cpu"
+        )
+    if not cuda_built():
+        raise ValueError(
+            f"--device cuda: rank {rank}: pycollectives was built without CUDA (rebuild with "
+            "PYCOLL_CUDA=1): use --device cpu"
+        )
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    return torch.device("cuda", local % torch.cuda.device_count())
+
+
 class Trainer3D:
     """Trains the GPT of `config` on `dims` (see the module docstring).
 
@@ -157,6 +206,11 @@ class Trainer3D:
     def __init__(self, dims: ParallelDims, config: GPTConfig, opts: TrainOptions) -> None:
         self.dims, self.config, self.opts = dims, config, opts
         found = problems(dims, config, opts)
+        if not found:
+            try:
+                self.device = resolve_device(opts.device, dims.world.rank)
+            except ValueError as e:
+                found.append(str(e))
         error = ValueError("; ".join(found)) if found else None
         agree(dims.world, "Trainer3D", error, digest(f"{config}/{opts}/{dims.sizes}"),
               "train another model or with other options", opts.timeout)  # fmt: skip
@@ -166,7 +220,11 @@ class Trainer3D:
         v = opts.virtual_stages if opts.schedule == "interleaved" else 1
         self.schedule = build(SCHEDULES[opts.schedule], dims.pp, m, v)
         held = self.schedule.stages_of(dims.pp_rank)
-        stages = gpt_stages(config, held, self.schedule.num_stages, dtype=opts.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # torch's current device: the CUDA collectives'
+        stages = gpt_stages(
+            config, held, self.schedule.num_stages, dtype=opts.dtype, device=self.device
+        )
         if dims.tp > 1:
             sp = opts.sequence_parallel
             stages = [parallelize_gpt(st, dims, sequence_parallel=sp) for st in stages]
@@ -220,6 +278,7 @@ class Trainer3D:
         """This dp rank's share of step `step`'s global batch, cut into the
         schedule's micro-batches (inputs, targets)."""
         x, y = self.data.batch(self.batches.ids(step))
+        x, y = x.to(self.device), y.to(self.device)
         m = self.opts.microbatches
         return list(zip(x.chunk(m), y.chunk(m), strict=True))
 

@@ -232,11 +232,12 @@ def gpt_stages(
     *,
     split: Sequence[int] | None = None,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> list[GPTStage]:
     """The GPTStages `stages` (those one rank holds, e.g.
     `schedule.stages_of(rank)`) of a GPT cut into `num_stages` by `layer_split`.
     When the first and the last stage are both here, they share the tied
-    weight.
+    weight. Parameters on `device` in `dtype`.
 
     Raises ValueError (from layer_split) for fewer layers than stages or a
     bad split, and for a stage index out of range.
@@ -245,7 +246,7 @@ def gpt_stages(
     bad = [s for s in stages if not 0 <= s < num_stages]
     if bad:
         raise ValueError(f"gpt_stages: stages {bad} out of range for num_stages={num_stages}")
-    out = [GPTStage(config, s, num_stages, ranges[s], dtype) for s in stages]
+    out = [GPTStage(config, s, num_stages, ranges[s], dtype, device) for s in stages]
     ends = [m for m in out if m.is_first], [m for m in out if m.is_last]
     if config.tie_embeddings and all(ends) and num_stages > 1:
         ends[1][0].head.weight = ends[0][0].embed.tok.weight
