@@ -131,13 +131,17 @@ def problems(dims: ParallelDims, config: GPTConfig, opts: TrainOptions) -> list[
             f"--zero {opts.zero} with --pp {dims.pp} does not compose with the pipeline runtime "
             "(its reduce-scatter during backward assumes one backward per step; a pipeline step "
             "runs one per micro-batch, sums the tied embedding/head gradient after the last, and "
-            "ZB-H1 computes weight gradients outside autograd): use --zero 1, or --pp 1"
+            "ZB-H1 computes weight gradients outside autograd; DeepSpeed's PipelineEngine refuses "
+            "ZeRO-2/3 with pipeline parallelism too): use --zero 1, or --pp 1"
         )
     if opts.fsdp and dims.pp > 1:
         out.append(
-            f"--fsdp with --pp {dims.pp} does not compose with the pipeline runtime (its "
-            "per-block gathers around each forward and backward assume one forward then one "
-            "backward per step): use --zero 1, or --pp 1"
+            f"--fsdp with --pp {dims.pp} does not compose with the pipeline runtime (FSDP + PP as "
+            "torchtitan runs it keeps each stage's units gathered across the micro-batches, syncs "
+            "gradients in the last micro-batch's backward only, and sums the tied embedding/head "
+            "gradient across the first and last stage before that reduce-scatter; the sharding "
+            "engine reduce-scatters at the end of each synced backward and frees the units at each "
+            "root forward): use --zero 1, or --pp 1"
         )
     if opts.device not in DEVICES:
         out.append(f"--device {opts.device!r} is not one of {', '.join(DEVICES)}")
