@@ -5,6 +5,7 @@ pycollectives (strategies/parallel3d/).
     python examples/train_gpt.py --dp 2 --pp 2 --schedule zbh1 --microbatches 4
     python examples/train_gpt.py --dp 2 --pp 2 --zero 1
     python examples/train_gpt.py --dp 2 --tp 2 --fsdp
+    python examples/train_gpt.py --dp 2 --pp 2 --fsdp
     python examples/train_gpt.py --tp 2 --pp 2 --sequence-parallel --device cuda
     torchrun --nproc-per-node 8 examples/train_gpt.py --dp 2 --tp 2 --pp 2
 
@@ -45,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="global batch (samples per step)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage on dp (2, 3: --pp 1)")
-    p.add_argument("--fsdp", action="store_true", help="FSDP on the dp axis (--pp 1)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP on the dp axis (not with zbh1)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp (any --pp)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=32)

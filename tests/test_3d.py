@@ -64,9 +64,18 @@ def job_train(
         end = trainer.full_parameters()
         coords = (dims.dp_rank, dims.tp_rank, dims.pp_rank)
         early = trainer.averager.early if trainer.averager else None
+        # FSDP with pp > 1: reductions per stage (one per step: every backward unsynced)
+        reduced = [(r.sharding_unit.engine.step, r.sharding_unit.engine.micro)
+                   for r in trainer.fsdp_roots]  # fmt: skip
     as_np = lambda d: {n: t.cpu().numpy() for n, t in d.items()}  # noqa: E731
     return dict(
-        coords=coords, early=early, ids=ids, losses=losses, start=as_np(start), end=as_np(end)
+        coords=coords,
+        early=early,
+        reduced=reduced,
+        ids=ids,
+        losses=losses,
+        start=as_np(start),
+        end=as_np(end),
     )
 
 
@@ -81,6 +90,10 @@ LAYOUTS = [  # (dp, tp, pp, options)
     (1, 2, 2, {"schedule": "gpipe", "sequence_parallel": True}),
     (1, 2, 2, {"schedule": "interleaved", "sequence_parallel": True}),
     (1, 2, 2, {"schedule": "zbh1", "sequence_parallel": True}),
+    # FSDP per stage (reduce-scatter after the step, after the tied sum)
+    (2, 1, 2, {"schedule": "1f1b", "fsdp": True}),
+    (2, 1, 2, {"schedule": "interleaved", "fsdp": True}),
+    (2, 2, 2, {"schedule": "gpipe", "fsdp": True}),
     # pp = 1: ZeRO-2/3 and FSDP on the dp axis, tensor-parallel blocks inside
     (2, 2, 1, {"zero": 2}),
     (2, 2, 1, {"zero": 3}),
@@ -153,6 +166,8 @@ def check_layout(pool, dp: int, tp: int, pp: int, change: dict, steps: int) -> N
         plain = not (change.get("zero") or change.get("fsdp"))
         if dp > 1 and plain and change["schedule"] != "zbh1":
             assert r["early"] >= 1, r["early"]  # a bucket's all-reduce overlapped the step
+        if change.get("fsdp") and pp > 1:  # one reduce-scatter per unit and step, after it
+            assert r["reduced"] and set(r["reduced"]) == {(steps, 0)}, r["reduced"]
         worst = max(abs(a - b) for a, b in zip(r["losses"], losses, strict=True))
         assert worst <= 1e-12, (r["coords"], worst)
     assert set(got_start) == set(start) == set(got_end)
@@ -210,7 +225,7 @@ def job_bad_input(comm: pc.Communicator) -> dict[str, str]:
     try_("layers", (1, 1, 4), dataclasses.replace(CONFIG, n_layer=3))
     try_("interleaved", (2, 1, 2), schedule="interleaved", virtual_stages=3)
     try_("zero2", (2, 1, 2), zero=2)
-    try_("fsdp", (2, 1, 2), fsdp=True)
+    try_("fsdp", (2, 1, 2), fsdp=True, schedule="zbh1")
     try_("both", (4, 1, 1), fsdp=True, zero=1)
     try_("batch", (2, 1, 2), global_batch=6)
     try_("schedule", (1, 1, 4), schedule="zbh2")
@@ -229,7 +244,7 @@ def test_bad_input_raises_on_every_rank(pool):
         assert "fewer layers than stages: n_layer=3" in out["layers"], out["layers"]
         assert "--pp 2 x 3 stages per rank = 6 stages" in out["interleaved"], out["interleaved"]
         assert "--zero 2 with --pp 2 does not compose with the pipeline" in out["zero2"]
-        assert "--fsdp with --pp 2 does not compose with the pipeline" in out["fsdp"]
+        assert "--fsdp with --pp 2 and --schedule zbh1 does not compose" in out["fsdp"]
         assert "--fsdp and --zero 1: choose one" in out["both"], out["both"]
         assert "--batch 6 is not divisible by --dp 2 x --microbatches 2" in out["batch"]
         assert "--schedule 'zbh2' is not one of" in out["schedule"], out["schedule"]

@@ -22,7 +22,10 @@ For the rank at (dp_rank, tp_rank, pp_rank), `Trainer3D`:
 
 With pp = 1, `zero` 2/3 and `fsdp` shard over the dp axis instead: no
 pipeline runtime, the one stage accumulates the micro-batches itself
-(no_sync but for the last backward), its blocks the ZeRO/FSDP units.
+(no_sync but for the last backward), its blocks the ZeRO/FSDP units. With
+pp > 1, `fsdp` shards each stage over dp (fsdp_pipeline.py: every backward
+unsynced, the tied gradient summed across stages, then one reduce-scatter
+per unit after the step).
 
 `device` ("cpu", or "cuda": each rank on cuda:(LOCAL_RANK % device count)):
 the stages' parameters, the micro-batches and the activations live there,
@@ -36,11 +39,11 @@ stages exchange (GPTStage.sequence_shards = tp): each pipeline message is
 1/tp of the bytes, for every schedule, ZB-H1 included.
 
 What does not compose, refused on every rank with the flags named
-(docs/parallel3d.md): ZeRO-2/3 and FSDP with pp > 1 (their reduce-scatter
-in backward, or their per-unit gathers around each forward, assume one
-forward and one backward per step; a pipeline step runs m interleaved
+(docs/parallel3d.md): ZeRO-2/3 with pp > 1 (their reduce-scatter in
+backward assumes one backward per step; a pipeline step runs m interleaved
 forwards and backwards per stage, sums the tied weight's gradient after the
-last, and ZB-H1 computes weight gradients outside autograd).
+last, and ZB-H1 computes weight gradients outside autograd; DeepSpeed
+refuses them too), FSDP with ZB-H1.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from strategies.fsdp import fully_shard
 from strategies.grad_average import StepGradAverager
 from strategies.mesh import ParallelDims
 from strategies.models.gpt import Block, Embedding, GPTConfig, LMHead
+from strategies.parallel3d.fsdp_pipeline import reduce_after_step, shard_stages, unsynced
 from strategies.pipeline import PipelineRuntime, build, deferred_parameters, gpt_stages
 from strategies.pipeline.communications import agree, digest
 from strategies.pipeline.stage import TIED
@@ -85,8 +89,8 @@ DEVICES = ("cpu", "cuda")
 @dataclass(frozen=True)
 class TrainOptions:
     """How to train: the schedule and its micro-batches, the dp-axis
-    optimizer (zero: 0 = all-reduce, 1-3 = ZeRO stage; fsdp; zero 2/3 and
-    fsdp need pp = 1, see the module docstring), the device (a key of
+    optimizer (zero: 0 = all-reduce, 1-3 = ZeRO stage; fsdp; zero 2/3 need
+    pp = 1, fsdp with pp > 1 a schedule other than zbh1), the device (a key of
     DEVICES, see resolve_device), the data and AdamW."""
 
     schedule: str = "1f1b"  # a key of SCHEDULES
@@ -134,14 +138,11 @@ def problems(dims: ParallelDims, config: GPTConfig, opts: TrainOptions) -> list[
             "ZB-H1 computes weight gradients outside autograd; DeepSpeed's PipelineEngine refuses "
             "ZeRO-2/3 with pipeline parallelism too): use --zero 1, or --pp 1"
         )
-    if opts.fsdp and dims.pp > 1:
+    if opts.fsdp and dims.pp > 1 and opts.schedule == "zbh1":
         out.append(
-            f"--fsdp with --pp {dims.pp} does not compose with the pipeline runtime (FSDP + PP as "
-            "torchtitan runs it keeps each stage's units gathered across the micro-batches, syncs "
-            "gradients in the last micro-batch's backward only, and sums the tied embedding/head "
-            "gradient across the first and last stage before that reduce-scatter; the sharding "
-            "engine reduce-scatters at the end of each synced backward and frees the units at each "
-            "root forward): use --zero 1, or --pp 1"
+            f"--fsdp with --pp {dims.pp} and --schedule zbh1 does not compose (ZB-H1's W computes "
+            "weight gradients outside autograd, where FSDP's gradient hooks do not see them): use "
+            "--schedule 1f1b, gpipe or interleaved, or --zero 1"
         )
     if opts.device not in DEVICES:
         out.append(f"--device {opts.device!r} is not one of {', '.join(DEVICES)}")
@@ -220,7 +221,7 @@ class Trainer3D:
               "train another model or with other options", opts.timeout)  # fmt: skip
         m = opts.microbatches
         # --zero 2/3 and --fsdp (pp = 1): plain accumulation, no pipeline runtime
-        self.sharded = opts.zero in (2, 3) or opts.fsdp
+        self.sharded = opts.zero in (2, 3) or (opts.fsdp and dims.pp == 1)
         v = opts.virtual_stages if opts.schedule == "interleaved" else 1
         self.schedule = build(SCHEDULES[opts.schedule], dims.pp, m, v)
         held = self.schedule.stages_of(dims.pp_rank)
@@ -236,7 +237,7 @@ class Trainer3D:
         self.runtime = None
         if not self.sharded:
             self.runtime = PipelineRuntime(
-                self.schedule, stages, dims.pp_comm, timeout=opts.timeout
+                self.schedule, stages, dims.pp_comm, timeout=opts.timeout, sum_tied=not opts.fsdp
             )
         named, seen = [], set()
         for st in stages:
@@ -254,7 +255,12 @@ class Trainer3D:
         blocks = [b for st in stages for b in st.blocks if isinstance(b, Block)]
         self.averager: StepGradAverager | None = None
         self.zero: ZeroOptimizer | None = None
-        if opts.fsdp:
+        self.fsdp_roots: list[nn.Module] = []
+        if opts.fsdp and self.runtime is not None:
+            self.fsdp_roots = shard_stages(stages, dims.dp_comm)
+            params = [p for root in self.fsdp_roots for p in root.parameters()]
+            self.optimizer = torch.optim.AdamW(params, **adamw)
+        elif opts.fsdp:
             for b in blocks:
                 fully_shard(b, dims.dp_comm)
             root = fully_shard(stages[0], dims.dp_comm)
@@ -296,7 +302,11 @@ class Trainer3D:
             self.optimizer.zero_grad(set_to_none=True)
         for _, p in self.named_params:
             p.grad = None
-        if self.runtime is not None:
+        if self.fsdp_roots:
+            with unsynced(self.fsdp_roots):
+                losses = self.runtime.step(self.microbatches(k)).losses
+            reduce_after_step(self.fsdp_roots, self.runtime)
+        elif self.runtime is not None:
             losses = self.runtime.step(self.microbatches(k)).losses
         else:
             losses = self._accumulate(self.microbatches(k))
@@ -337,7 +347,7 @@ class Trainer3D:
         (tensor-parallel and data-parallel shards gathered), by their names in
         the whole GPT (the tied head under embed.tok.weight)."""
         if self.opts.fsdp:
-            local = self.stages[0].full_parameters()
+            local = {n: t for st in self.stages for n, t in st.full_parameters().items()}
         elif self.sharded:
             local = self.zero.full_parameters()
         else:

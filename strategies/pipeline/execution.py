@@ -95,7 +95,8 @@ class StepExecution:
         rt = self.rt
         # This step's gradient of a tied weight is summed over its holders;
         # what earlier steps accumulated (already summed) is added back after.
-        before = {k: p.grad for k, p in rt.tied.items() if len(rt.tie_holders[k]) > 1}
+        tied = rt.tied if rt.sum_tied else {}
+        before = {k: p.grad for k, p in tied.items() if len(rt.tie_holders[k]) > 1}
         for k in before:
             rt.tied[k].grad = None
         try:
@@ -112,7 +113,7 @@ class StepExecution:
             self.where = (end, None, f"exchanging end marks with ranks {rt.peers}")
             exchange_end_marks(rt.comm, rt.peers, rt.timeout)
             self.where = (end, None, "summing the tied gradients")
-            sum_tied_gradients(rt.comm, rt.tied, rt.tie_holders, rt.timeout)
+            sum_tied_gradients(rt.comm, tied, rt.tie_holders, rt.timeout)
             for k, g in before.items():
                 if g is not None:
                     rt.tied[k].grad = g.add_(rt.tied[k].grad)

@@ -93,7 +93,10 @@ class PipelineRuntime:
     place. `timeout` (seconds) bounds each communication (default: the
     communicator's). `device`: where received activations go, the device of
     the module stages' parameters (CPU without any); messages travel
-    through the host (execution.py).
+    through the host (execution.py). `sum_tied=False`: the step leaves the
+    tied parameters' gradients alone (`tie_holders` still says who holds
+    each): the caller sums them, e.g. FSDP's, which are in its accumulation
+    buffers, not in .grad.
 
     Collective; raises on every rank as the module docstring says.
     """
@@ -105,8 +108,10 @@ class PipelineRuntime:
         comm: Communicator,
         *,
         timeout: float | None = None,
+        sum_tied: bool = True,
     ) -> None:
         self.schedule, self.comm, self.timeout = schedule, comm, timeout
+        self.sum_tied = sum_tied
         self.rank = rank = comm.rank
         self.iteration = 0
         params = [p for st in stages if isinstance(st, nn.Module) for p in st.parameters()]
