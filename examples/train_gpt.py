@@ -5,6 +5,8 @@ pycollectives (strategies/parallel3d/).
     python examples/train_gpt.py --dp 2 --pp 2 --schedule zbh1 --microbatches 4
     python examples/train_gpt.py --dp 2 --pp 2 --zero 1
     python examples/train_gpt.py --dp 2 --tp 2 --fsdp
+    python examples/train_gpt.py --dp 2 --pp 2 --fsdp
+    python examples/train_gpt.py --tp 2 --pp 2 --sequence-parallel --device cuda
     torchrun --nproc-per-node 8 examples/train_gpt.py --dp 2 --tp 2 --pp 2
 
 Under torchrun each process is one rank; otherwise the script starts
@@ -44,8 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="global batch (samples per step)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage on dp (2, 3: --pp 1)")
-    p.add_argument("--fsdp", action="store_true", help="FSDP on the dp axis (--pp 1)")
-    p.add_argument("--sequence-parallel", action="store_true", help="with --tp, --pp 1 only")
+    p.add_argument("--fsdp", action="store_true", help="FSDP on the dp axis (not with zbh1)")
+    p.add_argument("--sequence-parallel", action="store_true", help="with --tp (any --pp)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=32)
     p.add_argument("--heads", type=int, default=4)
@@ -54,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0, help="weights and data")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="cuda: cuda:(LOCAL_RANK %% GPUs)"
+    )
     p.add_argument("--log-every", type=int, default=10, help="plain progress lines")
     p.add_argument("--save", metavar="DIR", help="save a checkpoint at the end")
     p.add_argument("--resume", metavar="DIR", help="start from a checkpoint")
@@ -118,7 +123,7 @@ def train(args: argparse.Namespace) -> int:
             schedule=args.schedule, microbatches=args.microbatches, zero=args.zero,
             virtual_stages=args.virtual_stages, fsdp=args.fsdp, global_batch=args.batch,
             sequence_parallel=args.sequence_parallel, data_seed=args.seed, lr=args.lr,
-            dtype=DTYPES[args.dtype], timeout=120,
+            dtype=DTYPES[args.dtype], device=args.device, timeout=120,
         )  # fmt: skip
         dims = ParallelDims(comm, dp=args.dp, tp=args.tp, pp=args.pp)
         trainer = Trainer3D(dims, config, opts)
@@ -133,7 +138,7 @@ def train(args: argparse.Namespace) -> int:
         n = sum(math.prod(shape) for shape in full_shapes(config).values())
         print(f"GPT {n:,} parameters; dp={dims.dp} x tp={dims.tp} x pp={dims.pp} = "
               f"{comm.world_size} ranks, schedule {args.schedule}, "
-              f"{args.microbatches} micro-batches, zero={args.zero}; steps "
+              f"{args.microbatches} micro-batches, zero={args.zero}, on {args.device}; steps "
               f"{trainer.step_index}..{args.steps}")  # fmt: skip
     progress = Progress(args.steps, trainer.step_index, args.log_every, rank == 0)
     rates, loss = [], float("nan")

@@ -64,9 +64,18 @@ def job_train(
         end = trainer.full_parameters()
         coords = (dims.dp_rank, dims.tp_rank, dims.pp_rank)
         early = trainer.averager.early if trainer.averager else None
-    as_np = lambda d: {n: t.numpy() for n, t in d.items()}  # noqa: E731
+        # FSDP with pp > 1: reductions per stage (one per step: every backward unsynced)
+        reduced = [(r.sharding_unit.engine.step, r.sharding_unit.engine.micro)
+                   for r in trainer.fsdp_roots]  # fmt: skip
+    as_np = lambda d: {n: t.cpu().numpy() for n, t in d.items()}  # noqa: E731
     return dict(
-        coords=coords, early=early, ids=ids, losses=losses, start=as_np(start), end=as_np(end)
+        coords=coords,
+        early=early,
+        reduced=reduced,
+        ids=ids,
+        losses=losses,
+        start=as_np(start),
+        end=as_np(end),
     )
 
 
@@ -76,6 +85,15 @@ LAYOUTS = [  # (dp, tp, pp, options)
     (1, 2, 2, {"schedule": "zbh1"}),
     (2, 1, 2, {"schedule": "zbh1"}),  # split linears (W outside autograd) under dp
     (2, 1, 2, {"schedule": "interleaved", "zero": 1}),
+    # sequence parallelism across stages: [b, t/tp, d] shards between them
+    (1, 2, 2, {"schedule": "1f1b", "sequence_parallel": True}),
+    (1, 2, 2, {"schedule": "gpipe", "sequence_parallel": True}),
+    (1, 2, 2, {"schedule": "interleaved", "sequence_parallel": True}),
+    (1, 2, 2, {"schedule": "zbh1", "sequence_parallel": True}),
+    # FSDP per stage (reduce-scatter after the step, after the tied sum)
+    (2, 1, 2, {"schedule": "1f1b", "fsdp": True}),
+    (2, 1, 2, {"schedule": "interleaved", "fsdp": True}),
+    (2, 2, 2, {"schedule": "gpipe", "fsdp": True}),
     # pp = 1: ZeRO-2/3 and FSDP on the dp axis, tensor-parallel blocks inside
     (2, 2, 1, {"zero": 2}),
     (2, 2, 1, {"zero": 3}),
@@ -102,6 +120,35 @@ def test_3d_zbh1_tensor_parallel_under_dp(pool):
     check_layout(pool, 2, 2, 2, {"schedule": "zbh1"}, 3)
 
 
+def job_messages(comm: pc.Communicator, sp: bool, steps: int) -> dict:
+    """tp=2 x pp=2, 1F1B: the losses, the final weights and the pipeline
+    communicator's batch_p2p bytes over `steps` steps."""
+    with ParallelDims(comm, dp=1, tp=2, pp=2) as dims:
+        trainer = Trainer3D(dims, CONFIG, dataclasses.replace(OPTIONS, sequence_parallel=sp))
+        losses = [trainer.step().loss for _ in range(steps)]
+        end = {n: t.numpy() for n, t in trainer.full_parameters().items()}
+        sent = dims.pp_comm.stats()["batch_p2p"]["bytes_sent"]
+    return dict(losses=losses, end=end, sent=sent)
+
+
+def test_sequence_parallel_stages_send_sequence_shards(pool):
+    """tp=2 x pp=2 (1F1B) with and without sequence parallelism: the same
+    training (losses within 1e-12, weights within 1e-10), and each
+    activation or activation gradient between the stages is the rank's
+    [b, t/2, d] sequence shard: half the bytes."""
+    steps, m = 3, OPTIONS.microbatches
+    plain, sp = (pool(4).run(job_messages, flag, steps, timeout=120) for flag in (False, True))
+    b, t, d = OPTIONS.global_batch // m, CONFIG.seq_len, CONFIG.d_model
+    tied = CONFIG.vocab_size // 2 * d * 8  # the tied weight's tp shard, float64
+    for a, s in zip(plain, sp, strict=True):
+        assert max(abs(x - y) for x, y in zip(a["losses"], s["losses"], strict=True)) <= 1e-12
+        for name, v in a["end"].items():
+            assert abs(v - s["end"][name]).max() <= 1e-10, name
+        # per step and rank: m activations (or their gradients) and the tied gradient
+        assert a["sent"] == steps * (m * b * t * d * 8 + tied), a["sent"]
+        assert s["sent"] == steps * (m * b * (t // 2) * d * 8 + tied), s["sent"]
+
+
 def check_layout(pool, dp: int, tp: int, pp: int, change: dict, steps: int) -> None:  # noqa: ANN001
     """Trains `steps` steps with dp x tp x pp and compares with one process."""
     start, losses, end = reference(steps)
@@ -119,6 +166,8 @@ def check_layout(pool, dp: int, tp: int, pp: int, change: dict, steps: int) -> N
         plain = not (change.get("zero") or change.get("fsdp"))
         if dp > 1 and plain and change["schedule"] != "zbh1":
             assert r["early"] >= 1, r["early"]  # a bucket's all-reduce overlapped the step
+        if change.get("fsdp") and pp > 1:  # one reduce-scatter per unit and step, after it
+            assert r["reduced"] and set(r["reduced"]) == {(steps, 0)}, r["reduced"]
         worst = max(abs(a - b) for a, b in zip(r["losses"], losses, strict=True))
         assert worst <= 1e-12, (r["coords"], worst)
     assert set(got_start) == set(start) == set(got_end)
@@ -130,6 +179,26 @@ def check_layout(pool, dp: int, tp: int, pp: int, change: dict, steps: int) -> N
         assert diff <= 1e-10, (name, diff)
     if steps == STEPS:
         assert losses[-1] < losses[0] - 0.2, losses  # it learns
+
+
+# ---- on CUDA: the same training as on the CPU
+
+
+CUDA_OK = bool(getattr(pc._C, "cuda_built", lambda: False)()) and torch.cuda.is_available()
+CUDA_LAYOUTS = [  # 2 ranks on cuda:(rank % GPUs); (dp, tp, pp, options)
+    (1, 1, 2, {"schedule": "1f1b"}),  # activations through the host, tied gradient summed
+    (1, 2, 1, {"schedule": "1f1b", "sequence_parallel": True}),  # TP collectives on CUDA
+    (2, 1, 1, {"schedule": "1f1b"}),  # the dp average on CUDA buckets
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA_OK, reason="needs a CUDA build of pycollectives and a GPU")
+@pytest.mark.parametrize("dp,tp,pp,change", CUDA_LAYOUTS, ids=["pp2", "tp2-sp", "dp2"])
+def test_3d_on_cuda_matches_one_process(pool, dp, tp, pp, change):
+    """device="cuda", 2 ranks, 1F1B: the CUDA run matches one process on
+    the CPU (float64) within the bounds of the CPU layouts."""
+    check_layout(pool, dp, tp, pp, {**change, "device": "cuda"}, STEPS)
 
 
 # ---- bad input: the same error on every rank, never a hang
@@ -156,10 +225,11 @@ def job_bad_input(comm: pc.Communicator) -> dict[str, str]:
     try_("layers", (1, 1, 4), dataclasses.replace(CONFIG, n_layer=3))
     try_("interleaved", (2, 1, 2), schedule="interleaved", virtual_stages=3)
     try_("zero2", (2, 1, 2), zero=2)
-    try_("fsdp", (2, 1, 2), fsdp=True)
+    try_("fsdp", (2, 1, 2), fsdp=True, schedule="zbh1")
     try_("both", (4, 1, 1), fsdp=True, zero=1)
     try_("batch", (2, 1, 2), global_batch=6)
     try_("schedule", (1, 1, 4), schedule="zbh2")
+    try_("device", (2, 1, 2), device="cuda")
     # ranks that disagree: rank 1 asks for other micro-batches
     try_("differ", (2, 1, 2), microbatches=4 if comm.rank == 1 else 2)
     return out
@@ -174,10 +244,15 @@ def test_bad_input_raises_on_every_rank(pool):
         assert "fewer layers than stages: n_layer=3" in out["layers"], out["layers"]
         assert "--pp 2 x 3 stages per rank = 6 stages" in out["interleaved"], out["interleaved"]
         assert "--zero 2 with --pp 2 does not compose with the pipeline" in out["zero2"]
-        assert "--fsdp with --pp 2 does not compose with the pipeline" in out["fsdp"]
+        assert "--fsdp with --pp 2 and --schedule zbh1 does not compose" in out["fsdp"]
         assert "--fsdp and --zero 1: choose one" in out["both"], out["both"]
         assert "--batch 6 is not divisible by --dp 2 x --microbatches 2" in out["batch"]
         assert "--schedule 'zbh2' is not one of" in out["schedule"], out["schedule"]
+        if CUDA_OK:
+            assert out["device"] == "no error", out["device"]
+        else:  # every rank names the flag and each rank
+            for q in range(4):
+                assert f"--device cuda: rank {q}: " in out["device"], out["device"]
         assert "ranks [1] train another model or with other options" in out["differ"]
         for case, text in out.items():
             assert text.startswith("ValueError"), (case, text)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,6 +97,11 @@ def test_train_gpt_example_bad_input():
     p = _train_gpt("--tp", "2", "--heads", "3", "--d-model", "30", "--steps", "1")
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.count("n_head=3 is not divisible by --tp 2") == 1, p.stderr
+    if not torch.cuda.is_available():  # --device cuda without a GPU: the flag and each rank named
+        p = _train_gpt("--dp", "2", "--device", "cuda", "--steps", "1")
+        assert p.returncode == 2, p.stdout + p.stderr
+        for r in range(2):
+            assert f"--device cuda: rank {r}: torch sees no CUDA device" in p.stderr, p.stderr
 
 
 def test_checkpoint_example_under_torchrun(tmp_path):

@@ -180,6 +180,13 @@ def job_bad_input(comm: pc.Communicator) -> dict[str, str]:
     try_("schedule", lambda c: PipelineRuntime(other, stages(sched=other), c, timeout=20))
     wide = config(p, d_model=32) if r == 1 else config(p)
     try_("shapes", lambda c: PipelineRuntime(s, stages(wide), c, timeout=20).step(microbatches(4)))
+
+    def sharded(c):  # rank 1's stage expects sequence shards (sequence parallelism), rank 0's not
+        st = stages()
+        st[0].sequence_shards = 2 if r == 1 else 1
+        PipelineRuntime(s, st, c, timeout=20).step(microbatches(4))
+
+    try_("sequence_shards", sharded)
     mbs = microbatches(3 if r == 1 else 4)
     try_("count", lambda c: PipelineRuntime(s, stages(), c, timeout=20).step(mbs))
 
@@ -222,8 +229,15 @@ def test_bad_input_raises_on_every_rank(pool, p):
             "stage 0 (rank 0) sends float32[2, 8, 16] but stage 1 (rank 1) expects "
             "float32[2, 8, 32]"
         ) in out["shapes"], out["shapes"]
+        if p == 2:  # stage 1 alone takes [b, t/2, d] sequence shards
+            assert (
+                "stage 0 (rank 0) sends float32[2, 8, 16] but stage 1 (rank 1) expects "
+                "float32[2, 4, 16]"
+            ) in out["sequence_shards"], out["sequence_shards"]
+        else:  # rank 1 holds stage 1: both its boundaries disagree
+            assert "stage 1 (rank 1) sends float32[2, 4, 16] but stage 2" in out["sequence_shards"]
         assert "microbatches has 3 entries, the schedule m=4" in out["count"], out["count"]
-        for case in ("verify", "schedule", "shapes", "count"):
+        for case in ("verify", "schedule", "shapes", "sequence_shards", "count"):
             assert f"raised on rank {r}" in out[case], out[case]
         # A skipped receive: every rank raises, naming its stage, micro-batch and step.
         assert out["skip"].startswith("PipelineError: pipeline iteration 0"), out["skip"]

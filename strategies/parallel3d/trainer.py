@@ -22,20 +22,34 @@ For the rank at (dp_rank, tp_rank, pp_rank), `Trainer3D`:
 
 With pp = 1, `zero` 2/3 and `fsdp` shard over the dp axis instead: no
 pipeline runtime, the one stage accumulates the micro-batches itself
-(no_sync but for the last backward), its blocks the ZeRO/FSDP units.
+(no_sync but for the last backward), its blocks the ZeRO/FSDP units. With
+pp > 1, `fsdp` shards each stage over dp (fsdp_pipeline.py: every backward
+unsynced, the tied gradient summed across stages, then one reduce-scatter
+per unit after the step).
+
+`device` ("cpu", or "cuda": each rank on cuda:(LOCAL_RANK % device count)):
+the stages' parameters, the micro-batches and the activations live there,
+so the tensor-parallel collectives, the dp gradient average and ZeRO/FSDP
+take CUDA tensors through pycollectives' CUDA path; the pipeline's messages
+and the tied gradient sum go through the host (batch_p2p takes CPU buffers).
+
+With --sequence-parallel (tp > 1) the layer norms, dropouts and residual
+stream run on [b, t/tp, d] sequence shards, and so do the activations the
+stages exchange (GPTStage.sequence_shards = tp): each pipeline message is
+1/tp of the bytes, for every schedule, ZB-H1 included.
 
 What does not compose, refused on every rank with the flags named
-(docs/parallel3d.md): ZeRO-2/3 and FSDP with pp > 1 (their reduce-scatter
-in backward, or their per-unit gathers around each forward, assume one
-forward and one backward per step; a pipeline step runs m interleaved
+(docs/parallel3d.md): ZeRO-2/3 with pp > 1 (their reduce-scatter in
+backward assumes one backward per step; a pipeline step runs m interleaved
 forwards and backwards per stage, sums the tied weight's gradient after the
-last, and ZB-H1 computes weight gradients outside autograd), and sequence
-parallelism with pp > 1 (the stages would exchange sequence shards).
+last, and ZB-H1 computes weight gradients outside autograd; DeepSpeed
+refuses them too), FSDP with ZB-H1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -43,28 +57,41 @@ import torch
 from torch import nn
 
 from pycollectives import ReduceOp
+from pycollectives._buffers import cuda_built
 from strategies.data import GlobalBatches, SyntheticSequences
 from strategies.fsdp import fully_shard
 from strategies.grad_average import StepGradAverager
 from strategies.mesh import ParallelDims
 from strategies.models.gpt import Block, Embedding, GPTConfig, LMHead
+from strategies.parallel3d.fsdp_pipeline import reduce_after_step, shard_stages, unsynced
 from strategies.pipeline import PipelineRuntime, build, deferred_parameters, gpt_stages
 from strategies.pipeline.communications import agree, digest
 from strategies.pipeline.stage import TIED
 from strategies.tensor_parallel import parallelize_gpt
 from strategies.zero import ZeroOptimizer
 
-__all__ = ["SCHEDULES", "StepStats", "TrainOptions", "Trainer3D", "full_shapes", "problems"]
+__all__ = [
+    "DEVICES",
+    "SCHEDULES",
+    "StepStats",
+    "TrainOptions",
+    "Trainer3D",
+    "full_shapes",
+    "problems",
+    "resolve_device",
+]
 
 # command-line names -> strategies.pipeline.build names
 SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zbh1": "zb-h1"}
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
 class TrainOptions:
     """How to train: the schedule and its micro-batches, the dp-axis
-    optimizer (zero: 0 = all-reduce, 1-3 = ZeRO stage; fsdp; zero 2/3 and
-    fsdp need pp = 1, see the module docstring), the data and AdamW."""
+    optimizer (zero: 0 = all-reduce, 1-3 = ZeRO stage; fsdp; zero 2/3 need
+    pp = 1, fsdp with pp > 1 a schedule other than zbh1), the device (a key of
+    DEVICES, see resolve_device), the data and AdamW."""
 
     schedule: str = "1f1b"  # a key of SCHEDULES
     microbatches: int = 4  # per step and data-parallel rank
@@ -81,6 +108,7 @@ class TrainOptions:
     dtype: torch.dtype = torch.float32
     overlap: bool = True  # dp all-reduces during the step
     timeout: float | None = None  # seconds, for the pipeline's messages
+    device: str = "cpu"  # "cpu" or "cuda" (cuda:(LOCAL_RANK % device count))
 
 
 @dataclass
@@ -107,18 +135,19 @@ def problems(dims: ParallelDims, config: GPTConfig, opts: TrainOptions) -> list[
             f"--zero {opts.zero} with --pp {dims.pp} does not compose with the pipeline runtime "
             "(its reduce-scatter during backward assumes one backward per step; a pipeline step "
             "runs one per micro-batch, sums the tied embedding/head gradient after the last, and "
-            "ZB-H1 computes weight gradients outside autograd): use --zero 1, or --pp 1"
+            "ZB-H1 computes weight gradients outside autograd; DeepSpeed's PipelineEngine refuses "
+            "ZeRO-2/3 with pipeline parallelism too): use --zero 1, or --pp 1"
         )
-    if opts.fsdp and dims.pp > 1:
+    if opts.fsdp and dims.pp > 1 and opts.schedule == "zbh1":
         out.append(
-            f"--fsdp with --pp {dims.pp} does not compose with the pipeline runtime (its "
-            "per-block gathers around each forward and backward assume one forward then one "
-            "backward per step): use --zero 1, or --pp 1"
+            f"--fsdp with --pp {dims.pp} and --schedule zbh1 does not compose (ZB-H1's W computes "
+            "weight gradients outside autograd, where FSDP's gradient hooks do not see them): use "
+            "--schedule 1f1b, gpipe or interleaved, or --zero 1"
         )
+    if opts.device not in DEVICES:
+        out.append(f"--device {opts.device!r} is not one of {', '.join(DEVICES)}")
     if opts.fsdp and opts.zero:
         out.append(f"--fsdp and --zero {opts.zero}: choose one")
-    if opts.sequence_parallel and dims.pp > 1:
-        out.append(f"--sequence-parallel with --pp {dims.pp} > 1 is not supported")
     if opts.microbatches < 1 or opts.global_batch < 1:
         out.append(f"--microbatches {opts.microbatches}, --batch {opts.global_batch} must be >= 1")
     elif opts.global_batch % (dims.dp * opts.microbatches):
@@ -143,6 +172,33 @@ def problems(dims: ParallelDims, config: GPTConfig, opts: TrainOptions) -> list[
     return out
 
 
+def resolve_device(name: str, rank: int) -> torch.device:
+    """The device of option `name` for this process: the CPU, or for "cuda"
+    cuda:(LOCAL_RANK % torch.cuda.device_count()) (LOCAL_RANK from the
+    environment, as torchrun sets it; `rank` without it).
+
+    Raises ValueError naming --device and `rank` for "cuda" where torch sees
+    no CUDA device or pycollectives was built without CUDA, and for a name
+    not in DEVICES.
+    """
+    if name == "cpu":
+        return torch.device("cpu")
+    if name != "cuda":
+        raise ValueError(f"--device {name!r}: rank {rank}: not one of {', '.join(DEVICES)}")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"--device cuda: rank {rank}: torch sees no CUDA device (torch.cuda.is_available() "
+            f"is False; torch {torch.__version__}): use --device cpu"
+        )
+    if not cuda_built():
+        raise ValueError(
+            f"--device cuda: rank {rank}: pycollectives was built without CUDA (rebuild with "
+            "PYCOLL_CUDA=1): use --device cpu"
+        )
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    return torch.device("cuda", local % torch.cuda.device_count())
+
+
 class Trainer3D:
     """Trains the GPT of `config` on `dims` (see the module docstring).
 
@@ -155,16 +211,25 @@ class Trainer3D:
     def __init__(self, dims: ParallelDims, config: GPTConfig, opts: TrainOptions) -> None:
         self.dims, self.config, self.opts = dims, config, opts
         found = problems(dims, config, opts)
+        if not found:
+            try:
+                self.device = resolve_device(opts.device, dims.world.rank)
+            except ValueError as e:
+                found.append(str(e))
         error = ValueError("; ".join(found)) if found else None
         agree(dims.world, "Trainer3D", error, digest(f"{config}/{opts}/{dims.sizes}"),
               "train another model or with other options", opts.timeout)  # fmt: skip
         m = opts.microbatches
         # --zero 2/3 and --fsdp (pp = 1): plain accumulation, no pipeline runtime
-        self.sharded = opts.zero in (2, 3) or opts.fsdp
+        self.sharded = opts.zero in (2, 3) or (opts.fsdp and dims.pp == 1)
         v = opts.virtual_stages if opts.schedule == "interleaved" else 1
         self.schedule = build(SCHEDULES[opts.schedule], dims.pp, m, v)
         held = self.schedule.stages_of(dims.pp_rank)
-        stages = gpt_stages(config, held, self.schedule.num_stages, dtype=opts.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # torch's current device: the CUDA collectives'
+        stages = gpt_stages(
+            config, held, self.schedule.num_stages, dtype=opts.dtype, device=self.device
+        )
         if dims.tp > 1:
             sp = opts.sequence_parallel
             stages = [parallelize_gpt(st, dims, sequence_parallel=sp) for st in stages]
@@ -172,7 +237,7 @@ class Trainer3D:
         self.runtime = None
         if not self.sharded:
             self.runtime = PipelineRuntime(
-                self.schedule, stages, dims.pp_comm, timeout=opts.timeout
+                self.schedule, stages, dims.pp_comm, timeout=opts.timeout, sum_tied=not opts.fsdp
             )
         named, seen = [], set()
         for st in stages:
@@ -190,7 +255,12 @@ class Trainer3D:
         blocks = [b for st in stages for b in st.blocks if isinstance(b, Block)]
         self.averager: StepGradAverager | None = None
         self.zero: ZeroOptimizer | None = None
-        if opts.fsdp:
+        self.fsdp_roots: list[nn.Module] = []
+        if opts.fsdp and self.runtime is not None:
+            self.fsdp_roots = shard_stages(stages, dims.dp_comm)
+            params = [p for root in self.fsdp_roots for p in root.parameters()]
+            self.optimizer = torch.optim.AdamW(params, **adamw)
+        elif opts.fsdp:
             for b in blocks:
                 fully_shard(b, dims.dp_comm)
             root = fully_shard(stages[0], dims.dp_comm)
@@ -218,6 +288,7 @@ class Trainer3D:
         """This dp rank's share of step `step`'s global batch, cut into the
         schedule's micro-batches (inputs, targets)."""
         x, y = self.data.batch(self.batches.ids(step))
+        x, y = x.to(self.device), y.to(self.device)
         m = self.opts.microbatches
         return list(zip(x.chunk(m), y.chunk(m), strict=True))
 
@@ -231,7 +302,11 @@ class Trainer3D:
             self.optimizer.zero_grad(set_to_none=True)
         for _, p in self.named_params:
             p.grad = None
-        if self.runtime is not None:
+        if self.fsdp_roots:
+            with unsynced(self.fsdp_roots):
+                losses = self.runtime.step(self.microbatches(k)).losses
+            reduce_after_step(self.fsdp_roots, self.runtime)
+        elif self.runtime is not None:
             losses = self.runtime.step(self.microbatches(k)).losses
         else:
             losses = self._accumulate(self.microbatches(k))
@@ -272,7 +347,7 @@ class Trainer3D:
         (tensor-parallel and data-parallel shards gathered), by their names in
         the whole GPT (the tied head under embed.tok.weight)."""
         if self.opts.fsdp:
-            local = self.stages[0].full_parameters()
+            local = {n: t for st in self.stages for n, t in st.full_parameters().items()}
         elif self.sharded:
             local = self.zero.full_parameters()
         else:

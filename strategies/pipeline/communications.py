@@ -254,14 +254,16 @@ def sum_tied_gradients(
 ) -> None:
     """Each tied parameter's gradient becomes the sum over the ranks holding
     it, added in rank order (the same bits on each); one batch of sends and
-    receives among the holders. A missing gradient counts as zero."""
+    receives among the holders. A missing gradient counts as zero. A CUDA
+    gradient goes through the host (batch_p2p takes CPU buffers) and the sum
+    comes back to its device."""
     for key in sorted(params):
         others = [r for r in holders[key] if r != comm.rank]
         if not others:
             continue
         p = params[key]
         mine = p.grad if p.grad is not None else torch.zeros_like(p)
-        mine = mine.contiguous()
+        device, mine = mine.device, mine.contiguous().cpu()
         theirs = {r: torch.empty_like(mine) for r in others}
         ops = [("send", mine, r) for r in others] + [("recv", theirs[r], r) for r in others]
         comm.batch_p2p(ops, timeout=timeout)
@@ -269,7 +271,7 @@ def sum_tied_gradients(
         total = parts[0].clone()
         for t in parts[1:]:
             total += t
-        p.grad = total
+        p.grad = total.to(device)
 
 
 def exchange_end_marks(

@@ -9,6 +9,11 @@
   issued before it, which complete first anyway), then runs F, B, I or W of
   its stage; a neighbouring stage on the same rank hands its tensor over
   directly.
+- Stages on a CUDA device (`PipelineRuntime.device`): pycollectives'
+  batch_p2p takes CPU buffers only, so a sent tensor is copied to the host
+  first and a received one is moved to the device when its compute takes
+  it (the tensor-parallel and data-parallel collectives of the stages take
+  the CUDA tensors themselves).
 - Then every batch is waited for, neighbours exchange end marks, tied
   weights' gradients are summed, and one all-gather confirms that every
   rank finished (and held no more activations than the schedule says), so
@@ -90,7 +95,8 @@ class StepExecution:
         rt = self.rt
         # This step's gradient of a tied weight is summed over its holders;
         # what earlier steps accumulated (already summed) is added back after.
-        before = {k: p.grad for k, p in rt.tied.items() if len(rt.tie_holders[k]) > 1}
+        tied = rt.tied if rt.sum_tied else {}
+        before = {k: p.grad for k, p in tied.items() if len(rt.tie_holders[k]) > 1}
         for k in before:
             rt.tied[k].grad = None
         try:
@@ -107,7 +113,7 @@ class StepExecution:
             self.where = (end, None, f"exchanging end marks with ranks {rt.peers}")
             exchange_end_marks(rt.comm, rt.peers, rt.timeout)
             self.where = (end, None, "summing the tied gradients")
-            sum_tied_gradients(rt.comm, rt.tied, rt.tie_holders, rt.timeout)
+            sum_tied_gradients(rt.comm, tied, rt.tie_holders, rt.timeout)
             for k, g in before.items():
                 if g is not None:
                     rt.tied[k].grad = g.add_(rt.tied[k].grad)
@@ -154,6 +160,7 @@ class StepExecution:
             key = (a.kind, a.stage, a.microbatch)
             if a.kind.is_send:
                 data = self.local.pop((F if a.kind is Kind.SEND_F else B, a.stage, a.microbatch))
+                data = data.cpu()  # a no-op on the CPU; batch_p2p takes host buffers
                 ops.append(("send", codes.view(a, data), a.peer))
             else:
                 spec = self.specs[(a.kind, a.stage)]
@@ -194,7 +201,7 @@ class StepExecution:
             return self.local.pop((local, peer_stage, a.microbatch))
         key = (recv, a.stage, a.microbatch)
         self.wait(self.recv_work.pop(key) + 1)
-        return self.inbox.pop(key)
+        return self.inbox.pop(key).to(rt.device)  # a no-op on the CPU
 
     def compute(self, op: Op) -> None:
         rt, a = self.rt, op.actions[0]

@@ -91,7 +91,12 @@ class PipelineRuntime:
     `schedule.stages_of(comm.rank)` in that order. With I and W actions in
     the schedule, nn.Linear layers of module stages are made SplitLinear in
     place. `timeout` (seconds) bounds each communication (default: the
-    communicator's).
+    communicator's). `device`: where received activations go, the device of
+    the module stages' parameters (CPU without any); messages travel
+    through the host (execution.py). `sum_tied=False`: the step leaves the
+    tied parameters' gradients alone (`tie_holders` still says who holds
+    each): the caller sums them, e.g. FSDP's, which are in its accumulation
+    buffers, not in .grad.
 
     Collective; raises on every rank as the module docstring says.
     """
@@ -103,10 +108,14 @@ class PipelineRuntime:
         comm: Communicator,
         *,
         timeout: float | None = None,
+        sum_tied: bool = True,
     ) -> None:
         self.schedule, self.comm, self.timeout = schedule, comm, timeout
+        self.sum_tied = sum_tied
         self.rank = rank = comm.rank
         self.iteration = 0
+        params = [p for st in stages if isinstance(st, nn.Module) for p in st.parameters()]
+        self.device = params[0].device if params else torch.device("cpu")
         self._specs: dict[str, dict[tuple[Kind, int], TensorSpec]] = {}
         name = f"PipelineRuntime({schedule.name or 'schedule'})"
         error = None

@@ -141,7 +141,14 @@ class GPTStage(nn.Module):
     forward(x, targets=None): token ids [b, t] (first stage) or hidden states
     [b, t, d_model] in; hidden states out, or the mean cross-entropy on the
     last stage (with targets).
+
+    `sequence_shards`: the hidden states it receives and sends are this
+    rank's [b, t / sequence_shards, d_model] slice of the sequence (1: the
+    whole sequence; parallelize_gpt sets tp under sequence parallelism, so
+    the stages exchange sequence shards, 1/tp of the bytes, as Megatron's).
     """
+
+    sequence_shards: int = 1
 
     def __init__(
         self,
@@ -192,12 +199,14 @@ class GPTStage(nn.Module):
 
     def _hidden(self, inputs: TensorSpec) -> TensorSpec:
         dtype = next(p.dtype for p in self.parameters() if p.is_floating_point())
-        return TensorSpec((*inputs.shape[:2], self.config.d_model), dtype)
+        b, t = inputs.shape[:2]
+        return TensorSpec((b, t // self.sequence_shards, self.config.d_model), dtype)
 
     def input_spec(self, inputs: TensorSpec) -> TensorSpec:
         """What forward takes for micro-batches of token ids `inputs`: the ids
-        on the first stage, else [b, t, d_model] hidden states in the dtype of
-        the parameters (computed from the config, before any step runs)."""
+        on the first stage, else [b, t / sequence_shards, d_model] hidden
+        states in the dtype of the parameters (computed from the config,
+        before any step runs)."""
         return inputs if self.is_first else self._hidden(inputs)
 
     def output_spec(self, inputs: TensorSpec) -> TensorSpec | None:
@@ -223,11 +232,12 @@ def gpt_stages(
     *,
     split: Sequence[int] | None = None,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> list[GPTStage]:
     """The GPTStages `stages` (those one rank holds, e.g.
     `schedule.stages_of(rank)`) of a GPT cut into `num_stages` by `layer_split`.
     When the first and the last stage are both here, they share the tied
-    weight.
+    weight. Parameters on `device` in `dtype`.
 
     Raises ValueError (from layer_split) for fewer layers than stages or a
     bad split, and for a stage index out of range.
@@ -236,7 +246,7 @@ def gpt_stages(
     bad = [s for s in stages if not 0 <= s < num_stages]
     if bad:
         raise ValueError(f"gpt_stages: stages {bad} out of range for num_stages={num_stages}")
-    out = [GPTStage(config, s, num_stages, ranges[s], dtype) for s in stages]
+    out = [GPTStage(config, s, num_stages, ranges[s], dtype, device) for s in stages]
     ends = [m for m in out if m.is_first], [m for m in out if m.is_last]
     if config.tie_embeddings and all(ends) and num_stages > 1:
         ends[1][0].head.weight = ends[0][0].embed.tok.weight

@@ -286,6 +286,39 @@ class ShardingEngine:
                 f"sharding: rank {self.comm.rank}: reduce_gradients needs grad_hooks=False and "
                 "unsharded units (ZeRO-1/2)"
             )
+        self._reduce_now()
+
+    def reduce_accumulated(self) -> None:
+        """Collective: reduce-scatters the gradients that no_sync backwards
+        accumulated (`accumulated`), as a synchronized backward adding
+        nothing would: every unit in the fixed order, then the shards exposed.
+        For a driver whose last backward cannot reduce yet (a pipeline step:
+        the tied embedding/head gradient is summed across stages after every
+        stage's last backward, and only then reduced).
+
+        Raises RuntimeError inside a backward or with the hooks off."""
+        if self._in_backward or not self.grad_hooks:
+            raise RuntimeError(
+                f"sharding: rank {self.comm.rank}: reduce_accumulated runs between backwards, "
+                "with the gradient hooks on"
+            )
+        self._reduce_now()
+
+    def accumulated(self, unit: ShardedUnit) -> dict[str, torch.Tensor]:
+        """The gradients no_sync backwards accumulated for `unit`'s parameters
+        since the last reduction: views of the accumulation buffers (writable:
+        what reduce_accumulated reduces), by name in the unit."""
+        out = {}
+        for f in unit.trainable:
+            acc = self.grads.accum.get(f)
+            if acc is not None:
+                for s in f.layout.slots:
+                    out[s.name] = acc[s.offset : s.end].view(s.shape)
+        return out
+
+    def _reduce_now(self) -> None:
+        """Every unit complete, its gradients reduce-scattered in the fixed
+        order, the shards exposed: the end of a synchronized backward."""
         self.grads.begin(True)
         for u in self.units:
             u.ready.clear()
@@ -294,6 +327,7 @@ class ShardingEngine:
             self._complete(u)
         self.grads.launch_ready(everything=True)
         self.grads.finish_all()
+        self._free_all()
         self.guard.settle()
         for u in self.units:
             for f in u.trainable:

@@ -344,13 +344,17 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
         elementwise_affine: bool = True,
         bias: bool = True,
         dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(normalized_shape, eps, elementwise_affine, bias, dtype=dtype)
+        super().__init__(
+            normalized_shape, eps, elementwise_affine, bias, dtype=dtype, device=device
+        )
         self.comm = comm
 
     @classmethod
     def from_layer_norm(cls, ln: nn.LayerNorm, comm: Communicator) -> SequenceParallelLayerNorm:
-        """A copy of `ln` (same parameters' values) whose gradients are summed across tp."""
+        """A copy of `ln` (same parameters' values, dtype and device) whose
+        gradients are summed across tp."""
         m = cls(
             ln.normalized_shape,
             comm,
@@ -358,6 +362,7 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
             elementwise_affine=ln.elementwise_affine,
             bias=ln.bias is not None,
             dtype=None if ln.weight is None else ln.weight.dtype,
+            device=None if ln.weight is None else ln.weight.device,
         )
         m.load_state_dict(ln.state_dict())
         return m

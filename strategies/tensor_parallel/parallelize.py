@@ -155,7 +155,9 @@ def parallelize_gpt(
     sequence_parallel: layer norms, dropouts and the residual stream on 1/tp
     of the sequence (sequence lengths must be divisible by tp); overlap: the
     column-parallel layers' input-gradient communication overlaps their
-    weight-gradient computation. Dropout: seed torch's generator alike on the
+    weight-gradient computation. A pipeline stage (GPTStage) under sequence
+    parallelism gets sequence_shards = tp: its hidden states in and out are
+    [b, t/tp, d] sequence shards, sent between stages as they are. Dropout: seed torch's generator alike on the
     ranks of a tp group; the masks are then those of the unsharded model.
 
     Raises ValueError on every tp rank when n_head, vocab_size or the MLP
@@ -172,6 +174,8 @@ def parallelize_gpt(
     def sp_drop(drop: nn.Dropout) -> nn.Module:
         return SequenceParallelDropout(drop.p, tp) if sp else drop
 
+    if hasattr(model, "sequence_shards"):  # a pipeline stage: it exchanges sequence shards
+        model.sequence_shards = tp.world_size if sp else 1
     embed, head = getattr(model, "embed", None), getattr(model, "head", None)
     tied = embed is not None and head is not None and head.weight is embed.tok.weight
     if embed is not None:
