@@ -19,7 +19,10 @@ the parameters as the collectives carry them):
     DP     nothing                               16P           16P                2P(N-1)/N
     1      optimizer state                       8P + 8P/N     4P + 12P/N         2P(N-1)/N
     2      + gradients (reduce-scatter in bwd)   4P + 12P/N    2P + 14P/N         2P(N-1)/N
-    3      + parameters (gathered per unit)      16P/N         16P/N              3P(N-1)/N
+    3      + parameters (gathered per unit)      16P/N         14P/N              3P(N-1)/N
+
+(Stage 3 in bf16 keeps no 16-bit copy of the parameter shard, which the paper
+counts: each gather casts the fp32 master shard into the gathered buffer.)
 
 Stage 1: after backward every unit's gradients are reduce-scattered in place in
 its gradient window; each rank steps its 1/N shard, then all-gathers the
