@@ -101,6 +101,12 @@ class ZeroOptimizer:
             from many backwards and outside autograd (a pipeline step: its
             micro-batches, ZB-H1's weight gradients, the tied weight's sum).
 
+    The inner optimizer steps one flat shard per unit and dtype, with one
+    scalar state (AdamW's `step`) for all of it: a parameter that got no
+    gradient in a step is stepped with a zero gradient (its moments decay,
+    weight decay applies), where a per-parameter torch optimizer skips it.
+    Checkpoints keep `step` per parameter (strategies/checkpoint/state.py).
+
     Raises ValueError on every rank for a bad stage, an optimizer that does not
     fit, parameters on several devices, or models that differ between ranks.
     """
