@@ -20,7 +20,9 @@ P parameters, N ranks):
     fp32: DP 16P, ZeRO-1 8P + 8P/N, ZeRO-2 4P + 12P/N, ZeRO-3 / FSDP 16P/N
     bf16 with fp32 master: 16P, 4P + 12P/N, 2P + 14P/N, 16P/N
 
-Target: storage within 10% of the formula plus the stated fixed buffers (the
+(ZeRO-3 in bf16 holds 14P/N: no 16-bit parameter shard is kept between gathers.)
+
+Target: storage at most 10% above the formula plus the stated fixed buffers (the
 reduce-scatter window pool of ZeRO-2/3 and FSDP: reduce_buffers = 3 windows
 as large as the largest unit, in the reduce dtype). Writes its section of
 docs/benchmarks.md between <!-- zero_memory:begin --> and <!-- zero_memory:end -->.
@@ -167,7 +169,7 @@ def render(rows: list[dict], args: argparse.Namespace) -> list[str]:
             f = formula(r["mode"], mixed, r["P"], r["n"])
             fixed = fixed_buffers(r["mode"], mixed, r["n"], args)
             ratio = total / (f + fixed)
-            ok = abs(ratio - 1) <= 0.10
+            ok = ratio <= 1.10  # below the formula: less than the paper counts
             if not ok:
                 misses.append(f"{NAMES[r['mode']]} N={r['n']} {'bf16' if mixed else 'fp32'}")
             cells = " | ".join(
@@ -181,11 +183,11 @@ def render(rows: list[dict], args: argparse.Namespace) -> list[str]:
             )
         out.append("")
     verdict = (
-        "every cell within 10% of the formula plus the fixed buffers"
+        "every cell at most 10% above the formula plus the fixed buffers"
         if not misses
         else f"missed in {', '.join(misses)}"
     )
-    out.append(f"Target (storage within 10% of formula + fixed buffers): {verdict}.")
+    out.append(f"Target (storage at most 10% above formula + fixed buffers): {verdict}.")
     return out
 
 
@@ -228,12 +230,14 @@ def main() -> int:
         "and the one-shot areas), which is in the RSS. Transient: ZeroOptimizer's fp32 "
         "copies of bf16 gradient shards during the step (the DP bf16 baseline casts its "
         "gradients the same way), ZeRO-3/FSDP's gathered units during forward/backward.",
-        "FSDP in bf16 holds 2P/N more than ZeRO-3: it keeps the reduced gradient shards in the "
-        "fp32 master dtype, as torch FSDP2 does (a plain torch optimizer steps the fp32 "
-        "parameters, so their .grad is fp32), where the paper (and ZeroOptimizer, which casts "
-        "them for the step only) counts 2-byte gradients: 18P/N against 16P/N, 12.5% above the "
-        "formula before the fixed buffers. Both keep a persistent bf16 copy of the parameter "
-        "shard (the paper's 2P/N of 16-bit parameters).",
+        "ZeRO-3 and FSDP in bf16 keep no bf16 copy of the parameter shard: each gather casts "
+        "the fp32 master shard into its own block of the gathered buffer, as torch FSDP2 casts "
+        "into its all-gather input (the paper counts a persistent 16-bit parameter shard, "
+        "2P/N). FSDP keeps the reduced gradient shards in fp32, as torch FSDP2 does (a plain "
+        "torch optimizer steps the fp32 parameters, so their .grad is fp32): 4 + 4 + 8 = "
+        "16P/N. ZeroOptimizer keeps them in bf16 (cast for the step only): 4 + 2 + 8 = 14P/N, "
+        "2P/N under the formula. The target is one-sided: at most 10% above the formula plus "
+        "the fixed buffers (a cell below holds less than the paper counts).",
         "RSS columns: MiB above the process's RSS before the model was built (torch, the "
         "communicator): at rest after the steps, and the peak over the steps (activations and "
         "gathered units included); the worst rank. Windows of the peers that a rank maps and "

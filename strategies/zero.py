@@ -19,7 +19,10 @@ the parameters as the collectives carry them):
     DP     nothing                               16P           16P                2P(N-1)/N
     1      optimizer state                       8P + 8P/N     4P + 12P/N         2P(N-1)/N
     2      + gradients (reduce-scatter in bwd)   4P + 12P/N    2P + 14P/N         2P(N-1)/N
-    3      + parameters (gathered per unit)      16P/N         16P/N              3P(N-1)/N
+    3      + parameters (gathered per unit)      16P/N         14P/N              3P(N-1)/N
+
+(Stage 3 in bf16 keeps no 16-bit copy of the parameter shard, which the paper
+counts: each gather casts the fp32 master shard into the gathered buffer.)
 
 Stage 1: after backward every unit's gradients are reduce-scattered in place in
 its gradient window; each rank steps its 1/N shard, then all-gathers the
@@ -97,6 +100,12 @@ class ZeroOptimizer:
             there, before step(). For drivers whose gradients of one step come
             from many backwards and outside autograd (a pipeline step: its
             micro-batches, ZB-H1's weight gradients, the tied weight's sum).
+
+    The inner optimizer steps one flat shard per unit and dtype, with one
+    scalar state (AdamW's `step`) for all of it: a parameter that got no
+    gradient in a step is stepped with a zero gradient (its moments decay,
+    weight decay applies), where a per-parameter torch optimizer skips it.
+    Checkpoints keep `step` per parameter (strategies/checkpoint/state.py).
 
     Raises ValueError on every rank for a bad stage, an optimizer that does not
     fit, parameters on several devices, or models that differ between ranks.

@@ -206,6 +206,27 @@ def job_bad_input(comm: pc.Communicator, root: str) -> list[str]:
     single = GPT(CFG)
     sgd = torch.optim.SGD(single.parameters(), lr=0.1)
     expect(lambda: load(f"{root}/good", comm, single, sgd), "optimizer", "SGD", "AdamW")
+    # fully_shard (one AdamW step per parameter) whose first step skipped one
+    # parameter: its step differs from its unit's others, which one ZeroOptimizer
+    # flat parameter (one step) cannot hold; the ZeRO optimizer stays untouched.
+    fmodel, fopt = build(comm, "fsdp")
+    per = GLOBAL // comm.world_size
+    for s in range(2):
+        x, y = global_batch(1, s, GLOBAL)
+        fopt.zero_grad()
+        fmodel(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]).backward()
+        if s == 0:
+            fmodel.blocks[1].ln1.weight.grad = None
+        fopt.step()
+    save(f"{root}/skipped", comm, fmodel, fopt)
+    expect(
+        lambda: load(f"{root}/skipped", comm, model, opt),
+        "'step' differs",
+        "1 for ['blocks.1.ln1.weight']",
+        "fully_shard",
+    )
+    if opt.optimizer.state:
+        bad.append("a refused load changed the ZeroOptimizer's state")
     return bad
 
 

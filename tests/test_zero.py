@@ -366,6 +366,20 @@ def job_storage(comm: pc.Communicator, param_dtype: torch.dtype | None) -> dict:
         out["largest"] = max(f.layout.padded_numel * 4 for u in units for f in u.flats)
         out["flats"] = sum(len(u.flats) for u in units)
         out["count"] = len(list(model.parameters()))
+    from strategies.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=4, n_head=2, d_model=32))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype)
+    for block in model.blocks:
+        fully_shard(block, comm, mp_policy=mp, reduce_buffers=1)
+    fully_shard(model, comm, mp_policy=mp, reduce_buffers=1)
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    for _ in range(2):  # the second step gathers from the updated shards
+        opt.zero_grad()
+        model(*local_batch(comm, 0)).backward()
+        opt.step()
+    out["fsdp"] = model.sharding_unit.engine.storage(opt)
+    out["fsdp_steps"] = 4 * len(opt.state)  # AdamW's step counter per parameter
     return out
 
 
@@ -378,8 +392,11 @@ def test_storage_per_rank_matches_zero_formulas(pool, world_size, mixed):
         DP      16P                 16P
         1       8P + 8P/N           4P + 12P/N
         2       4P + 12P/N          2P + 14P/N
-        3       16P/N               16P/N
+        3       16P/N               14P/N (no 16-bit parameter shard kept: see below)
+        FSDP    16P/N               16P/N (4 + 4 + 8: fp32 gradient shards, as FSDP2)
 
+    Sharded units (ZeRO-3, FSDP) cast the master shard into the all-gather at
+    each gather, as torch FSDP2 does, instead of keeping a bf16 copy of it.
     Asserted exactly, with P counted padded (each flat parameter padded to N
     aligned shards; the padding is bounded below), plus AdamW's 4-byte step
     counter per shard, and apart from the one window the stage-2/3
@@ -398,12 +415,37 @@ def test_storage_per_rank_matches_zero_formulas(pool, world_size, mixed):
             k: sum(v for role, v in s[k].items() if role != "reduce_buffers") - steps
             for k in (1, 2, 3)
         }
+        # FSDP: AdamW's state is per parameter piece (the padding has none)
+        fsdp = dict(s["fsdp"], optimizer=s["fsdp"]["optimizer"] - s["fsdp_steps"])
+        pad = s["padded"] - s["P"]
+        assert 0 <= 8 * p // n - fsdp["optimizer"] <= 2 * pad, s
+        total["fsdp"] = sum(v for r, v in fsdp.items() if r not in ("reduce_buffers", "optimizer"))
+        # Sharded units keep no compute-dtype copy of their shard (cast into the
+        # all-gather at each gather): the shards are the fp32 masters alone.
+        assert s[3]["params"] == s["fsdp"]["params"] == 0, s
+        assert s[3]["param_shards"] == s["fsdp"]["param_shards"] == 4 * p // n, s
         if mixed:
-            assert total == {1: 4 * p + 12 * p // n, 2: 2 * p + 14 * p // n, 3: 16 * p // n}, s
-            assert s[2]["reduce_buffers"] == s[3]["reduce_buffers"] == s["largest"] // 2, s
+            # ZeRO-3: 4 (master) + 2 (bf16 gradient shard) + 8 (AdamW), 2P/N under
+            # the paper's 16P/N (which counts a 16-bit parameter shard); FSDP keeps
+            # fp32 gradient shards (the optimizer steps the fp32 parameters): 16P/N.
+            assert total == {
+                1: 4 * p + 12 * p // n,
+                2: 2 * p + 14 * p // n,
+                3: 14 * p // n,
+                "fsdp": 8 * p // n,  # + 8P/N of AdamW state
+            }, s
+            half = s["largest"] // 2
+            assert s[2]["reduce_buffers"] == s[3]["reduce_buffers"] == half, s
+            assert s["fsdp"]["reduce_buffers"] == half, s
         else:
-            assert total == {1: 8 * p + 8 * p // n, 2: 4 * p + 12 * p // n, 3: 16 * p // n}, s
+            assert total == {
+                1: 8 * p + 8 * p // n,
+                2: 4 * p + 12 * p // n,
+                3: 16 * p // n,
+                "fsdp": 8 * p // n,  # + 8P/N of AdamW state
+            }, s
             assert s[2]["reduce_buffers"] == s[3]["reduce_buffers"] == s["largest"], s
+            assert s["fsdp"]["reduce_buffers"] == s["largest"], s
         assert s[1]["reduce_buffers"] == 0, s
         # the padding: under 64 bytes of alignment a parameter, and under one
         # aligned block per rank at the end of each flat parameter

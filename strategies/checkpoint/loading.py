@@ -75,7 +75,8 @@ def load(
                 f"optimizer is a {cls}, the checkpoint's a {meta['optimizer']['class']}"
             )
         else:
-            pieces += _state_pieces(lay, saved, created)
+            problems += _flat_scalar_problems(comm, path, lay, saved, what)
+            pieces += [] if problems else _state_pieces(lay, saved, created)
     try:
         load_pieces(comm, path, pieces, problems, what=what)
     except BaseException:
@@ -117,18 +118,71 @@ def _some(names: list[str], n: int = 8) -> str:
     return str(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
-def _state_pieces(
-    lay: Layout, saved: dict[str, Any], created: list[tuple[Any, str]]
-) -> list[Piece]:
-    """Pieces that fill each entry's optimizer state (created where the
-    optimizer has none yet); one scalar per optimizer parameter."""
-    opt = lay.optimizer
-    assert opt is not None
+def _saved_state(saved: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The checkpoint's optimizer state entries: parameter name -> state key -> metadata."""
     keys: dict[str, dict[str, Any]] = {}
     for name, m in saved.items():
         if name.startswith(OPTIM):
             k, _, param = name[len(OPTIM) :].partition("/")
             keys.setdefault(param, {})[k] = m
+    return keys
+
+
+def _flat_scalar_problems(
+    comm: Communicator | None,
+    path: str | os.PathLike,
+    lay: Layout,
+    saved: dict[str, Any],
+    what: str,
+) -> list[str]:
+    """Collective (ZeroOptimizer layouts): a ZeroOptimizer keeps one scalar
+    state (AdamW's `step`) per flat parameter, where the checkpoint keeps one
+    per parameter. Reads the saved scalars of the parameters that share a flat
+    (every rank reads them all, so every rank finds the same) and reports the
+    flats whose parameters saved different values: a per-parameter optimizer
+    (fully_shard, a plain model) that gave some parameter no gradient in some
+    steps. Loading one value for all would change those parameters' updates."""
+    if not lay.kind.startswith("zero"):
+        return []
+    keys = _saved_state(saved)
+    groups: dict[tuple[int, str], list[tuple[str, torch.Tensor]]] = {}
+    for e in lay.entries:
+        if e.opt_param is None or e.shape == ():
+            continue
+        for k, m in keys.get(e.name, {}).items():
+            if m["shape"] == []:
+                t = torch.zeros((), dtype=dtype_from_name(m["dtype"], f"'{OPTIM}{k}/{e.name}'"))
+                groups.setdefault((id(e.opt_param), k), []).append((e.name, t))
+    shared = [(k, g) for (_, k), g in groups.items() if len(g) > 1]
+    pieces = [Piece.whole(f"{OPTIM}{k}/{n}", t) for k, g in shared for n, t in g]
+    if not pieces:
+        return []
+    load_pieces(comm, path, pieces, what=what)
+    out = []
+    for k, g in shared:
+        values: dict[float, list[str]] = {}
+        for n, t in g:
+            values.setdefault(t.item(), []).append(n)
+        if len(values) > 1:
+            found = "; ".join(f"{v:g} for {_some(ns, 3)}" for v, ns in sorted(values.items()))
+            out.append(
+                f"the checkpoint's optimizer state '{k}' differs between parameters that share "
+                f"one ZeroOptimizer flat parameter ({found}): a ZeroOptimizer keeps one '{k}' "
+                "per unit and dtype; load this checkpoint into fully_shard or a plain model "
+                "with a torch optimizer, which keep one per parameter"
+            )
+    return out
+
+
+def _state_pieces(
+    lay: Layout, saved: dict[str, Any], created: list[tuple[Any, str]]
+) -> list[Piece]:
+    """Pieces that fill each entry's optimizer state (created where the
+    optimizer has none yet); one scalar per optimizer parameter (ZeroOptimizer:
+    per flat parameter, whose parameters _flat_scalar_problems found equal)."""
+    opt = lay.optimizer
+    assert opt is not None
+    keys = _saved_state(saved)
     device = {
         id(p): (p.device if g.get("capturable") or g.get("fused") else torch.device("cpu"))
         for g in opt.param_groups

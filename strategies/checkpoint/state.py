@@ -18,7 +18,12 @@ it, and where the optimizer keeps its state. Three layouts are recognized:
 
 Optimizer state tensors of zero dimensions (AdamW's `step`) are saved once
 per parameter (by the first rank holding it) as a scalar; the others are
-elementwise, sharded like their parameter.
+elementwise, sharded like their parameter. A ZeroOptimizer keeps one scalar
+per flat parameter (a unit's parameters of one dtype), saved as every one of
+its parameters' value; loading into a ZeroOptimizer a checkpoint whose
+parameters of one flat saved different values (fully_shard or a plain torch
+optimizer that skipped a parameter without gradient in some steps) raises
+ValueError on every rank instead of keeping one of them (loading.py).
 """
 
 from __future__ import annotations

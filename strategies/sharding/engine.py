@@ -415,9 +415,7 @@ class ShardingEngine:
                 if f.allocated:
                     roles["params"].append(f.full)
                 if f.own_master:
-                    roles["param_shards"] += [f.shard] + (
-                        [f.compute_shard] if f.compute_shard is not None else []
-                    )
+                    roles["param_shards"].append(f.shard)
                 if f.grad_shard is not None:
                     roles["grads"].append(f.grad_shard)
         roles["grads"] += list(self.grads.persistent.values()) + list(self.grads.accum.values())

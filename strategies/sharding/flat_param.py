@@ -166,8 +166,10 @@ class FlatParam:
       own, cast into that block before each all-gather.
     - `full`: the whole padded flat parameter in the compute dtype. Sharded
       (ZeRO-3/FSDP), its storage is resized to 0 between uses and gathered back
-      into the same storage, so views taken by autograd stay valid; unsharded,
-      it is permanent (a symmetric window on the CPU).
+      into the same storage, so views taken by autograd stay valid (with mixed
+      precision, the master shard is cast into its own block at each gather:
+      no compute-dtype copy of the shard is kept between uses); unsharded, it
+      is permanent (a symmetric window on the CPU).
     - the model's Parameter objects: while gathered their `.data` are views of
       `full` (`use_full`), otherwise 1-D views of this rank's piece of the
       master shard (`use_shard`), so an optimizer over them updates `shard`.
@@ -211,11 +213,6 @@ class FlatParam:
                 for v, p in zip(self.full_views, params, strict=True):
                     v.copy_(p.detach())
         self.shard_pieces = [self.shard[at : at + hi - lo] for lo, hi, at in self._pieces]
-        self.compute_shard = (
-            torch.empty(c, dtype=self.compute_dtype, device=self.device)
-            if sharded and self.compute_dtype != layout.dtype
-            else None
-        )
         self.grad_shard: torch.Tensor | None = None
         self._opt_param: nn.Parameter | None = None
         self.grads_exposed = False
@@ -240,17 +237,19 @@ class FlatParam:
             self.allocated = False
 
     def gather_input(self) -> torch.Tensor:
-        """This rank's block of `full` in the compute dtype: the all-gather's input."""
-        if not self.sharded:
-            a, b = self.layout.shard_range(self.rank)
-            own = self.full[a:b]  # in place: every rank's block of its own full buffer
-            if self.own_master:
-                own.copy_(self.shard)
-            return own
-        if self.compute_shard is None:
+        """The all-gather's input: this rank's block in the compute dtype. The
+        master shard itself where it is in the compute dtype and not a block of
+        `full`; otherwise `full`'s own block (allocated: the all-gather runs in
+        place), into which a master shard of another dtype is cast now. So no
+        compute-dtype copy of the shard outlives a gather (as FSDP2, which casts
+        into its all-gather input at gather time)."""
+        if self.sharded and self.compute_dtype == self.layout.dtype:
             return self.shard
-        self.compute_shard.copy_(self.shard)
-        return self.compute_shard
+        a, b = self.layout.shard_range(self.rank)
+        own = self.full[a:b]  # in place: every rank's block of its own full buffer
+        if self.own_master:
+            own.copy_(self.shard)
+        return own
 
     # -- what the Parameter objects show ----------------------------------------
     def use_full(self) -> None:
