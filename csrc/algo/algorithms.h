@@ -37,10 +37,6 @@ void ring_all_gather_map(OpCtx& c, void* buf, const BlockMap& m);
 // (exchange.cc): small messages between a few ranks.
 constexpr int kMaxExchangeRanks = 64;
 void exchange_all_reduce(OpCtx& c, void* buf, size_t count);
-// All-reduce in place between two ranks (pair.cc): each sums its half as the
-// other's chunks arrive and sends the sums back, `depth` chunks ahead (at most
-// half the slots of a connection).
-void pair_all_reduce(OpCtx& c, void* buf, size_t count, int depth);
 // Pipelined chain from root through root+1, ..., root-1.
 void chain_broadcast(OpCtx& c, void* buf, size_t count, int root);
 // Pipelined chain from root+1 through ..., root-1 into root.

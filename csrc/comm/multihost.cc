@@ -169,10 +169,7 @@ void Communicator::mh_all_reduce(OpCtx& c, void* buf, size_t count) {
     ring_reduce_scatter_map(local.ctx, buf, buf, m, &m.off[li]);
     local.done(c);
   }
-  if (rail.ctx.nranks == 2)  // two hosts: both directions busy throughout (pair.cc)
-    pair_all_reduce(rail.ctx, shard, m.len[li], std::max<int>(1, layout_.nslots / 2));
-  else
-    ring_all_reduce(rail.ctx, shard, shard, m.len[li]);
+  ring_all_reduce(rail.ctx, shard, shard, m.len[li]);
   rail.done(c);
   if (nlocal_ > 1) {
     Group local(*this, c, locals_);
