@@ -18,6 +18,7 @@ docs/benchmarks.md (--section names its markers).
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import statistics
 import sys
@@ -137,7 +138,7 @@ def main() -> None:
         f"<!-- {args.section}:begin -->",
         f"<!-- {args.section}:end -->",
         "Across hosts: A/B of two builds or settings (2 hosts x 1 rank)",
-        "`sudo python benchmarks/multihost_ab.py " + " ".join(sys.argv[1:]) + "`",
+        "`sudo python benchmarks/multihost_ab.py " + shlex.join(sys.argv[1:]) + "`",
         notes,
         table(res),
         not args.no_write,
