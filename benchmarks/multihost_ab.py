@@ -1,18 +1,24 @@
-"""A/B of two builds of the extension across hosts: 2 hosts x 1 rank over veth
-(tests/netns.py; root only), all-reduce, all-gather and reduce-scatter at 2
-and 16 MiB with pycollectives only (benchmarks/multihost.py's job_sweep).
+"""A/B of two builds of the extension, or of two settings, across hosts: 2 hosts
+x 1 rank over veth (tests/netns.py; root only), all-reduce, all-gather and
+reduce-scatter at 2 and 16 MiB with pycollectives only (benchmarks/
+multihost.py's job_sweep).
 
-The two builds' `_C*.so` (--old, --new) are copied in turn into pycollectives/
-before each round, in alternating order (old, new; new, old; ...), and the
-installed one is put back at the end. On a shared machine the time per call
-moves several-fold between rounds, so the table gives, beside the medians, the
-median over rounds of new/old (each round's pair run back to back) and in how
-many rounds the new build was faster. Writes its section of docs/benchmarks.md.
+The two builds' `_C*.so` (--old, --new; either left out: the installed one)
+are copied in turn into pycollectives/ before each round, in alternating
+order (old, new; new, old; ...), and the installed one is put back at the
+end. --old-env / --new-env (NAME=VALUE, repeatable) set environment variables
+(PYCOLL_SOCKET_BUFFER, PYCOLL_NSLOTS, ...) for that side's ranks only, so one
+build's settings can be compared the same way. On a shared machine the time
+per call moves several-fold between rounds, so the table gives, beside the
+medians, the median over rounds of new/old (each round's pair run back to
+back) and in how many rounds the new side was faster. Writes its section of
+docs/benchmarks.md (--section names its markers).
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import statistics
 import sys
@@ -27,7 +33,6 @@ import multihost  # noqa: E402
 import netns  # noqa: E402
 from multihost_jobs import run_on_hosts  # noqa: E402
 
-BEGIN, END = "<!-- multihost_ab:begin -->", "<!-- multihost_ab:end -->"
 SIZES = [2 << 20, 16 << 20]
 COLLS = ["all_reduce", "all_gather", "reduce_scatter"]
 
@@ -52,14 +57,43 @@ def table(res: dict[tuple, list[float]]) -> list[str]:
     return out
 
 
+def parse_env(items: list[str], option: str) -> dict[str, str]:
+    """{NAME: VALUE} from NAME=VALUE strings; raises SystemExit naming the
+    option for an item without '=' or with an empty name."""
+    env = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise SystemExit(f"multihost_ab: {option} takes NAME=VALUE, not {item!r}")
+        env[name] = value
+    return env
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--old", required=True, help="the baseline build's _C*.so")
-    ap.add_argument("--new", required=True, help="the candidate build's _C*.so")
+    ap.add_argument("--old", help="the baseline build's _C*.so (default: the installed one)")
+    ap.add_argument("--new", help="the candidate build's _C*.so (default: the installed one)")
+    for side in ("old", "new"):
+        ap.add_argument(
+            f"--{side}-env",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help=f"an environment variable for the {side} side's ranks (repeatable)",
+        )
     ap.add_argument("--what", default="", help="what the new build changes (for the notes)")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument(
+        "--section",
+        default="multihost_ab",
+        help="the name of its markers in docs/benchmarks.md (a new name appends a section, "
+        "leaving earlier A/B records in place)",
+    )
     args = ap.parse_args()
+    envs = {
+        side: parse_env(getattr(args, f"{side}_env"), f"--{side}-env") for side in ("old", "new")
+    }
     if netns.unavailable():
         sys.exit(f"multihost_ab: {netns.unavailable()}")
     installed = next((ROOT / "pycollectives").glob("_C*.so"))
@@ -69,9 +103,19 @@ def main() -> None:
         with netns.Fabric(2) as fabric:
             for rnd in range(args.rounds):
                 for which in ("old", "new") if rnd % 2 == 0 else ("new", "old"):
-                    shutil.copyfile(getattr(args, which), installed)
+                    if getattr(args, which):
+                        shutil.copyfile(getattr(args, which), installed)
+                    else:
+                        installed.write_bytes(keep)
                     rows = run_on_hosts(
-                        fabric, [0, 1], multihost.job_sweep, COLLS, SIZES, 0, timeout=300
+                        fabric,
+                        [0, 1],
+                        multihost.job_sweep,
+                        COLLS,
+                        SIZES,
+                        0,
+                        env=envs[which],
+                        timeout=300,
                     )[0]
                     for _, coll, size, sec in rows:
                         res.setdefault((coll, size, which), []).append(sec)
@@ -84,13 +128,17 @@ def main() -> None:
         f"{args.rounds} rounds, each running both builds back to back (order alternating); "
         "a round's time is the median of 3 repetitions (multihost.py's job_sweep)",
     ]
+    for side in ("old", "new"):
+        build = getattr(args, side) or "the installed build"
+        env = " ".join(f"{k}={v}" for k, v in envs[side].items()) or "default settings"
+        notes.append(f"{side.capitalize()}: {Path(build).name}, {env}")
     if args.what:
-        notes.append(f"New: {args.what}")
+        notes.append(f"What the new side changes: {args.what}")
     _doc.emit_section(
-        BEGIN,
-        END,
-        "Across hosts: A/B of two builds (2 hosts x 1 rank)",
-        "`sudo python benchmarks/multihost_ab.py --old OLD.so --new NEW.so`",
+        f"<!-- {args.section}:begin -->",
+        f"<!-- {args.section}:end -->",
+        "Across hosts: A/B of two builds or settings (2 hosts x 1 rank)",
+        "`sudo python benchmarks/multihost_ab.py " + shlex.join(sys.argv[1:]) + "`",
         notes,
         table(res),
         not args.no_write,
