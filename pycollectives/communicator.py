@@ -487,6 +487,17 @@ class Communicator:
         """
         return self._c.stats()
 
+    def cma_tuning(self) -> dict[str, dict[int, dict[str, Any]]]:
+        """What this rank's single-copy tuner measured and decided, per operation name
+        and size class (a power of two of bytes, the class ``[b, 2b)`` keyed by ``b``):
+        ``{"decided": "cma" | "slots" | None (still timing), "cma_ns_per_byte",
+        "slots_ns_per_byte"}``, the best time per byte of each path's timed calls
+        (None before one ran). Only classes inside the single-copy bands that ran an
+        operation appear; empty with ``PYCOLL_CMA_TUNE=0`` or without single copy.
+        Each rank decides on its own timings (docs/api.md, "Single copy").
+        """
+        return self._c.cma_tuning()
+
     @property
     def algorithm(self) -> str:
         """The PYCOLL_ALGO setting in force (rank 0's): auto, ring, oneshot or cma."""

@@ -58,6 +58,53 @@ bool python_finalizing() {
 #endif
 }
 
+// comm.stats(): the counters of each operation that ran.
+py::dict stats_dict(const Communicator& c) {
+  py::dict d;
+  for (int k = 0; k < kNumOpKinds; ++k) {
+    const OpStats& s = c.stats(static_cast<OpKind>(k));
+    if (s.calls.load() == 0) continue;
+    py::dict e;
+    e["calls"] = s.calls.load();
+    e["bytes_sent"] = s.bytes_sent.load();
+    e["bytes_received"] = s.bytes_recv.load();
+    e["bytes_out"] = s.bytes_out.load();  // this rank's own copies, on the path taken
+    e["bytes_in"] = s.bytes_in.load();
+    e["time_s"] = static_cast<double>(s.time_ns.load()) * 1e-9;
+    py::dict paths;  // how the calls moved their bytes
+    for (int p = 0; p < kNumPaths; ++p)
+      if (s.paths[p].load() > 0) paths[path_name(static_cast<Path>(p))] = s.paths[p].load();
+    e["paths"] = paths;
+    e["taken_over"] = s.taken_over.load();  // single copy: chunks done for a peer
+    d[op_kind_name(static_cast<OpKind>(k))] = e;
+  }
+  return d;
+}
+
+// comm.cma_tuning(): what the single-copy tuner timed and kept, per operation
+// and size class.
+py::dict cma_tuning_dict(const Communicator& c) {
+  const auto ns = [](double v) -> py::object {
+    return v < HUGE_VAL ? py::object(py::float_(v)) : py::object(py::none());
+  };
+  py::dict d;
+  for (int k = 0; k < kNumOpKinds; ++k) {
+    const std::vector<CmaTuner::Report> classes = c.cma_tuner().report(static_cast<OpKind>(k));
+    if (classes.empty()) continue;
+    py::dict e;
+    for (const CmaTuner::Report& r : classes) {
+      py::dict cls;
+      cls["decided"] =
+          r.decided < 0 ? py::object(py::none()) : py::object(py::str(r.decided ? "cma" : "slots"));
+      cls["slots_ns_per_byte"] = ns(r.best[0]);
+      cls["cma_ns_per_byte"] = ns(r.best[1]);
+      e[py::int_(r.from_bytes)] = cls;
+    }
+    d[op_kind_name(static_cast<OpKind>(k))] = e;
+  }
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -297,25 +344,6 @@ PYBIND11_MODULE(_C, m) {
       .def("alloc_window", &C::alloc_window, py::arg("nbytes"), py::arg("timeout"), G())
       .def("barrier", &C::barrier, G())
       .def("split", &C::split, G())
-      .def("stats", [](const C& c) {
-        py::dict d;
-        for (int k = 0; k < kNumOpKinds; ++k) {
-          const OpStats& s = c.stats(static_cast<OpKind>(k));
-          if (s.calls.load() == 0) continue;
-          py::dict e;
-          e["calls"] = s.calls.load();
-          e["bytes_sent"] = s.bytes_sent.load();
-          e["bytes_received"] = s.bytes_recv.load();
-          e["bytes_out"] = s.bytes_out.load();  // this rank's own copies, on the path taken
-          e["bytes_in"] = s.bytes_in.load();
-          e["time_s"] = static_cast<double>(s.time_ns.load()) * 1e-9;
-          py::dict paths;  // how the calls moved their bytes
-          for (int p = 0; p < kNumPaths; ++p)
-            if (s.paths[p].load() > 0) paths[path_name(static_cast<Path>(p))] = s.paths[p].load();
-          e["paths"] = paths;
-          e["taken_over"] = s.taken_over.load();  // single copy: chunks done for a peer
-          d[op_kind_name(static_cast<OpKind>(k))] = e;
-        }
-        return d;
-      });
+      .def("stats", &stats_dict)
+      .def("cma_tuning", &cma_tuning_dict);
 }

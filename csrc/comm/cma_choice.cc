@@ -62,24 +62,44 @@ CmaTuner::Class& CmaTuner::at(OpKind kind, size_t total) {
 CmaTuner::Choice CmaTuner::choose(OpKind kind, size_t total) {
   if (!enabled_) return {true, false};
   Class& c = at(kind, total);
-  if (c.decided < 0) {
-    const uint32_t i = c.calls++;
+  if (c.decided.load(std::memory_order_relaxed) < 0) {
+    const uint32_t i = c.calls.fetch_add(1, std::memory_order_relaxed);
     if (i == 0) return {true, false};                 // untimed
     if (i <= 2 * kTrials) return {i % 2 == 1, true};  // single copy, slots, single copy, ...
-    const bool both = c.best[0] < HUGE_VAL && c.best[1] < HUGE_VAL;  // else keep to the slots
-    c.decided = both && c.best[1] < c.best[0] ? 1 : 0;
+    const double slots = c.best[0].load(std::memory_order_relaxed);
+    const double cma = c.best[1].load(std::memory_order_relaxed);
+    const bool both = slots < HUGE_VAL && cma < HUGE_VAL;  // else keep to the slots
+    c.decided.store(both && cma < slots ? 1 : 0, std::memory_order_relaxed);
   }
-  return {c.decided == 1, false};
+  return {c.decided.load(std::memory_order_relaxed) == 1, false};
 }
 
 void CmaTuner::record(OpKind kind, size_t total, bool ran_cma, uint64_t ns) {
   if (total == 0) return;
-  double& best = at(kind, total).best[ran_cma ? 1 : 0];
-  best = std::min(best, static_cast<double>(ns) / static_cast<double>(total));
+  std::atomic<double>& best = at(kind, total).best[ran_cma ? 1 : 0];
+  const double per_byte = static_cast<double>(ns) / static_cast<double>(total);
+  if (per_byte < best.load(std::memory_order_relaxed))
+    best.store(per_byte, std::memory_order_relaxed);
 }
 
 int CmaTuner::decided(OpKind kind, size_t total) const {
-  return enabled_ ? classes_[static_cast<int>(kind)][size_class(total)].decided : 1;
+  return enabled_ ? classes_[static_cast<int>(kind)][size_class(total)].decided.load(
+                        std::memory_order_relaxed)
+                  : 1;
+}
+
+std::vector<CmaTuner::Report> CmaTuner::report(OpKind kind) const {
+  std::vector<Report> out;
+  if (!enabled_) return out;
+  for (int k = 0; k < kClasses; ++k) {
+    const Class& c = classes_[static_cast<int>(kind)][k];
+    if (c.calls.load(std::memory_order_relaxed) == 0) continue;
+    out.push_back(
+        {size_t{1} << k,
+         c.decided.load(std::memory_order_relaxed),
+         {c.best[0].load(std::memory_order_relaxed), c.best[1].load(std::memory_order_relaxed)}});
+  }
+  return out;
 }
 
 }  // namespace pyc

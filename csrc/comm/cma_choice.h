@@ -13,9 +13,11 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "core/types.h"
 
@@ -63,11 +65,22 @@ class CmaTuner {
   // -1 still trying.
   int decided(OpKind kind, size_t total) const;
 
+  // What one size class of one kind measured, for comm.cma_tuning(): safe to
+  // read from another thread while operations run.
+  struct Report {
+    size_t from_bytes;  // the class: [from_bytes, 2 * from_bytes)
+    int decided;        // as decided()
+    double best[2];     // least ns per byte timed, [slots, cma]; HUGE_VAL: none yet
+  };
+  // The classes of `kind` that ran at least one operation, smallest first.
+  std::vector<Report> report(OpKind kind) const;
+
  private:
+  // Written by the engine's thread only; atomic so report() may read them.
   struct Class {
-    uint32_t calls = 0;
-    int8_t decided = -1;
-    double best[2] = {HUGE_VAL, HUGE_VAL};  // least ns per byte, [slots, cma]
+    std::atomic<uint32_t> calls{0};
+    std::atomic<int8_t> decided{-1};
+    std::atomic<double> best[2] = {HUGE_VAL, HUGE_VAL};  // least ns per byte, [slots, cma]
   };
   static constexpr int kClasses = 64;
   static int size_class(size_t total);  // floor(log2(total))

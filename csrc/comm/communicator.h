@@ -187,6 +187,8 @@ class Communicator final : public Links, public NetHost {
   std::shared_ptr<Communicator> split(int color, int key, double timeout_s);
 
   const OpStats& stats(OpKind k) const { return stats_[static_cast<int>(k)]; }
+  // This rank's single-copy tuner, for comm.cma_tuning().
+  const CmaTuner& cma_tuner() const { return cma_tuner_; }
 
   // Links
   SendConn& send_to(int peer) override { return *send_[peer]; }
