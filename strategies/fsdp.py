@@ -79,6 +79,18 @@ class FSDPModule:
         else:
             engine.require_grad_sync = requires_gradient_sync
 
+    def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:
+        """False: units gathered during backwards that do not reduce gradients
+        (set_requires_gradient_sync(False)) stay gathered until the backward or
+        reduction that does (the whole tree of units this module belongs to):
+        gradient accumulation gathers each unit once per step instead of once per
+        micro-batch, holding the unsharded parameters meanwhile (as FSDP2's)."""
+        engine = self._root_engine()
+        if engine is None:
+            self.sharding_unit.pending_reshard = reshard_after_backward
+        else:
+            engine.reshard_after_backward = reshard_after_backward
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Context form of set_requires_gradient_sync(False)."""
@@ -222,6 +234,7 @@ def _build_engine(root: ShardedUnit) -> None:
         overlap_reduce=True,
     )
     engine.require_grad_sync = all(u.pending_sync for u in units)
+    engine.reshard_after_backward = all(u.pending_reshard for u in units)
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

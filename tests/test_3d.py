@@ -60,18 +60,24 @@ def job_train(
         trainer = Trainer3D(dims, CONFIG, dataclasses.replace(OPTIONS, **change))
         start = trainer.full_parameters()
         ids = [trainer.batches.ids(k).tolist() for k in range(3)]
+        gathers = dims.dp_comm.stats().get("all_gather", {}).get("calls", 0)
         losses = [trainer.step().loss for _ in range(steps)]
+        gathers = dims.dp_comm.stats().get("all_gather", {}).get("calls", 0) - gathers
         end = trainer.full_parameters()
         coords = (dims.dp_rank, dims.tp_rank, dims.pp_rank)
         early = trainer.averager.early if trainer.averager else None
         # FSDP with pp > 1: reductions per stage (one per step: every backward unsynced)
         reduced = [(r.sharding_unit.engine.step, r.sharding_unit.engine.micro)
                    for r in trainer.fsdp_roots]  # fmt: skip
+        units = sum(  # those with parameters of their own (an inner stage's root has none)
+            bool(u.flats) for r in trainer.fsdp_roots for u in r.sharding_unit.engine.units
+        )
     as_np = lambda d: {n: t.cpu().numpy() for n, t in d.items()}  # noqa: E731
     return dict(
         coords=coords,
         early=early,
         reduced=reduced,
+        gathers_per_unit_and_step=gathers / (units * steps) if units else None,
         ids=ids,
         losses=losses,
         start=as_np(start),
@@ -168,6 +174,8 @@ def check_layout(pool, dp: int, tp: int, pp: int, change: dict, steps: int) -> N
             assert r["early"] >= 1, r["early"]  # a bucket's all-reduce overlapped the step
         if change.get("fsdp") and pp > 1:  # one reduce-scatter per unit and step, after it
             assert r["reduced"] and set(r["reduced"]) == {(steps, 0)}, r["reduced"]
+            # and one all-gather: units stay gathered through the step's micro-batches
+            assert r["gathers_per_unit_and_step"] == 1, r["gathers_per_unit_and_step"]
         worst = max(abs(a - b) for a, b in zip(r["losses"], losses, strict=True))
         assert worst <= 1e-12, (r["coords"], worst)
     assert set(got_start) == set(start) == set(got_end)

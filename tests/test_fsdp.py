@@ -161,6 +161,24 @@ def job_accumulate_and_clip(comm: pc.Communicator) -> list[str]:
         opt.step()
     if differ(model.full_parameters(), ref_acc):
         bad.append("set_requires_gradient_sync(False) accumulation differs from DDP")
+    # Kept gathered through forward and the no_sync backwards: one all-gather per unit and
+    # step instead of one per unit and micro-batch, and the same result.
+    for keep in (False, True):
+        model, opt = build(comm, "fsdp", **fsdp_kw(False, 2))
+        model.set_reshard_after_backward(not keep)
+        for step in range(steps):
+            before = comm.stats().get("all_gather", {}).get("calls", 0)
+            opt.zero_grad()
+            for k in range(3):
+                model.set_requires_gradient_sync(k == 2)
+                (model(*local_batch(comm, 3 * step + k)) / 3).backward()
+            opt.step()
+            units = len(model.sharding_unit.engine.units)
+            calls = comm.stats().get("all_gather", {}).get("calls", 0) - before
+            if step > 0 and calls != units * (1 if keep else 3):  # (step 0 builds the engine)
+                bad.append(f"reshard_after_backward={not keep}: {calls} all-gathers in a step")
+        if differ(model.full_parameters(), ref_acc):
+            bad.append(f"reshard_after_backward={not keep}: accumulation differs from DDP")
     return bad
 
 

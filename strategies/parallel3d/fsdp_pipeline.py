@@ -3,8 +3,11 @@
 
 - each stage a rank holds is sharded on its own over the dp communicator:
   its transformer blocks, then the stage as the root (embeddings, final
-  norm, the head), with reshard_after_forward=False so that a unit gathered
-  for a micro-batch's forward stays gathered for its backward;
+  norm, the head), with reshard_after_forward=False and
+  set_reshard_after_backward(False): a unit gathered for the step's first
+  forward stays gathered through every micro-batch's forward and backward
+  until the reduction after the step frees it (one all-gather per unit and
+  step, holding the stage's unsharded parameters through the step);
 - every backward of the step runs without gradient sync (no_sync): the
   unsharded gradients accumulate in the sharding engine's buffers;
 - after the step, the tied embedding/head gradient is summed across the
@@ -41,7 +44,8 @@ __all__ = ["reduce_after_step", "shard_stages", "unsynced"]
 
 def shard_stages(stages: Sequence[nn.Module], dp: Communicator) -> list[nn.Module]:
     """fully_shard over `dp`: each stage's blocks, then the stage (its root),
-    every unit with reshard_after_forward=False; the engines built now.
+    every unit with reshard_after_forward=False, the roots with
+    set_reshard_after_backward(False); the engines built now.
     Returns the stages (now FSDP modules). Collective over `dp`; raises as
     fully_shard does."""
     roots = []
@@ -50,6 +54,7 @@ def shard_stages(stages: Sequence[nn.Module], dp: Communicator) -> list[nn.Modul
             if isinstance(b, Block):
                 fully_shard(b, dp, reshard_after_forward=False)
         root = fully_shard(st, dp, reshard_after_forward=False)
+        root.set_reshard_after_backward(False)
         root.sharding_unit.lazy_engine(root.sharding_unit)  # the engine now, not at forward
         roots.append(root)
     return roots

@@ -9,7 +9,12 @@ gathers it again and prefetches the next units in the previous backward's
 order; when every trainable parameter of a unit has its gradient, the unit is
 freed and its gradients go to the GradReducer. An autograd callback at the end
 of backward completes the units that got no gradient, waits for every
-reduce-scatter and frees everything. Before each all-gather the ranks
+reduce-scatter and frees everything. With reshard_after_backward False
+(FSDP2's set_reshard_after_backward), units gathered during no_sync
+backwards stay gathered until the backward or reduce_accumulated that
+reduces the gradients (an optimizer step follows it and changes the shards):
+gradient accumulation and pipeline micro-batches gather each unit once per
+step. Before each all-gather the ranks
 exchange a fingerprint (OrderGuard): diverging ranks raise ShardingMismatch on
 every rank instead of hanging or mixing units.
 
@@ -57,6 +62,10 @@ class ShardingEngine:
             gradients stay in .grad until `reduce_gradients()` (unsharded
             units: a driver whose gradients arrive over many backwards and
             outside autograd, such as a pipeline step).
+
+    Attribute `reshard_after_backward` (default True): False keeps gathered
+    units gathered through the forwards and backwards that do not reduce
+    gradients (no_sync); the reduction frees them.
     """
 
     def __init__(
@@ -85,6 +94,7 @@ class ShardingEngine:
             self, overlap=overlap_reduce, buffers=reduce_buffers, master_grads=master_grads
         )
         self.require_grad_sync = True
+        self.reshard_after_backward = True
         self.grad_hooks = grad_hooks
         self.step = 0  # synchronized backwards completed
         self.micro = 0  # backwards without synchronization since
@@ -162,7 +172,8 @@ class ShardingEngine:
             self._ensure_full(unit, BACKWARD)
             return self._cast_inputs(unit, args, kwargs)
         if unit is self.root and self._depth == 0:
-            self._free_all()  # a forward without backward may have left (stale) units gathered
+            if self.reshard_after_backward:  # a forward without backward may have left units
+                self._free_all()
             self._fwd_prev = self._fwd_now or self._fwd_prev
             self._fwd_now, self._forwards, self._positions = [], 0, {}
         elif self._depth == 0:
@@ -250,7 +261,8 @@ class ShardingEngine:
     def _complete(self, unit: ShardedUnit) -> None:
         unit.complete = True
         self.grads.unit_complete(unit)
-        if unit.shard_params and unit.all_trainable:  # its backward is over: reshard
+        keep = not (self.reshard_after_backward or self.grads.sync)
+        if unit.shard_params and unit.all_trainable and not keep:  # its backward is over
             unit.free(self.guard)
 
     def _finalize_backward(self) -> None:
@@ -261,7 +273,8 @@ class ShardingEngine:
             if self.grads.sync:
                 self.grads.launch_ready(everything=True)
                 self.grads.finish_all()
-            self._free_all()
+            if self.reshard_after_backward or self.grads.sync:
+                self._free_all()
             self.guard.settle()
             if self.grads.sync:
                 for u in self.units:

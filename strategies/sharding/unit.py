@@ -87,6 +87,7 @@ class ShardedUnit:
         # What an engine built with this unit as its root takes (fully_shard sets them).
         self.prefetch, self.check_order, self.reduce_buffers = 2, True, 3
         self.pending_sync = True  # set_requires_gradient_sync before the engine exists
+        self.pending_reshard = True  # set_reshard_after_backward before the engine exists
         self.state = FREE if shard_params else FULL
 
         owned, found = _own_parameters(module)
