@@ -11,8 +11,9 @@ train_gpt_layouts.py, 4 micro-batches per dp rank, fp32): one warm-up step, then
 (the setting is switched on the trainer's roots between steps). Per setting:
 the median step time (rank 0's wall clock; the step is collective) and the
 ratio of the medians, the dp communicator's all-gather calls per step and the
-most units gathered at once (ShardingEngine.max_gathered), on the first and the
-last stage. Rewrites the section between the fsdp_pipeline markers of
+most units of one stage gathered at once (ShardingEngine.max_gathered;
+interleaved: the larger of a rank's two stages), on the first and the last
+stage. Rewrites the section between the fsdp_pipeline markers of
 docs/benchmarks.md.
 """
 
@@ -86,7 +87,7 @@ def main() -> None:
     first, last = res[0], res[-1]
     table = [
         "| schedule | setting | median step (ms) | step / kept | all-gathers per step, "
-        "first / last stage | most units gathered at once, first / last |",
+        "first / last stage | most units of one stage gathered at once, first / last |",
         "|---|---|---|---|---|---|",
     ]
     for a, b in zip(first, last, strict=True):
