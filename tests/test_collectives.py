@@ -27,17 +27,30 @@ OPS = [pc.ReduceOp.SUM, pc.ReduceOp.PROD, pc.ReduceOp.MIN, pc.ReduceOp.MAX, pc.R
 WORLD_SIZES = [1, 2, 3, 4]
 
 
-@functools.lru_cache(maxsize=4)
-def _pattern(n: int, count: int, op: pc.ReduceOp, signed: bool) -> tuple:
-    """Every rank's data (int64, [n, count]) and its exact reduction (float64),
-    computed once per shape and cast to each dtype by the caller."""
-    i = torch.arange(count, dtype=torch.int64)
-    r = torch.arange(n, dtype=torch.int64).unsqueeze(1)
+def _values(
+    ranks: torch.Tensor, start: int, stop: int, op: pc.ReduceOp, signed: bool
+) -> torch.Tensor:
+    """The ranks' small integers at elements [start, stop) (int64, [len(ranks), stop - start])."""
+    i = torch.arange(start, stop, dtype=torch.int64)
+    r = ranks.to(torch.int64).unsqueeze(1)
     if op == pc.ReduceOp.PROD:  # |product| <= 16 over 4 ranks
         table = torch.tensor([1, 2, -1] if signed else [1, 2, 1])
-        v = table[(i + r) % 3]
-    else:  # values in [-3, 3] (signed) or [0, 6]; varies along i and across ranks
-        v = (i * 5 + i // 7 + r * 3) % 7 - (3 if signed else 0)
+        return table[(i + r) % 3]
+    # values in [-3, 3] (signed) or [0, 6]; varies along i and across ranks
+    return (i * 5 + i // 7 + r * 3) % 7 - (3 if signed else 0)
+
+
+@functools.lru_cache(maxsize=4)
+def _row(rank: int, count: int, op: pc.ReduceOp, signed: bool) -> torch.Tensor:
+    """One rank's data (int64), computed once per shape and cast to each dtype by the caller."""
+    return _values(torch.tensor([rank]), 0, count, op, signed)[0]
+
+
+@functools.lru_cache(maxsize=4)
+def _pattern(n: int, start: int, stop: int, op: pc.ReduceOp, signed: bool) -> tuple:
+    """Every rank's data at elements [start, stop) (int64, [n, stop - start]) and its
+    exact reduction (float64): only the part a rank checks, once per shape."""
+    v = _values(torch.arange(n), start, stop, op, signed)
     f = v.to(torch.float64)
     if op == pc.ReduceOp.SUM:
         red = f.sum(0)
@@ -54,12 +67,16 @@ def _pattern(n: int, count: int, op: pc.ReduceOp, signed: bool) -> tuple:
 
 def data(rank: int, count: int, dtype: torch.dtype, op: pc.ReduceOp, n: int) -> torch.Tensor:
     """Rank `rank`'s small integers: their reduction over n ranks is exact in every dtype."""
-    return _pattern(n, count, op, dtype != torch.uint8)[0][rank].to(dtype, copy=True)
+    return _row(rank, count, op, dtype != torch.uint8).to(dtype, copy=True)
 
 
-def reference(n: int, count: int, dtype: torch.dtype, op: pc.ReduceOp) -> torch.Tensor:
-    """The exact reduction of data(0..n-1), in `dtype` (integer sums wrap, AVG truncates)."""
-    red = _pattern(n, count, op, dtype != torch.uint8)[1]
+def reference(
+    n: int, count: int, dtype: torch.dtype, op: pc.ReduceOp, part: slice = slice(None)
+) -> torch.Tensor:
+    """The exact reduction of data(0..n-1)[part], in `dtype` (integer sums wrap, AVG
+    truncates)."""
+    start, stop, _ = part.indices(count)
+    red = _pattern(n, start, stop, op, dtype != torch.uint8)[1]
     if dtype.is_floating_point:
         return red.to(dtype)
     if op == pc.ReduceOp.AVG:
@@ -101,8 +118,8 @@ def job_reduce_scatter(comm: pc.Communicator) -> list[str]:
         inp = data(r, size * n, dtype, op, n)
         out = torch.full((size,), 99).to(dtype)
         comm.reduce_scatter(out, inp, op)
-        full = reference(n, size * n, dtype, op)
-        if k := mismatches(out, full[r * size : (r + 1) * size]):
+        want = reference(n, size * n, dtype, op, slice(r * size, (r + 1) * size))
+        if k := mismatches(out, want):
             bad.append(f"reduce_scatter size={size} {dtype} {op.name}: {k} wrong")
     return bad
 
@@ -112,7 +129,7 @@ def job_all_gather(comm: pc.Communicator) -> list[str]:
     for size, dtype, _ in _cases(ops=[pc.ReduceOp.SUM]):
         out = torch.full((size * n,), 99).to(dtype)
         comm.all_gather(out, data(r, size, dtype, pc.ReduceOp.SUM, n))
-        want = _pattern(n, size, pc.ReduceOp.SUM, dtype != torch.uint8)[0].reshape(-1).to(dtype)
+        want = _pattern(n, 0, size, pc.ReduceOp.SUM, dtype != torch.uint8)[0].reshape(-1).to(dtype)
         if k := mismatches(out, want):
             bad.append(f"all_gather size={size} {dtype}: {k} wrong")
     return bad
@@ -144,10 +161,11 @@ def job_reduce(comm: pc.Communicator) -> list[str]:
 def job_all_to_all(comm: pc.Communicator) -> list[str]:
     n, r, bad = comm.world_size, comm.rank, []
     for size, dtype, _ in _cases(ops=[pc.ReduceOp.SUM]):
-        everyone = _pattern(n, size * n, pc.ReduceOp.SUM, dtype != torch.uint8)[0]
+        mine = slice(r * size, (r + 1) * size)  # every rank's block for this rank
         out = torch.full((size * n,), 99).to(dtype)
-        comm.all_to_all(out, everyone[r].to(dtype))
-        want = everyone[:, r * size : (r + 1) * size].reshape(-1).to(dtype)
+        comm.all_to_all(out, data(r, size * n, dtype, pc.ReduceOp.SUM, n))
+        signed = dtype != torch.uint8
+        want = _pattern(n, mine.start, mine.stop, pc.ReduceOp.SUM, signed)[0].reshape(-1).to(dtype)
         if k := mismatches(out, want):
             bad.append(f"all_to_all size={size} {dtype}: {k} wrong")
     return bad
