@@ -38,7 +38,8 @@ from multihost_jobs import run_on_hosts  # noqa: E402
 
 BEGIN, END = "<!-- multihost:begin -->", "<!-- multihost:end -->"
 COLLS = ["all_reduce", "reduce_scatter", "all_gather"]
-SIZES = [8 << (3 * k) for k in range(9)] + [256 << 20]  # 8 B, 64 B, ..., 128 MiB, 256 MiB
+# 8 B, 64 B, ..., 128 MiB (x8 apart), with 64 KiB and 1 MiB between, and 256 MiB
+SIZES = sorted({8 << (3 * k) for k in range(9)} | {64 << 10, 1 << 20, 256 << 20})
 
 
 def iters_for(size: int) -> int:
@@ -69,8 +70,10 @@ def _calls(backend: str, coll: str, comm, full, part) -> tuple:
 
 
 def job_sweep(comm, colls: list[str], sizes: list[int], gloo_port: int) -> list[tuple]:
-    """(backend, collective, size, seconds per call) on this rank: pycollectives,
-    then gloo if gloo_port (its store on host 0 at that port)."""
+    """(backend, collective, size, seconds per call) on this rank: pycollectives and,
+    if gloo_port (its store on host 0 at that port), gloo, timed back to back at
+    each size in alternating order, so that a shared machine's drift hits both
+    alike (they used to run one whole sweep after the other)."""
     import torch
     import torch.distributed as dist
 
@@ -84,12 +87,12 @@ def job_sweep(comm, colls: list[str], sizes: list[int], gloo_port: int) -> list[
         )
         backends.append("gloo")
     out = []
-    for backend in backends:
-        for coll in colls:
-            for size in sizes:
-                count = max(1, size // 4 // n) * n if coll != "all_reduce" else max(1, size // 4)
-                full = torch.ones(count)
-                part = torch.ones(count // n)
+    for coll in colls:
+        for k, size in enumerate(sizes):
+            count = max(1, size // 4 // n) * n if coll != "all_reduce" else max(1, size // 4)
+            full = torch.ones(count)
+            part = torch.ones(count // n)
+            for backend in backends if k % 2 == 0 else backends[::-1]:
                 call, sync = _calls(backend, coll, comm, full, part)
                 it = iters_for(size)
                 call()
