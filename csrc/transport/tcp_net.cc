@@ -127,12 +127,6 @@ TcpNet::~TcpNet() { close(); }
 
 std::string TcpNet::host_note(int p) const { return "ranks on its host: " + topo_.host_ranks(p); }
 
-void TcpNet::start(const std::vector<std::string>& addrs, Clock::time_point deadline,
-                   FunctionRef<void()> check) {
-  dial(addrs, deadline, check);
-  await_peers(deadline, check);
-}
-
 void TcpNet::dial(const std::vector<std::string>& addrs, Clock::time_point deadline,
                   FunctionRef<void()> check) {
   const int n = topo_.size();

@@ -58,15 +58,12 @@ class TcpNet {
   // "ip:port" to publish, and the interface it is on.
   const std::string& address() const { return address_; }
   const std::string& interface() const { return iface_; }
-  // addrs[r]: rank r's address. Starts the network thread and makes the
-  // control connections; returns once every one is up. Raises at the
+  // The control connections, in two steps (split across hosts agrees between
+  // them, over the parent, that every rank made its own): dial(addrs), addrs[r]
+  // rank r's address, starts the network thread and makes this rank's control
+  // connections (to its higher control peers), raising if one fails;
+  // await_peers() returns once the lower peers' are up too. Both raise at the
   // deadline, and whatever `check` raises (called about every 10 ms).
-  void start(const std::vector<std::string>& addrs, Clock::time_point deadline,
-             FunctionRef<void()> check);
-  // start() in two steps (split across hosts agrees between them, over the
-  // parent, that every rank made its own connections): dial() starts the
-  // thread and makes this rank's control connections (to its higher control
-  // peers), raising if one fails; await_peers() waits for the lower peers'.
   void dial(const std::vector<std::string>& addrs, Clock::time_point deadline,
             FunctionRef<void()> check);
   void await_peers(Clock::time_point deadline, FunctionRef<void()> check);
@@ -124,8 +121,8 @@ class TcpNet {
   std::vector<std::unique_ptr<TcpSendConn>> send_;
   std::vector<std::unique_ptr<TcpRecvConn>> recv_;
   std::vector<int> xpeers_;
-  std::mutex ctl_mu_;                      // ctl_'s entries (made by start() and the thread)
-  std::vector<std::unique_ptr<Ctl>> ctl_;  // by rank; null for non-control peers
+  std::mutex ctl_mu_;                              // ctl_'s entries (made by dial() and the thread)
+  std::vector<std::unique_ptr<Ctl>> ctl_;          // by rank; null for non-control peers
   std::vector<std::unique_ptr<Pending>> pending_;  // the thread's only
   std::mutex write_mu_;
   std::vector<int> want_write_;  // peers whose data connections have frames queued

@@ -267,25 +267,33 @@ class ShardingEngine:
 
     def _finalize_backward(self) -> None:
         try:
-            for u in self.grads.order:  # units some parameters of which got no gradient
-                if not u.complete:
-                    self._complete(u)
-            if self.grads.sync:
-                self.grads.launch_ready(everything=True)
-                self.grads.finish_all()
-            if self.reshard_after_backward or self.grads.sync:
-                self._free_all()
-            self.guard.settle()
-            if self.grads.sync:
-                for u in self.units:
-                    for f in u.trainable:
-                        f.expose_grads()
-                self.step, self.micro = self.step + 1, 0
-            else:
-                self.micro += 1
+            self._end_backward()
             self._bwd_prev = self._bwd_now
         finally:
             self._in_backward = False
+
+    def _end_backward(self) -> None:
+        """The end of a backward: the units that got no gradient (some of their
+        parameters unused) completed; if it synchronizes, every reduce-scatter
+        launched and waited for, the units freed and the shards exposed;
+        without sync, the units freed unless reshard_after_backward is False."""
+        for u in self.grads.order:
+            if not u.complete:
+                self._complete(u)
+        sync = self.grads.sync
+        if sync:
+            self.grads.launch_ready(everything=True)
+            self.grads.finish_all()
+        if self.reshard_after_backward or sync:
+            self._free_all()
+        self.guard.settle()
+        if sync:
+            for u in self.units:
+                for f in u.trainable:
+                    f.expose_grads()
+            self.step, self.micro = self.step + 1, 0
+        else:
+            self.micro += 1
 
     def reduce_gradients(self) -> None:
         """Collective: reduces the gradients the parameters hold now in .grad,
@@ -336,16 +344,7 @@ class ShardingEngine:
         for u in self.units:
             u.ready.clear()
             u.complete = False
-        for u in self.grads.order:
-            self._complete(u)
-        self.grads.launch_ready(everything=True)
-        self.grads.finish_all()
-        self._free_all()
-        self.guard.settle()
-        for u in self.units:
-            for f in u.trainable:
-                f.expose_grads()
-        self.step, self.micro = self.step + 1, 0
+        self._end_backward()
 
     # -- between steps ------------------------------------------------------------------
     def gather_after_step(self) -> None:

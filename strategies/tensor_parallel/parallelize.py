@@ -157,8 +157,9 @@ def parallelize_gpt(
     column-parallel layers' input-gradient communication overlaps their
     weight-gradient computation. A pipeline stage (GPTStage) under sequence
     parallelism gets sequence_shards = tp: its hidden states in and out are
-    [b, t/tp, d] sequence shards, sent between stages as they are. Dropout: seed torch's generator alike on the
-    ranks of a tp group; the masks are then those of the unsharded model.
+    [b, t/tp, d] sequence shards, sent between stages as they are. Dropout:
+    seed torch's generator alike on the ranks of a tp group; the masks are
+    then those of the unsharded model.
 
     Raises ValueError on every tp rank when n_head, vocab_size or the MLP
     hidden size is not divisible by tp, when the model is already
