@@ -7,7 +7,7 @@ Trains a small GPT under ZeRO-3 for 4 steps, saves a sharded checkpoint
 builds the model afresh under FSDP (fully_shard + torch AdamW), loads the
 checkpoint (parameters and AdamW state), trains the same 4 steps and compares
 with the uninterrupted run. Rank 0 finally consolidates the checkpoint into
-one safetensors file, as `python -m strategies.checkpoint consolidate` does,
+one safetensors file, as `python -m pycollectives.strategies.checkpoint consolidate` does,
 and loads it into a plain model.
 """
 
@@ -19,11 +19,11 @@ import tempfile
 import torch
 
 import pycollectives as pc
-from strategies.checkpoint import consolidate, load, save
-from strategies.data import SyntheticSequences
-from strategies.fsdp import fully_shard
-from strategies.models.gpt import GPT, GPTConfig
-from strategies.zero import ZeroOptimizer
+from pycollectives.strategies.checkpoint import consolidate, load, save
+from pycollectives.strategies.data import SyntheticSequences
+from pycollectives.strategies.fsdp import fully_shard
+from pycollectives.strategies.models.gpt import GPT, GPTConfig
+from pycollectives.strategies.zero import ZeroOptimizer
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16)
 DATA = SyntheticSequences(CFG.vocab_size, CFG.seq_len, 1024, seed=1)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pycollectives as pc
-from strategies.ddp import DistributedDataParallel
+from pycollectives.strategies.ddp import DistributedDataParallel
 
 
 def main() -> None:

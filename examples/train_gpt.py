@@ -67,14 +67,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def save(trainer, directory: str) -> None:  # noqa: ANN001
     """Writes the checkpoint of `trainer` into `directory` (collective)."""
-    from strategies.parallel3d.checkpoint import save_trainer
+    from pycollectives.strategies.parallel3d.checkpoint import save_trainer
 
     save_trainer(trainer, directory)
 
 
 def resume(trainer, directory: str) -> None:  # noqa: ANN001
     """Loads `directory` into `trainer`, which continues at the saved step (collective)."""
-    from strategies.parallel3d.checkpoint import load_trainer
+    from pycollectives.strategies.parallel3d.checkpoint import load_trainer
 
     load_trainer(trainer, directory)
 
@@ -110,9 +110,9 @@ class Progress:
 def train(args: argparse.Namespace) -> int:
     """One rank's training (RANK, WORLD_SIZE, MASTER_ADDR/PORT set); returns the exit code."""
     import pycollectives as pc
-    from strategies.mesh import ParallelDims
-    from strategies.models import GPTConfig
-    from strategies.parallel3d import Trainer3D, TrainOptions, full_shapes
+    from pycollectives.strategies.mesh import ParallelDims
+    from pycollectives.strategies.models import GPTConfig
+    from pycollectives.strategies.parallel3d import Trainer3D, TrainOptions, full_shapes
 
     comm = pc.init(timeout=120)
     rank = comm.rank

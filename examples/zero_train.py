@@ -20,10 +20,10 @@ import torch
 import torch.multiprocessing as mp
 
 import pycollectives as pc
-from strategies.data import SyntheticSequences
-from strategies.fsdp import MixedPrecisionPolicy, fully_shard
-from strategies.models.gpt import GPT, GPTConfig
-from strategies.zero import ZeroOptimizer
+from pycollectives.strategies.data import SyntheticSequences
+from pycollectives.strategies.fsdp import MixedPrecisionPolicy, fully_shard
+from pycollectives.strategies.models.gpt import GPT, GPTConfig
+from pycollectives.strategies.zero import ZeroOptimizer
 
 
 def say(line: str) -> None:

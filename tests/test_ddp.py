@@ -11,7 +11,7 @@ from torch import nn
 
 import pycollectives as pc
 from pycollectives.bucketing import BucketSet
-from strategies.ddp import CompressionHook, DistributedDataParallel
+from pycollectives.strategies.ddp import CompressionHook, DistributedDataParallel
 
 STEPS = 20
 BATCH = 4  # per rank

@@ -28,10 +28,10 @@ from test_zero_common import (
 
 import pycollectives as pc
 from pycollectives import _C
-from strategies.ddp import DistributedDataParallel
-from strategies.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from strategies.models.gpt import GPT, GPTConfig
-from strategies.sharding import EngineMeter
+from pycollectives.strategies.ddp import DistributedDataParallel
+from pycollectives.strategies.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from pycollectives.strategies.models.gpt import GPT, GPTConfig
+from pycollectives.strategies.sharding import EngineMeter
 
 VARIANTS = {  # label: (reshard_after_forward, prefetch)
     "reshard": (True, 2),

@@ -28,7 +28,7 @@ import torch
 from pipeline_cases import SCHEDULES, config, microbatches, reference
 
 import pycollectives as pc
-from strategies.pipeline import (
+from pycollectives.strategies.pipeline import (
     Action,
     Kind,
     PipelineError,
@@ -41,8 +41,8 @@ from strategies.pipeline import (
     peak_activations,
     simulate,
 )
-from strategies.pipeline.communications import gather_records
-from strategies.pipeline.stage import TIED
+from pycollectives.strategies.pipeline.communications import gather_records
+from pycollectives.strategies.pipeline.stage import TIED
 
 
 def run_case(comm: pc.Communicator, name: str, v: int, m: int, steps: int = 1) -> dict:

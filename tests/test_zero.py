@@ -21,10 +21,10 @@ from test_zero_common import (
 )
 
 import pycollectives as pc
-from strategies.ddp import DistributedDataParallel
-from strategies.models.gpt import GPT, GPTConfig
-from strategies.sharding import ShardingMismatch
-from strategies.zero import ZeroOptimizer
+from pycollectives.strategies.ddp import DistributedDataParallel
+from pycollectives.strategies.models.gpt import GPT, GPTConfig
+from pycollectives.strategies.sharding import ShardingMismatch
+from pycollectives.strategies.zero import ZeroOptimizer
 
 # Tolerances. Against DDP on 2 ranks: none (bitwise), since every average has
 # the same two terms ((a + b) / 2, commutative) and AdamW is elementwise. On 3
@@ -275,7 +275,7 @@ def job_diverging_forwards(comm: pc.Communicator, mode: str) -> str:
     if mode == "zero3":
         opt = ZeroOptimizer(model, torch.optim.AdamW, sub, stage=3, **OPT)
     else:
-        from strategies.fsdp import fully_shard
+        from pycollectives.strategies.fsdp import fully_shard
 
         for block in model.blocks:
             fully_shard(block, sub)
@@ -366,7 +366,7 @@ def job_storage(comm: pc.Communicator, param_dtype: torch.dtype | None) -> dict:
         out["largest"] = max(f.layout.padded_numel * 4 for u in units for f in u.flats)
         out["flats"] = sum(len(u.flats) for u in units)
         out["count"] = len(list(model.parameters()))
-    from strategies.fsdp import MixedPrecisionPolicy, fully_shard
+    from pycollectives.strategies.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=4, n_head=2, d_model=32))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype)

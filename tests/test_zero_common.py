@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 import pycollectives as pc
-from strategies.data import SyntheticSequences
-from strategies.ddp import DistributedDataParallel
-from strategies.fsdp import MixedPrecisionPolicy, fully_shard
-from strategies.models.gpt import GPT, GPTConfig
-from strategies.zero import ZeroOptimizer
+from pycollectives.strategies.data import SyntheticSequences
+from pycollectives.strategies.ddp import DistributedDataParallel
+from pycollectives.strategies.fsdp import MixedPrecisionPolicy, fully_shard
+from pycollectives.strategies.models.gpt import GPT, GPTConfig
+from pycollectives.strategies.zero import ZeroOptimizer
 
 # Embedding, attention, MLP, layer norms, a head tied to the embedding: 2
 # blocks of d_model 16 (3,296 parameters each) and a root of 832.

@@ -1,6 +1,6 @@
-"""python -m strategies.checkpoint consolidate DIR OUT [--model-only]: one
-safetensors file from a sharded checkpoint (see consolidate.py); without
-torch, in memory about the largest tensor."""
+"""python -m pycollectives.strategies.checkpoint consolidate DIR OUT [--model-only]: one
+safetensors file from a sharded checkpoint (see consolidation.py); in
+memory about the largest tensor."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from .consolidation import consolidate
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m strategies.checkpoint")
+    parser = argparse.ArgumentParser(prog="python -m pycollectives.strategies.checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate", help="one safetensors file from a sharded checkpoint")
     c.add_argument("dir", help="the checkpoint directory (holds index.json)")

@@ -1,13 +1,13 @@
 """One safetensors file from a sharded checkpoint, streaming:
 
-    python -m strategies.checkpoint consolidate ckpt/step-100 model.safetensors [--model-only]
+    python -m pycollectives.strategies.checkpoint consolidate ckpt/step-100 model.safetensors [--model-only]
 
 Every global tensor is assembled in one buffer of its own size, straight
 from the byte ranges of its pieces (os.preadv into the buffer: no second
 copy), written, and dropped before the next: the peak memory is the largest
 tensor plus the interpreter, whatever the checkpoint's size (DeepSpeed's
-zero_to_fp32 holds the whole model). Neither torch nor pycollectives is
-imported. The output is written under a temporary name, fsynced and renamed.
+zero_to_fp32 holds the whole model). The module itself uses no torch (the
+package pycollectives, which holds it, imports torch). The output is written under a temporary name, fsynced and renamed.
 
 The file holds the checkpoint's tensors under their global names
 (parameters and buffers as in the model's state_dict, optimizer state as

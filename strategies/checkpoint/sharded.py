@@ -1,7 +1,7 @@
 """The low-level entry points: every rank saves its pieces (save_pieces) or
 loads the pieces it wants (load_pieces), whatever layout wrote them.
 
-    from strategies.checkpoint import Piece, save_pieces, load_pieces
+    from pycollectives.strategies.checkpoint import Piece, save_pieces, load_pieces
     # a column-parallel weight [out, in] split along dim 0 over tp ranks:
     rows = out // tp
     mine = Piece("fc.weight", (out, inp), w.dtype, offsets=(r * rows, 0), sizes=(rows, inp), data=w)

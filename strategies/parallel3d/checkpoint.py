@@ -3,7 +3,7 @@ or ZeRO-1/2/3 on dp), resumed in any other, through strategies.checkpoint's
 layout-free `save_pieces` / `load_pieces`.
 
 Tensors, under global names and shapes (as strategies.checkpoint.save names
-them, so `python -m strategies.checkpoint consolidate` reads them too):
+them, so `python -m pycollectives.strategies.checkpoint consolidate` reads them too):
 
     <parameter name>                       the GPT's names (the tied weight once,
                                            as embed.tok.weight)
@@ -29,10 +29,9 @@ from pathlib import Path
 
 import torch
 
-from strategies.checkpoint import Piece, load_pieces, read_index, save_pieces
-from strategies.pipeline.communications import agree
-from strategies.pipeline.stage import TIED
-
+from ..checkpoint import Piece, load_pieces, read_index, save_pieces
+from ..pipeline.communications import agree
+from ..pipeline.stage import TIED
 from .trainer import Trainer3D, full_shapes
 
 __all__ = ["load_trainer", "save_trainer"]

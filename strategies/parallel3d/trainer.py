@@ -58,17 +58,18 @@ from torch import nn
 
 from pycollectives import ReduceOp
 from pycollectives._buffers import cuda_built
-from strategies.data import GlobalBatches, SyntheticSequences
-from strategies.fsdp import fully_shard
-from strategies.grad_average import StepGradAverager
-from strategies.mesh import ParallelDims
-from strategies.models.gpt import Block, Embedding, GPTConfig, LMHead
-from strategies.parallel3d.fsdp_pipeline import reduce_after_step, shard_stages, unsynced
-from strategies.pipeline import PipelineRuntime, build, deferred_parameters, gpt_stages
-from strategies.pipeline.communications import agree, digest
-from strategies.pipeline.stage import TIED
-from strategies.tensor_parallel import parallelize_gpt
-from strategies.zero import ZeroOptimizer
+
+from ..data import GlobalBatches, SyntheticSequences
+from ..fsdp import fully_shard
+from ..grad_average import StepGradAverager
+from ..mesh import ParallelDims
+from ..models.gpt import Block, Embedding, GPTConfig, LMHead
+from ..pipeline import PipelineRuntime, build, deferred_parameters, gpt_stages
+from ..pipeline.communications import agree, digest
+from ..pipeline.stage import TIED
+from ..tensor_parallel import parallelize_gpt
+from ..zero import ZeroOptimizer
+from .fsdp_pipeline import reduce_after_step, shard_stages, unsynced
 
 __all__ = [
     "DEVICES",
