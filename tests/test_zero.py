@@ -67,13 +67,12 @@ def test_zero_equals_ddp_and_single_process(pool, world_size):
         assert not bad, f"rank {r}: {bad}"
 
 
-def job_accumulate_and_clip(comm: pc.Communicator) -> list[str]:
-    """3 micro-batches per step (no_sync on the first 2), then clipping to a
-    norm the gradients exceed: equal to DDP with torch's clip_grad_norm_."""
+def job_accumulate(comm: pc.Communicator) -> list[str]:
+    """3 micro-batches per step (no_sync on the first 2): one reduce-scatter
+    per unit per step, bitwise equal to DDP."""
     bad = []
     steps = 4
     ref_acc = train_ddp(comm, steps, micro=3)
-    ref_clip = train_ddp(comm, steps, micro=3, clip=0.05)
     for mode in ("zero1", "zero2", "zero3"):
         before = comm.stats().get("reduce_scatter", {}).get("calls", 0)
         calls: list[int] = []
@@ -88,17 +87,49 @@ def job_accumulate_and_clip(comm: pc.Communicator) -> list[str]:
         err = differ(got, ref_acc)  # accumulation: bitwise on 2 ranks
         if err:
             bad.append(f"{mode} accumulation vs DDP: {err}")
-        got, _, _ = train(comm, mode, steps, micro=3, clip_to=0.05)
-        # The global norm sums the squares in another order than torch's norm
-        # of per-parameter norms: the clipping factor differs in the last bits.
-        err = differ(got, ref_clip, 1e-5, 1e-6)
+    return bad
+
+
+def test_accumulation_equals_ddp(pool):
+    for r, bad in enumerate(pool(2).run(job_accumulate, timeout=240)):
+        assert not bad, f"rank {r}: {bad}"
+
+
+CLIP_TO, CLIP_STEPS = 0.05, 10
+
+
+def job_clip(comm: pc.Communicator) -> list[str]:
+    """Accumulation (3 micro-batches), then clip_grad_norm_ to a norm the
+    gradients exceed at every step (the clip bites: coefficient < 1): the total
+    norms and the parameters equal DDP's with torch.nn.utils.clip_grad_norm_
+    (fp32), bit for bit, for ZeRO-1/2/3 and fully_shard. The model has
+    parameters that straddle two ranks' shards (their norms are taken whole)."""
+    bad: list[str] = []
+    want_norms: list[torch.Tensor] = []
+    want = train_ddp(comm, CLIP_STEPS, micro=3, clip=CLIP_TO, norms=want_norms)
+    bites = [float(CLIP_TO / (n + 1e-6)) for n in want_norms]
+    if not all(c < 1.0 for c in bites):
+        bad.append(f"the clip does not bite at every step: coefficients {bites}")
+    for mode in ("zero1", "zero2", "zero3", "fsdp"):
+        norms: list[torch.Tensor] = []
+        got, model, opt = train(comm, mode, CLIP_STEPS, micro=3, clip_to=CLIP_TO, norms=norms)
+        engine = model._root_engine() if mode == "fsdp" else opt.engine
+        flats = [f for u in engine.units for f in u.trainable]
+        straddling = sum(len(f.layout.holders(k)) > 1 for f in flats for k in range(len(f.params)))
+        if comm.world_size > 1 and not straddling:
+            bad.append(f"{mode}: no parameter straddles two shards (the test lost its point)")
+        if not all(torch.equal(a, b) for a, b in zip(norms, want_norms, strict=True)):
+            diffs = [float(a) - float(b) for a, b in zip(norms, want_norms, strict=True)]
+            bad.append(f"{mode}: total norms differ from DDP's by {diffs}")
+        err = differ(got, want)
         if err:
             bad.append(f"{mode} accumulation + clipping vs DDP: {err}")
     return bad
 
 
-def test_accumulation_and_clipping_equal_ddp(pool):
-    for r, bad in enumerate(pool(2).run(job_accumulate_and_clip, timeout=240)):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_clipping_equals_ddp_bitwise(pool, world_size):
+    for r, bad in enumerate(pool(world_size).run(job_clip, timeout=240)):
         assert not bad, f"rank {r}: {bad}"
 
 
