@@ -24,6 +24,7 @@ import pycollectives as pc
 from pycollectives.strategies.ddp import DistributedDataParallel
 from pycollectives.strategies.models.gpt import GPT, GPTConfig
 from pycollectives.strategies.sharding import ShardingMismatch
+from pycollectives.strategies.sharding.engine import count_storage
 from pycollectives.strategies.zero import ZeroOptimizer
 
 # Tolerances. Against DDP on 2 ranks: none (bitwise), since every average has
@@ -411,6 +412,23 @@ def job_storage(comm: pc.Communicator, param_dtype: torch.dtype | None) -> dict:
         opt.step()
     out["fsdp"] = model.sharding_unit.engine.storage(opt)
     out["fsdp_steps"] = 4 * len(opt.state)  # AdamW's step counter per parameter
+    # DP: strategies.DDP with its defaults (gradient_as_bucket_view=True: .grad are
+    # views of the buckets), AdamW's step counters apart
+    model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=4, n_head=2, d_model=32))
+    ddp = DistributedDataParallel(model, comm)
+    opt = torch.optim.AdamW(ddp.parameters(), **OPT)
+    opt.zero_grad()
+    ddp(*local_batch(comm, 0)).backward()
+    opt.step()
+    params = list(model.parameters())
+    out["dp"] = count_storage(
+        {
+            "params": params,
+            "grads": [q.grad for q in params if q.grad is not None],
+            "buckets": [b.buffer for b in ddp.buckets.buckets],
+            "optimizer": [t for st in opt.state.values() for k, t in st.items() if k != "step"],
+        }
+    )
     return out
 
 
@@ -420,7 +438,8 @@ def test_storage_per_rank_matches_zero_formulas(pool, world_size, mixed):
     """AdamW, in bytes per parameter (ZeRO paper, Sec. 3; P parameters, N ranks):
 
         stage   fp32 (4 + 4 + 8)   bf16 params and gradients, fp32 master + state (2 + 2 + 12)
-        DP      16P                 16P
+        DP      16P                 16P (strategies.DDP, asserted in fp32: its default
+                                    gradient_as_bucket_view=True keeps no bucket copy)
         1       8P + 8P/N           4P + 12P/N
         2       4P + 12P/N          2P + 14P/N
         3       16P/N               14P/N (no 16-bit parameter shard kept: see below)
@@ -436,6 +455,8 @@ def test_storage_per_rank_matches_zero_formulas(pool, world_size, mixed):
     n = world_size
     res = pool(n).run(job_storage, torch.bfloat16 if mixed else None)
     for s in res:
+        # DP: 4 (parameters) + 4 (gradients, in the buckets) + 8 (AdamW) = 16P exactly
+        assert s["dp"]["buckets"] == 0 and sum(s["dp"].values()) == 4 * s["P"], s["dp"]
         # the meter: stages 1/2 all-gather after the step, stage 3 per unit in forward/backward
         assert [s[f"meter{k}"]["step_gather_s"] > 0 for k in (1, 2, 3)] == [True, True, False], s
         assert [s[f"meter{k}"]["gathers"] for k in (1, 2)] == [0, 0], s
