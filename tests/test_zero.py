@@ -199,21 +199,36 @@ def test_stage2_and_3_reduce_during_backward(pool):
 
 
 def job_clip_norm(comm: pc.Communicator) -> list[str]:
-    """The norm clip_grad_norm_ returns is the whole model's (orders 2 and inf):
-    the norm of the global batch's gradient, which the ranks' average is."""
+    """The norm clip_grad_norm_ returns is the whole model's (orders 1, 2 and
+    inf): the norm of the global batch's gradient, which the ranks' average is;
+    with bf16 gradients (taken in float32) too. A non-finite norm with
+    error_if_nonfinite raises on every rank and scales nothing."""
     bad = []
     ref = GPT(CFG)
     ref(*global_batch(comm.world_size, 0)).backward()
     grads = [p.grad for p in ref.parameters()]
-    for stage in (1, 2, 3):
+    for stage, kw in ((1, {}), (2, {}), (3, {}), (2, {"param_dtype": torch.bfloat16})):
         model = GPT(CFG)
-        zero = ZeroOptimizer(model, torch.optim.AdamW, comm, stage=stage, **OPT)
+        zero = ZeroOptimizer(model, torch.optim.AdamW, comm, stage=stage, **kw, **OPT)
         model(*local_batch(comm, 0)).backward()
-        for order in (2.0, float("inf")):
+        rtol = 2e-2 if kw else 1e-5
+        for order in (1.0, 2.0, float("inf")):
             want = torch.nn.utils.get_total_norm(grads, order)
             got = zero.clip_grad_norm_(1e9, order)  # max_norm far above: the norm alone
-            if not torch.allclose(got, want, rtol=1e-5):
-                bad.append(f"stage {stage} norm {order}: {got.item()} vs {want.item()}")
+            if got.dtype != torch.float32 or not torch.allclose(got, want, rtol=rtol):
+                bad.append(f"stage {stage} {kw} norm {order}: {got} vs {want}")
+    shard = zero.engine.grads.grad_shards()[0]
+    shard[0] = float("inf") if comm.rank == comm.world_size - 1 else shard[0]
+    before = [g.clone() for g in zero.engine.grads.grad_shards()]
+    try:
+        zero.clip_grad_norm_(1.0, error_if_nonfinite=True)
+        bad.append("an infinite gradient on one rank: no error")
+    except RuntimeError as e:
+        if f"rank {comm.rank}" not in str(e) or "inf" not in str(e):
+            bad.append(f"error_if_nonfinite: {e}")
+    after = zero.engine.grads.grad_shards()
+    if not all(torch.equal(a, b) for a, b in zip(before, after, strict=True)):
+        bad.append("error_if_nonfinite: the gradients were scaled before the error")
     return bad
 
 
