@@ -24,6 +24,7 @@ import pycollectives as pc
 from pycollectives.strategies.ddp import DistributedDataParallel
 from pycollectives.strategies.models.gpt import GPT, GPTConfig
 from pycollectives.strategies.sharding import ShardingMismatch
+from pycollectives.strategies.sharding import clip as clip_module
 from pycollectives.strategies.sharding.engine import count_storage
 from pycollectives.strategies.zero import ZeroOptimizer
 
@@ -111,9 +112,16 @@ def job_clip(comm: pc.Communicator) -> list[str]:
     bites = [float(CLIP_TO / (n + 1e-6)) for n in want_norms]
     if not all(c < 1.0 for c in bites):
         bad.append(f"the clip does not bite at every step: coefficients {bites}")
-    for mode in ("zero1", "zero2", "zero3", "fsdp"):
+    for mode in ("zero1", "zero2", "zero3", "fsdp", "zero2/all-reduce"):
         norms: list[torch.Tensor] = []
-        got, model, opt = train(comm, mode, CLIP_STEPS, micro=3, clip_to=CLIP_TO, norms=norms)
+        # "/all-reduce": straddling parameters summed whole everywhere (the device route)
+        clip_module.ASSEMBLE_ON_OWNER = not mode.endswith("/all-reduce")
+        try:
+            got, model, opt = train(
+                comm, mode.split("/")[0], CLIP_STEPS, micro=3, clip_to=CLIP_TO, norms=norms
+            )
+        finally:
+            clip_module.ASSEMBLE_ON_OWNER = True
         engine = model._root_engine() if mode == "fsdp" else opt.engine
         flats = [f for u in engine.units for f in u.trainable]
         straddling = sum(len(f.layout.holders(k)) > 1 for f in flats for k in range(len(f.params)))

@@ -14,9 +14,10 @@ parameter's shape, as under DDP:
 - a parameter inside this rank's shard: on its view there (a contiguous,
   64-byte aligned view of the parameter's shape, see flat_param.py);
 - a parameter that straddles shards (at most world_size - 1 per flat
-  parameter): its pieces are summed whole onto every rank (one all-reduce of
-  those parameters, every element added to zeros: exact) and every rank takes
-  its norm.
+  parameter): assembled whole on the rank that holds its largest piece (one
+  batch_p2p of the other pieces, CPU), which takes its norm; device tensors
+  (no batch_p2p there) are summed whole onto every rank instead (one
+  all-reduce of those parameters, each element added to zeros: exact).
 
 The norms go into one vector in the root module's parameters() order (each
 held by one rank, zeros elsewhere: an all-reduce of it is exact), and the total
@@ -32,13 +33,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pycollectives import ReduceOp
+from pycollectives import Communicator, ReduceOp
 
 if TYPE_CHECKING:
     from .flat_param import FlatParam
     from .gradients import GradReducer
 
 __all__ = ["clip_grad_norm"]
+
+# CPU: straddling parameters assembled on one rank by batch_p2p (False: the
+# all-reduce route that device tensors take; tests compare the two).
+ASSEMBLE_ON_OWNER = True
 
 
 def _norm(g: torch.Tensor, p: float) -> torch.Tensor:
@@ -78,31 +83,79 @@ def total_norm(reducer: GradReducer, p: float) -> torch.Tensor:
     )
     norms = torch.zeros(len(entries), dtype=dtype, device=device)
     pieces = {id(f): f.layout.pieces(rank) for f, _ in entries}
-    straddle: dict[torch.dtype, list[tuple[int, FlatParam, int]]] = {}
+    straddle: list[tuple[int, FlatParam, int]] = []
     for n, (f, k) in enumerate(entries):
         holders = f.layout.holders(k)
         if len(holders) > 1:
-            straddle.setdefault(f.grad_shard.dtype, []).append((n, f, k))
+            straddle.append((n, f, k))
         elif holders and holders[0][0] == rank:
             s, at = f.layout.slots[k], pieces[id(f)][k][2]
             norms[n] = _norm(f.grad_shard[at : at + s.numel].view(s.shape), p)
-    comm.all_reduce(norms, ReduceOp.SUM)  # one nonzero term per entry: exact
-    for dt, items in straddle.items():
-        whole = torch.zeros(
-            sum(f.layout.slots[k].numel for _, f, k in items), dtype=dt, device=device
-        )
+    if ASSEMBLE_ON_OWNER and device.type == "cpu":
+        _gather_to_owners(comm, straddle, pieces, norms, p)
+        comm.all_reduce(norms, ReduceOp.SUM)  # one nonzero term per entry: exact
+    else:  # (no batch_p2p for device tensors on one host)
+        comm.all_reduce(norms, ReduceOp.SUM)
+        _sum_everywhere(comm, straddle, pieces, norms, p)
+    return torch.linalg.vector_norm(norms, p)
+
+
+def _gather_to_owners(
+    comm: Communicator,
+    straddle: list[tuple[int, FlatParam, int]],
+    pieces: dict[int, list[tuple[int, int, int]]],
+    norms: torch.Tensor,
+    p: float,
+) -> None:
+    """The norms of the parameters that straddle shards: each is assembled on
+    its owner (the rank holding its largest piece, the lowest such rank on a
+    tie) from the others' pieces, in one batch_p2p, and its norm written into
+    `norms` there (zero elsewhere)."""
+    rank, ops, mine = comm.rank, [], []
+    for n, f, k in straddle:
+        holders = f.layout.holders(k)
+        owner = max(holders, key=lambda h: (h[2] - h[1], -h[0]))[0]
+        lo, hi, at = pieces[id(f)][k]
+        if rank == owner:
+            s = f.layout.slots[k]
+            whole = torch.empty(s.numel, dtype=f.grad_shard.dtype, device=f.grad_shard.device)
+            whole[lo:hi].copy_(f.grad_shard[at : at + hi - lo])
+            ops += [("recv", whole[a:b], r) for r, a, b in holders if r != rank]
+            mine.append((n, whole.view(s.shape)))
+        elif lo < hi:
+            ops.append(("send", f.grad_shard[at : at + hi - lo], owner))
+    if ops:
+        comm.batch_p2p(ops)
+    for n, whole in mine:
+        norms[n] = _norm(whole, p)
+
+
+def _sum_everywhere(
+    comm: Communicator,
+    straddle: list[tuple[int, FlatParam, int]],
+    pieces: dict[int, list[tuple[int, int, int]]],
+    norms: torch.Tensor,
+    p: float,
+) -> None:
+    """The norms of the parameters that straddle shards, on every rank: each
+    summed whole onto every rank (one all-reduce per dtype; each element comes
+    from one rank, zeros from the others: exact)."""
+    by_dtype: dict[torch.dtype, list[tuple[int, FlatParam, int]]] = {}
+    for n, f, k in straddle:
+        by_dtype.setdefault(f.grad_shard.dtype, []).append((n, f, k))
+    for dt, items in by_dtype.items():
+        sizes = [f.layout.slots[k].numel for _, f, k in items]
+        whole = torch.zeros(sum(sizes), dtype=dt, device=norms.device)
         off = 0
-        for _, f, k in items:
+        for (_, f, k), size in zip(items, sizes, strict=True):
             lo, hi, at = pieces[id(f)][k]
             whole[off + lo : off + hi].copy_(f.grad_shard[at : at + hi - lo])
-            off += f.layout.slots[k].numel
-        comm.all_reduce(whole, ReduceOp.SUM)  # each element from one rank, zeros elsewhere
+            off += size
+        comm.all_reduce(whole, ReduceOp.SUM)
         off = 0
-        for n, f, k in items:
-            s = f.layout.slots[k]
-            norms[n] = _norm(whole[off : off + s.numel].view(s.shape), p)
-            off += s.numel
-    return torch.linalg.vector_norm(norms, p)
+        for (n, f, k), size in zip(items, sizes, strict=True):
+            norms[n] = _norm(whole[off : off + size].view(f.layout.slots[k].shape), p)
+            off += size
 
 
 def clip_grad_norm(
