@@ -218,7 +218,7 @@ def main() -> int:
         f"AdamW; {args.steps} steps after the first.",
         "Storage: bytes of the tensors this rank holds after a step, by role, each storage "
         "once; the worst rank. DP = strategies.DDP with gradient_as_bucket_view=True (its "
-        "buckets are the gradients; the default, False, holds another 4P of buckets); in bf16 "
+        "default: its buckets are the gradients; False holds another 4P of buckets); in bf16 "
         "the DP model is bf16 (parameters and bucketed gradients) beside fp32 master copies "
         "that AdamW steps. ZeRO-1/2 keep full parameters (bf16: the compute copies), "
         "ZeRO-3/FSDP only shards (fp32 master shards) between steps.",
