@@ -27,6 +27,7 @@ from .pieces import Piece
 from .saving import OPTIM
 from .sharded import load_pieces
 from .state import Entry, Layout, collect
+from .validate import CheckpointError
 
 __all__ = ["load"]
 
@@ -55,7 +56,7 @@ def load(
     lay = collect(model, optimizer, comm, what)
     try:
         index = read_index(path)
-    except (OSError, ValueError):
+    except (OSError, ValueError, CheckpointError):
         return load_pieces(comm, path, [], what=what)  # raises the same error on every rank
     saved = index["tensors"]
     problems = _model_problems(lay.entries, saved, strict)
