@@ -283,16 +283,31 @@ def load_pieces(
 
     Raises ValueError on every rank if any rank finds a problem: no
     checkpoint at `path`, a tensor it lacks, another shape, elements the
-    checkpoint does not hold; CheckpointError if reading fails on some rank.
+    checkpoint does not hold; CheckpointError on every rank if the
+    checkpoint is not well formed (its index, or the header of a file some
+    rank reads: validate.py) or if reading fails on some rank.
     """
-    rank, _ = _rank(comm)
     what = what or f"load_pieces(path={str(path)!r})"
+    return load_from(comm, path, None, pieces, problems, what)
+
+
+def load_from(
+    comm: Communicator | None,
+    path: str | os.PathLike,
+    opened: Checkpoint | None,
+    pieces: list[Piece],
+    problems: list[str] | None,
+    what: str,
+) -> Any:
+    """load_pieces, from the checkpoint `opened` at `path` if not None (its
+    index already checked: load() reads it first; the caller closes it)."""
+    rank, _ = _rank(comm)
     local, corrupt = list(problems or []), []
     plan: list[tuple[Piece, dict[str, Any], list[tuple[int, int, int]]]] = []
-    ck = None
+    ck = opened
     try:
         try:
-            ck = Checkpoint(path)
+            ck = ck or Checkpoint(path)
             local += _plan(ck, pieces, plan)
             for f in dict.fromkeys(s["file"] for _, s, _ in plan):
                 ck.file(f)  # every header this rank reads from, checked before any data
@@ -312,7 +327,7 @@ def load_pieces(
             raise CheckpointError(f"{what}: rank {rank}: reading failed on " + "; ".join(failed))
         return ck.index.get("extra")
     finally:
-        if ck is not None:
+        if ck is not None and opened is None:
             ck.close()
 
 

@@ -69,11 +69,11 @@ def _ints(x: Any, n: int | None = None) -> bool:
 
 
 def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        k = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {k!r}")
     return out
 
 
@@ -229,16 +229,17 @@ def check_index(index: Any, size_of: Callable[[str], int], where: str) -> list[l
     return out
 
 
-def check_header(head: Any, data: int, index: dict[str, Any], name: str, where: str) -> None:
-    """Checks a file's header (`data` bytes after it) against the index's
-    pieces of file `name`. Raises CheckpointError."""
+def check_header(
+    head: Any, data: int, index: dict[str, Any], name: str, mine: list[dict], where: str
+) -> None:
+    """Checks a file's header (`data` bytes after it) against `mine`, the
+    index's pieces of file `name` in index order. Raises CheckpointError."""
     if not isinstance(head, dict):
         raise _fail(where, "header is not a JSON object")
     meta = head.get("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise _fail(where, "field '__metadata__' must map strings to strings")
     f = index["files"][name]
-    mine = [p for p in index["pieces"] if p["file"] == name]
     said = parse_json(meta.get("pieces", "null").encode(), f"{where}: field '__metadata__.pieces'")
     want = [{k: v for k, v in p.items() if k != "file"} for p in mine]
     if meta.get("rank") != str(f["rank"]) or meta.get("world_size") != str(index["world_size"]):
@@ -294,6 +295,7 @@ class Checkpoint:
         self.path = Path(path)
         self.dfd = open_dir(path)
         self._files: dict[str, tuple[int, int, dict[str, Any]]] = {}
+        self._by_file: dict[str, list[dict[str, Any]]] | None = None
         try:
             self.index, self.runs = self._read_index()
         except BaseException:
@@ -347,7 +349,12 @@ class Checkpoint:
                         where, f"header length {n} exceeds the file ({size} bytes) or {MAX_HEADER}"
                     )
                 head = parse_json(pread(fd, 8, n, where), f"{where}: header")
-                check_header(head, size - 8 - n, self.index, name, where)
+                if self._by_file is None:
+                    self._by_file = {}
+                    for p in self.index["pieces"]:
+                        self._by_file.setdefault(p["file"], []).append(p)
+                mine = self._by_file.get(name, [])
+                check_header(head, size - 8 - n, self.index, name, mine, where)
             except BaseException:
                 os.close(fd)
                 raise
