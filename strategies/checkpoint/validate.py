@@ -30,6 +30,7 @@ checkpoint can hold wrong but well-formed values.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -110,7 +111,7 @@ def open_member(dfd: int, name: str, where: str) -> tuple[int, int]:
     try:
         fd = os.open(name, _FLAGS, dir_fd=dfd)
     except OSError as e:
-        why = "is a symbolic link" if e.errno == 40 else os.strerror(e.errno or 0)  # ELOOP
+        why = "is a symbolic link" if e.errno == errno.ELOOP else os.strerror(e.errno or 0)
         raise _fail(where, f"cannot open it: {why}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
