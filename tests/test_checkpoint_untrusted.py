@@ -175,6 +175,11 @@ def test_malformed_fields_raise_checkpoint_error(tmp_path):
     assert text.startswith("{") and '"world_size": 1' in text
     (d / "index.json").write_text('{"world_size": 1, ' + text[1:])  # a second world_size
     _refused(d, tmp_path, "index.json", "duplicate key")
+    d = _save(tmp_path / "deep")  # nesting past the recursion limit: refused, no RecursionError
+    text = (d / "index.json").read_text()
+    deep = '{"extra": ' + "[" * 100_000 + "]" * 100_000 + ", "
+    (d / "index.json").write_text(deep + text.lstrip()[1:].replace('"extra"', '"extra0"'))
+    _refused(d, tmp_path, "index.json", "not valid JSON")
 
 
 def test_huge_claims_allocate_nothing(tmp_path):
