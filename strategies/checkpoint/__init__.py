@@ -11,6 +11,7 @@ tensor parallel, one process), on pycollectives.
     state.py        a model and optimizer (ZeRO, FSDP, plain) as named entries on this rank
     saving.py       save(): a model and optimizer in any layout -> pieces
     loading.py      load(): pieces -> a model and optimizer in any layout
+    validate.py     every check on a checkpoint's files before a byte of data is read
     consolidation.py  one safetensors file from a checkpoint, streaming, tensor by tensor
     __main__.py     python -m pycollectives.strategies.checkpoint consolidate DIR OUT
 """
@@ -24,12 +25,13 @@ if TYPE_CHECKING:
     from .loading import load
     from .pieces import Piece
     from .saving import save
-    from .sharded import CheckpointError, load_pieces, save_pieces
+    from .sharded import load_pieces, save_pieces
+    from .validate import CheckpointError
 
 # Imported on first use (PEP 562): `python -m pycollectives.strategies.checkpoint consolidate`
 # loads consolidation.py and format.py alone, not the save and load machinery.
 _WHERE = {
-    "CheckpointError": "sharded",
+    "CheckpointError": "validate",
     "Piece": "pieces",
     "consolidate": "consolidation",
     "load": "loading",

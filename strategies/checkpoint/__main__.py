@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from .consolidation import consolidate
+from .validate import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         stats = consolidate(args.dir, args.out, model_only=args.model_only)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, CheckpointError) as e:
         print(f"consolidate: {e}", file=sys.stderr)
         return 1
     print(

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import Piece, load_pieces, read_index, save_pieces
+from ..checkpoint import CheckpointError, Piece, load_pieces, read_index, save_pieces
 from ..pipeline.communications import agree
 from ..pipeline.stage import TIED
 from .trainer import Trainer3D, full_shapes
@@ -165,7 +165,7 @@ def load_trainer(trainer: Trainer3D, directory: str | os.PathLike) -> int:
         if not isinstance(saved, dict) or saved.get("config") != repr(trainer.config):
             was = saved.get("config") if isinstance(saved, dict) else saved
             problems.append(f"the checkpoint is of {was}, this run trains {trainer.config}")
-    except (OSError, ValueError):
+    except (OSError, ValueError, CheckpointError):
         pass  # load_pieces says what is wrong
     extra = load_pieces(trainer.dims.world, directory, pieces, problems, what=what)
     for h, step in zip(held, steps, strict=True):
