@@ -6,7 +6,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..communicator import Communicator
+
+
+def outside_autograd() -> torch.inference_mode:
+    """The context of every write of the backend into the caller's tensors
+    (copies back from contiguous buffers, PREMUL_SUM's scaling, local blocks):
+    outside autograd, as c10d's collectives write, so that a Parameter or a
+    view of one takes them (its version counter still moves), and allowed on
+    inference tensors on any thread (the completion thread is not in the
+    caller's inference mode, which is per thread)."""
+    return torch.inference_mode()
 
 
 @dataclass

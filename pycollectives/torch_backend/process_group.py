@@ -27,7 +27,7 @@ from . import groups
 from . import p2p_collectives as p2pc
 from .args import Args
 from .completion import Completer
-from .launch import Launch
+from .launch import Launch, outside_autograd
 from .monitored_barrier import monitored_barrier as run_monitored_barrier
 from .options import CallOptions, call_options
 from .p2p import P2P_FLUSH_DELAY_S, DeferredP2P
@@ -389,8 +389,10 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         if not o.async_op:
             with self._lock:
                 launch.issue(self._comm, False)
-            for dst, src in launch.copies:
-                dst.copy_(src)
+            if launch.copies:
+                with outside_autograd():
+                    for dst, src in launch.copies:
+                        dst.copy_(src)
             fut.set_result(launch.value)
             return self._work(fut, launch)
         with self._lock:
