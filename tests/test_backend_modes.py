@@ -20,8 +20,8 @@ import torch
 from spawn import run
 
 MODES = ("plain", "inference", "param")
-# gloo's reference runs on contiguous tensors: on a strided view (a column) gloo
-# 2.13's all_reduce reduces the first numel elements of the storage instead.
+# gloo's reference runs on contiguous tensors: gloo 2.13's all_reduce of a column
+# view t[:, 1] of a (6, 2) tensor sums only its first 3 elements.
 REFERENCE = "contig"
 
 
