@@ -309,6 +309,21 @@ def job_buckets(comm: pc.Communicator) -> list[str]:
                 bad.append(f"coalesced {async_op} tensor {k} wrong")
         if not torch.all(ts[5] == n):
             bad.append("coalesced int tensor wrong")
+    # ... into Parameters, and into an inference tensor waited on outside inference
+    # mode: the copies out are made outside autograd
+    want = float(sum(range(n)))
+    for async_op in (False, True):
+        ps = [torch.nn.Parameter(torch.full((k + 2,), float(r))) for k in range(2)]
+        with torch.inference_mode():
+            inf = torch.full((3,), float(r))
+        try:
+            w = comm.all_reduce_coalesced([*ps, inf], async_op=async_op)
+            if async_op:
+                w.wait()
+            if not all(torch.all(t == want) for t in (*ps, inf)) or not ps[0].requires_grad:
+                bad.append(f"coalesced Parameters {async_op} wrong")
+        except RuntimeError as e:
+            bad.append(f"coalesced Parameters {async_op}: {e}")
     return bad
 
 
