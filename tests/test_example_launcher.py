@@ -133,6 +133,19 @@ def _descendants(pid: int) -> set[int]:
     return out
 
 
+def _ranks(pids: set[int]) -> list[int]:
+    """The rank processes among `pids`: spawned by the script, or by torchrun."""
+    out = []
+    for q in pids:
+        try:
+            cmd = Path(f"/proc/{q}/cmdline").read_text()
+        except OSError:
+            continue
+        if "spawn_main" in cmd or ("train_gpt.py" in cmd and "torch.distributed.run" not in cmd):
+            out.append(q)
+    return out
+
+
 def _run_then_signal(cmd: list[str], marker: str, sig: int, to_group: bool, limit: float = 150):
     """Runs `cmd` in its own process group until a line starting with `marker`,
     then sends `sig` (to the group, else to the highest-numbered rank process);
@@ -153,8 +166,7 @@ def _run_then_signal(cmd: list[str], marker: str, sig: int, to_group: bool, limi
         if to_group:
             os.killpg(p.pid, sig)
         else:
-            ranks = [q for q in pids if "spawn_main" in Path(f"/proc/{q}/cmdline").read_text()]
-            os.kill(max(ranks), sig)
+            os.kill(max(_ranks(pids)), sig)
         sent = time.monotonic()
         out, _ = p.communicate(timeout=limit)
         return p.returncode, "".join(lines) + out, time.monotonic() - sent, pids
@@ -185,16 +197,20 @@ def test_ctrl_c_under_the_spawning_launcher():
     assert not _segments_of(pids), _segments_of(pids)
 
 
-def test_ctrl_c_under_torchrun():
+@pytest.mark.parametrize("to_group", [True, False], ids=["ctrl-c", "one-rank"])
+def test_ctrl_c_under_torchrun(to_group):
     """The same under torchrun: each rank one line, no false mismatch (the
-    pipeline's stop signal once made a peer report `send/recv mismatch ...
-    count=0`); the peers name the interrupted rank."""
+    pipeline's stop signal made a peer report `send/recv mismatch ...
+    count=0`). SIGINT to rank 1 alone: rank 0 says that rank 1 was interrupted."""
     cmd = [*TORCHRUN, "--nproc-per-node", "2", TRAIN_GPT, "--pp", "2", "--steps", "1000",
            "--log-every", "1"]  # fmt: skip
-    _, out, took, pids = _run_then_signal(cmd, "step 2/", signal.SIGINT, to_group=True)
+    _, out, took, pids = _run_then_signal(cmd, "step 2/", signal.SIGINT, to_group=to_group)
     said = re.findall(r"^train_gpt\.py: rank (\d): interrupted", out, re.M)
     assert sorted(said) == ["0", "1"], out
-    assert "ismatch" not in out, out
+    assert "ismatch" not in out and "stop signal" not in out, out
+    if not to_group:
+        assert re.search(r"^train_gpt\.py: rank 0: interrupted: .*rank 1 \(dp=0, tp=0, pp=1\) "
+                         r"was interrupted \(SIGINT\)", out, re.M), out  # fmt: skip
     rank_lines = [ln for ln in out.splitlines() if ln.startswith("train_gpt.py: rank")]
     assert len(rank_lines) == 2, out
     assert took < 30, (took, out)
