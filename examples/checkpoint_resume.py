@@ -15,6 +15,7 @@ loads it into a plain model. It says where each file went.
 import argparse
 import getpass
 import os
+import sys
 import tempfile
 
 import torch
@@ -68,11 +69,11 @@ def main() -> None:
     resumed_loss = train(comm, fresh, opt, range(extra["step"], 8))
     resumed = fresh.full_parameters()
     diff = max((resumed[n] - uninterrupted[n]).abs().max().item() for n in resumed)
-    print(
+    sys.stdout.write(  # the whole line in one write, flushed: the ranks share the terminal
         f"rank {comm.rank}: loss {loss:.4f} uninterrupted (ZeRO-3), {resumed_loss:.4f} resumed "
-        f"under FSDP from step {extra['step']} of {path}; max |parameter difference| {diff:.3g}",
-        flush=True,
+        f"under FSDP from step {extra['step']} of {path}; max |parameter difference| {diff:.3g}\n"
     )
+    sys.stdout.flush()
     assert diff <= 1e-5, diff
 
     if comm.rank == 0:
