@@ -89,7 +89,7 @@ def run_rank(main: Callable[[], int | None], prog: str, report: Any = None) -> i
         what, status = "interrupted", INTERRUPTED
     elif isinstance(error, Exception) and _ours(error):
         # A peer's Ctrl-C reached this rank as an abort before its own did.
-        if "was interrupted (SIGINT)" in str(error):
+        if " was interrupted (" in str(error):  # (SIGINT), or (signal) in a wait
             what, status = f"interrupted: {error}", INTERRUPTED
         else:
             what, status = f"{type(error).__name__}: {error}", 1
