@@ -237,3 +237,28 @@ def test_stopped_rank_fails_every_rank_and_the_launcher_ends():
     assert "train_gpt.py: rank 3 still running 5 s after rank" in out, out
     assert re.search(r"^train_gpt\.py: rank \d failed first: ", out, re.M), out
     assert not _segments_of(pids), _segments_of(pids)
+
+
+SCRIPT_INTERRUPTED = """
+import sys, torch, pycollectives as pc
+comm = pc.init(timeout=60)
+if comm.rank == 1:
+    raise KeyboardInterrupt  # Ctrl-C in Python code, uncaught: the process exits
+try:
+    comm.all_reduce(torch.ones(4))
+except pc.PyCollectivesError as e:
+    print(f"rank 0: {type(e).__name__}: {e}", flush=True)
+"""
+
+
+def test_an_uncaught_ctrl_c_aborts_with_the_reason(tmp_path):
+    """Any program: a rank that exits on an uncaught KeyboardInterrupt aborts
+    its communicators saying so (atexit), so its peer names the interrupt
+    instead of reporting a closed communicator."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(SCRIPT_INTERRUPTED)
+    p = subprocess.run([*TORCHRUN, "--nproc-per-node", "2", str(script)], capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("rank 0: ")), "")
+    assert line.startswith("rank 0: CommunicatorAborted: "), p.stdout + p.stderr
+    assert "rank 1 was interrupted (SIGINT)" in line, line
