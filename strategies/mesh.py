@@ -135,14 +135,22 @@ class ParallelDims:
         """The world rank of each rank of this rank's `axis` communicator, by its rank there."""
         return [self.rank_of(**{**self.coords, axis: c}) for c in range(self.sizes[axis])]
 
-    def in_world_terms(self, message: str) -> str:
+    def in_world_terms(self, message: str, axis: str | None = None) -> str:
         """`message`, an error of one of this rank's communicators, with the
-        ranks it names (ranks of the communicator that failed: the one that is
-        aborted) as world ranks with their coordinates, "rank 3 (dp=1, tp=0,
-        pp=1)". Unchanged when no communicator, or several, are aborted."""
-        failed = [a for a in AXES if self.sizes[a] > 1 and self._comms[a].aborted]
-        if failed and len(failed) > 1:
-            return message
+        ranks it names (ranks of the communicator that failed: `axis`'s, else
+        the one that is aborted) as world ranks with their coordinates, "rank 3
+        (dp=1, tp=0, pp=1)". Where several are aborted (a failure spreads), the
+        one in which the message names this rank ("pycollectives: rank N:",
+        "raised on rank N") by its rank there; unchanged if that is ambiguous."""
+        failed = (
+            [axis] if axis else [a for a in AXES if self.sizes[a] > 1 and self._comms[a].aborted]
+        )
+        if len(failed) > 1:
+            me = re.search(r"raised on rank (\d+)\]|pycollectives: rank (\d+)\b", message)
+            if me is not None:
+                failed = [a for a in failed if self.coords[a] == int(me[1] or me[2])]
+            if len(failed) != 1:
+                return message
         if failed:
             ranks, axis = self.world_ranks(failed[0]), failed[0]
         elif self.world.aborted:

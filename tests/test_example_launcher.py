@@ -229,11 +229,12 @@ def test_stopped_rank_fails_every_rank_and_the_launcher_ends():
     failed = dict(re.findall(r"^train_gpt\.py: rank (\d): (.*)$", out, re.M))
     assert sorted(failed) == ["0", "1", "2"], out
     where = {"0": "dp=0, tp=0, pp=0", "1": "dp=1, tp=0, pp=0", "2": "dp=0, tp=0, pp=1"}
-    for rank, msg in failed.items():  # every rank in world terms, with coordinates
+    for rank, msg in failed.items():  # every rank says where it is, with coordinates
         assert re.match(rf"\w+: step \d+ on rank {rank} \({where[rank]}\): ", msg), out
+    for rank in ("1", "2"):  # its pp and dp peers name it in world terms (rank 0: a knock-on)
+        msg = failed[rank]
+        assert "rank 3 (dp=1, tp=0, pp=1)" in msg, out
         assert not re.search(r"\brank \d+\b(?! \(dp=)", msg.split("[ranks of")[0]), msg
-    for rank in ("1", "2"):  # its pp and dp peers name it (rank 0 may see a knock-on)
-        assert "rank 3 (dp=1, tp=0, pp=1)" in failed[rank], out
     assert "train_gpt.py: rank 3 still running 5 s after rank" in out, out
     assert re.search(r"^train_gpt\.py: rank \d failed first: ", out, re.M), out
     assert not _segments_of(pids), _segments_of(pids)

@@ -302,8 +302,11 @@ class Trainer3D:
         try:
             return self._step()
         except (PyCollectivesError, PipelineError) as e:
+            # A pipeline error names pipeline ranks (unless tensor-parallel
+            # collectives inside a stage failed: then the aborted one decides).
+            axis = "pp" if isinstance(e, PipelineError) and self.dims.tp == 1 else None
             e.args = (f"step {self.step_index} on {self.dims.where()}: "
-                      f"{self.dims.in_world_terms(str(e))}",)  # fmt: skip
+                      f"{self.dims.in_world_terms(str(e), axis)}",)  # fmt: skip
             raise
 
     def _step(self) -> StepStats:
