@@ -128,7 +128,9 @@ class StepExecution:
                 )
             agree(rt.comm, f"pipeline iteration {self.it}", leak, timeout=rt.timeout)
         except KeyboardInterrupt:
-            stop_peers(rt.comm, rt.peers)
+            # Not the stop signal: a peer would report it as a failed step (or,
+            # waiting for an end mark, as a send/recv mismatch). The abort says why.
+            rt.comm.abort(f"rank {rt.comm.rank} was interrupted (SIGINT)")
             raise
         except Exception as e:
             raise self.fail(e) from e
