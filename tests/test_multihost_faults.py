@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import struct
 import threading
 import time
 
+import attacker
 import netns
 import pytest
 import torch
@@ -122,28 +122,39 @@ def test_host_killed_mid_all_reduce(fabric, tmp_path):
         assert when - killed < NET_TIMEOUT + SLACK, (r, when - killed, msg)
 
 
-def _hello(comm_id: bytes, frm: int, to: int) -> bytes:
-    # tcp_socket.h's Hello: magic, version, kind (2: data), comm id, from, to, stripe, world size
-    return struct.pack("=QII16siiii", 0x3170636F6C6C7970, 1, 2, comm_id, frm, to, 0, 2)
-
-
-def _address(comm: pc.Communicator, peer: int) -> tuple[str, int]:
-    """Rank peer's listening address (gathered through the communicator)."""
+def _address(
+    comm: pc.Communicator, peer: int, via: pc.Communicator | None = None
+) -> tuple[str, int]:
+    """The listening address for `comm` of rank `peer` of `via` (default:
+    comm itself, whose connections gathering them makes), gathered through via."""
+    via = via or comm
     mine = torch.zeros(64, dtype=torch.uint8)
     raw = comm.net_info()["address"].encode()
     mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    every = torch.empty(64 * comm.world_size, dtype=torch.uint8)
-    comm.all_gather(every, mine)
+    every = torch.empty(64 * via.world_size, dtype=torch.uint8)
+    via.all_gather(every, mine)
     text = bytes(every[64 * peer : 64 * (peer + 1)].tolist()).rstrip(b"\0").decode()
     host, port = text.rsplit(":", 1)
     return host.strip("[]"), int(port)
 
 
-def _intruders_then_mismatch(comm: pc.Communicator) -> dict:
+def _intruders_then_mismatch(comm: pc.Communicator, d: str) -> dict:
     r = comm.rank
-    peer_addr = _address(comm, 1)
-    if r == 0:  # from another host: garbage, a wrong communicator id, a silent connection
-        for payload in (b"GET / HTTP/1.0\r\n\r\n" * 4, _hello(os.urandom(16), 0, 1)):
+    if r == 1:  # through a file: a collective would make the connections rank 1 waits for
+        with open(f"{d}/addr1.tmp", "w") as f:
+            f.write(comm.net_info()["address"])
+        os.rename(f"{d}/addr1.tmp", f"{d}/addr1")
+    if r == 0:  # from another host: garbage, an old Hello, another communicator's id
+        while not os.path.exists(f"{d}/addr1"):
+            time.sleep(0.01)
+        with open(f"{d}/addr1") as f:
+            host, port = f.read().rsplit(":", 1)
+        peer_addr = (host.strip("[]"), int(port))
+        for payload in (
+            b"GET / HTTP/1.0\r\n\r\n" * 4,
+            attacker.hello_v1(os.urandom(16), 0, 1, world=3),
+            attacker.hello(os.urandom(16), 0, 1, world=3),
+        ):
             with socket.create_connection(peer_addr, timeout=5) as s:
                 s.sendall(payload)
                 s.settimeout(5)
@@ -182,10 +193,10 @@ def _intruders_then_mismatch(comm: pc.Communicator) -> dict:
     return {"rejected": rejected, "ok": ok, "mismatch": mismatch}
 
 
-def test_intruders_rejected_and_mismatch_named(fabric):
-    out = run_on_hosts(fabric, [0, 1, 1], _intruders_then_mismatch, timeout=90)
+def test_intruders_rejected_and_mismatch_named(fabric, tmp_path):
+    out = run_on_hosts(fabric, [0, 1, 1], _intruders_then_mismatch, str(tmp_path), timeout=90)
     print(out)
-    assert out[1]["rejected"] >= 2, out
+    assert out[1]["rejected"] >= 3, out
     assert all(o["ok"] for o in out), out
     for o in out:
         assert o["mismatch"].startswith("CollectiveMismatch"), o
