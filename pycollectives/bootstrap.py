@@ -188,8 +188,10 @@ class Bootstrap:
         """This rank's init failed with `exc`: its segment's name goes, and its
         error is published (the first rank's wins) unless it came from a peer.
         The rank serving the store keeps it up until every peer has seen the
-        error (they would have waited as long for the store), or has died, or
-        `wait_s` passed."""
+        published error or failed on its own (they would have waited as long
+        for the store), or has died, or `wait_s` passed. A store the caller
+        passed may be served by any rank: every rank waits so, for at most
+        10 s."""
         if self.segment is not None:
             from . import _C
 
@@ -198,12 +200,14 @@ class Bootstrap:
         with contextlib.suppress(Exception):  # the job's secret, if it is still there
             if self._store.check([f"{self._key}/authkey"]):
                 self.delete("authkey")
-        if getattr(exc, "_pycoll_from_peer", False):
-            return
-        value = f"{self.rank}\n{type(exc).__name__}\n{exc}"
-        with contextlib.suppress(Exception):
-            self._store.compare_set(f"{self._key}/error", "", value)
-        if self._server != self.rank:
+        if not getattr(exc, "_pycoll_from_peer", False):
+            value = f"{self.rank}\n{type(exc).__name__}\n{exc}"
+            with contextlib.suppress(Exception):
+                if self._store.compare_set(f"{self._key}/error", "", value) != value.encode():
+                    self._store.add(f"{self._key}/error-seen", 1)  # another's is published
+        if self._server is None:
+            wait_s = min(wait_s, 10.0)
+        elif self._server != self.rank:
             return
         deadline = time.monotonic() + wait_s
         with contextlib.suppress(Exception):

@@ -73,14 +73,23 @@ TcpListener::TcpListener(int rank, const SockAddr& addr, const NetKey& key, cons
 }
 
 TcpListener::~TcpListener() {
+  flush_log();
   for (auto& p : pending_)
     if (p) close_quietly(p->fd);
   close_quietly(fd_);
   wipe(key_.bytes, sizeof(key_.bytes));
 }
 
+void TcpListener::flush_log() {
+  if (log_held_ == 0) return;
+  std::fprintf(stderr, "pycollectives: rank %d: refused %llu more connections, not shown\n", rank_,
+               static_cast<unsigned long long>(log_held_));
+  log_held_ = 0;
+}
+
 void TcpListener::stop() {
   if (fd_ < 0) return;
+  flush_log();
   epoll_set(epoll_fd_, EPOLL_CTL_DEL, fd_, 0, 0);
   close_quietly(fd_);
   fd_ = -1;

@@ -15,7 +15,8 @@
 //   connections per wake, so the thread's other work goes on;
 // - every refusal, eviction and expiry is counted and logged to stderr, at
 //   most kLogBurst lines at once and one a second after that, each saying
-//   how many were left out since the last;
+//   how many were left out since the last (and a last line with those left
+//   out when it stops listening);
 // - once every connection this rank expects is in (TcpNet counts them), the
 //   socket stops listening: a finished set-up has no open port.
 #pragma once
@@ -77,6 +78,7 @@ class TcpListener {
   void refuse(size_t slot, Refusal status, const std::string& why);
   void evict_for(const std::string& source);
   void log(const std::string& from, const std::string& why);
+  void flush_log();  // the count of lines left out, if any
   void answer(Pending& p);
   void finish(size_t slot);
 

@@ -144,15 +144,14 @@ void TcpNet::dial(const std::vector<std::string>& addrs, Clock::time_point deadl
     const int fd =
         pyc::dial(addrs_[q], hello(ConnKind::kControl, q, 0), env_.key, env_.cfg, mon, &why);
     if (fd < 0) {
-      const char* hint = why.auth() ? ""
-                         : why.status != 0
-                             ? " (another communicator or job at that address?)"
+      std::ostringstream os;
+      os << "pycollectives: rank " << rank_ << ": init: could not connect to rank " << q << " at "
+         << addrs_[q].str() << " (interface " << iface_ << "): " << why.text();
+      if (why.auth()) throw Error(os.str());  // not a failure of the peer: an attack, or a setup
+      os << (why.status != 0 ? " (another communicator or job at that address?)"
                              : " (it died, or the address is not reachable from here: see "
-                               "PYCOLL_SOCKET_IFNAME)";
-      PYC_THROW(PeerFailure, "pycollectives: rank " << rank_ << ": init: could not connect to rank "
-                                                    << q << " at " << addrs_[q].str()
-                                                    << " (interface " << iface_
-                                                    << "): " << why.text() << hint);
+                               "PYCOLL_SOCKET_IFNAME)");
+      throw PeerFailure(os.str());
     }
     register_ctl(q, fd);
   }
