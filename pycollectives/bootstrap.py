@@ -3,9 +3,12 @@ a communicator, besides the segment's name: who they are (to tell a rank
 that died before it attached) and the error that stopped one of them (so
 every rank raises its cause at once, instead of waiting out the timeout).
 
-The store is trusted with availability only: whoever can write to it can
-make init fail, or hand the ranks the name of another segment, which the
-core refuses unless this user owns it (see docs/api.md, Security)."""
+What the store is trusted with (docs/api.md, "Security"): on one host, only
+to deliver (whoever writes to it can make init fail, or hand the ranks the
+name of another segment, which the core refuses unless this user owns it).
+Across hosts it also carries, by default, the job's secret for the TCP
+handshakes, from rank 0 to every rank: `take` deletes it once every rank has
+read it; PYCOLL_AUTH_KEY keeps it out of the store (auth.py)."""
 
 from __future__ import annotations
 
@@ -106,6 +109,23 @@ class Bootstrap:
             time.sleep(0.005)
         return self._store_call(self._store.get, f"{self._key}/{name}").decode()
 
+    def take(self, name: str, seconds: float, what: str) -> str:
+        """wait_for(name), for a value that must not outlive the set-up (the
+        job's secret): the last rank to read it deletes it from the store."""
+        value = self.wait_for(name, seconds, what)
+        if self._store_call(self._store.add, f"{self._key}/{name}-read", 1) == self.n:
+            self.delete(name)
+        return value
+
+    def delete(self, name: str) -> None:
+        """Removes `name` from the store (or, for a store that cannot delete a
+        key, overwrites its value)."""
+        key = f"{self._key}/{name}"
+        try:
+            self._store.delete_key(key)
+        except Exception:  # noqa: BLE001 - a store without delete_key (or a failed one)
+            self._store_call(self._store.set, key, "")
+
     def check(self) -> None:
         """Raises the error a rank published, or PeerFailure naming a rank that
         died; at most every 20 ms (the core calls it more often)."""
@@ -150,23 +170,44 @@ class Bootstrap:
             self.check()  # a rank that died after connecting: its peers find out in its place
             time.sleep(0.001)
 
+    def release(self, seconds: float) -> None:
+        """For a store the caller passed: waits (bounded, checking for errors
+        and dead peers) until every rank is done with it (finish), then lets
+        it go. The caller may have passed it inline, keeping no reference,
+        and this process may serve it: dropping it while a peer's last call
+        is on its way fails that peer's init (Communicator.close calls this)."""
+        done = f"{self._key}/connected"
+        deadline = time.monotonic() + seconds
+        with contextlib.suppress(Exception):
+            while self._store.add(done, 0) < self.n and time.monotonic() < deadline:
+                self.check()
+                time.sleep(0.002)
+        self._store = None
+
     def fail(self, exc: BaseException, wait_s: float) -> None:
         """This rank's init failed with `exc`: its segment's name goes, and its
         error is published (the first rank's wins) unless it came from a peer.
         The rank serving the store keeps it up until every peer has seen the
-        error (they would have waited as long for the store), or has died, or
-        `wait_s` passed."""
+        published error or failed on its own (they would have waited as long
+        for the store), or has died, or `wait_s` passed. A store the caller
+        passed may be served by any rank: every rank waits so, for at most
+        10 s."""
         if self.segment is not None:
             from . import _C
 
             with contextlib.suppress(Exception):
                 _C.unlink_segment(self.segment)
-        if getattr(exc, "_pycoll_from_peer", False):
-            return
-        value = f"{self.rank}\n{type(exc).__name__}\n{exc}"
-        with contextlib.suppress(Exception):
-            self._store.compare_set(f"{self._key}/error", "", value)
-        if self._server != self.rank:
+        with contextlib.suppress(Exception):  # the job's secret, if it is still there
+            if self._store.check([f"{self._key}/authkey"]):
+                self.delete("authkey")
+        if not getattr(exc, "_pycoll_from_peer", False):
+            value = f"{self.rank}\n{type(exc).__name__}\n{exc}"
+            with contextlib.suppress(Exception):
+                if self._store.compare_set(f"{self._key}/error", "", value) != value.encode():
+                    self._store.add(f"{self._key}/error-seen", 1)  # another's is published
+        if self._server is None:
+            wait_s = min(wait_s, 10.0)
+        elif self._server != self.rank:
             return
         deadline = time.monotonic() + wait_s
         with contextlib.suppress(Exception):

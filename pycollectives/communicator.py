@@ -81,6 +81,7 @@ class Communicator(PointToPoint):
         self._stager: Any = None  # made by the first staged operation
         # all_reduce_coalesced's window buckets, by (shapes and dtypes, cap): see bucketing.py
         self._coalesced_buckets: dict = {}
+        self._on_close: list[Any] = []  # run once by close() (rendezvous.py: the caller's store)
         _live.add(self)
 
     def _issue_from_any_thread(self) -> None:
@@ -418,8 +419,10 @@ class Communicator(PointToPoint):
 
     def net_info(self) -> dict[str, Any]:
         """Across hosts, this rank's TCP side: ``address`` ("ip:port" it
-        listens on), ``interface``, ``rejected`` (connections refused: bad
-        handshakes, another communicator's id), ``bytes_sent`` /
+        listens on), ``interface``, ``rejected`` (connections refused: failed
+        handshakes, evicted or expired pending ones), ``listening`` (whether
+        the port is still open: it closes once every expected connection is
+        in), ``control_buffer_peak`` (bytes), ``bytes_sent`` /
         ``bytes_received`` (payload to and from other hosts). Empty address
         and zeros on one host."""
         return dict(self._c.net_info())
@@ -431,6 +434,8 @@ class Communicator(PointToPoint):
         each pending operation that failed (its Work raises the error)."""
         failed = self._c.close()
         self._inflight.clear()
+        while self._on_close:
+            self._on_close.pop()()
         for msg in failed:
             warnings.warn(
                 f"pycollectives: rank {self.rank}: close(): a pending {msg}",

@@ -1,17 +1,20 @@
 """Bootstrap the torchrun way: a torch.distributed Store carries every rank's
 host id, the name of each host's shared-memory segment, across hosts the
-ranks' TCP addresses and the communicator's id, and (bootstrap.py) who the
-ranks are and the error that stopped one of them during set-up; no data goes
-through it."""
+ranks' TCP addresses, the communicator's id and (unless PYCOLL_AUTH_KEY is
+set: auth.py) the job's secret for the TCP handshakes until every rank has
+read it, and (bootstrap.py) who the ranks are and the error that stopped one
+of them during set-up; no data goes through it."""
 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 from typing import Any
 
 from . import _C
+from .auth import ENV_FILE, ENV_KEY, STORE_BYTES, job_secret
 from .bootstrap import Bootstrap
 from .communicator import Communicator, Timeout, to_seconds
 
@@ -130,15 +133,22 @@ def init(
     boot = Bootstrap(store, f"{prefix}/{generation}", rank, world_size, 0 if serving else None)
     try:
         _bind(rank, world_size)
-        core = _connect(boot, rank, world_size, seconds)
+        secret = job_secret(rank)  # checked on every rank, even on one host
+        core = _connect(boot, rank, world_size, seconds, secret)
         boot.finish(seconds)
     except BaseException as e:
         boot.fail(e, seconds)
         raise
-    # Every rank is done with the store (finish): its server, if this
-    # process's, can go, freeing MASTER_PORT for the caller.
+    comm = Communicator(core)
+    if not own_store:
+        # The caller's store may be served by this process and held nowhere
+        # else (passed inline): it stays alive until every rank is done with
+        # it, at close() (pc.init's own store: finish() waited already).
+        comm._on_close.append(functools.partial(boot.release, min(seconds, 60.0)))
+    # Every rank is done with pc.init's own store (finish): its server, if
+    # this process's, can go, freeing MASTER_PORT for the caller.
     del boot, store
-    return Communicator(core)
+    return comm
 
 
 def _hint() -> str:
@@ -148,7 +158,9 @@ def _hint() -> str:
     return os.environ.get("MASTER_ADDR", "")
 
 
-def _connect(boot: Bootstrap, rank: int, world_size: int, seconds: float) -> Any:
+def _connect(
+    boot: Bootstrap, rank: int, world_size: int, seconds: float, secret: bytes | None
+) -> Any:
     """Creates (rank 0) or opens the segment and connects the core communicator.
 
     Every rank first publishes its host id: ranks with equal ids share a host
@@ -164,7 +176,7 @@ def _connect(boot: Bootstrap, rank: int, world_size: int, seconds: float) -> Any
         for r in range(world_size)
     ]
     if len(set(ids)) > 1:
-        return _connect_hosts(boot, rank, world_size, seconds, ids)
+        return _connect_hosts(boot, rank, world_size, seconds, ids, secret)
     if rank == 0:
         name = _C.unique_segment_name()
         boot.segment = name
@@ -177,15 +189,39 @@ def _connect(boot: Bootstrap, rank: int, world_size: int, seconds: float) -> Any
     return core
 
 
+def _hex(boot: Bootstrap, name: str, nbytes: int, seconds: float, what: str, take: bool) -> bytes:
+    """The `nbytes` bytes that store key `name` holds in hexadecimal (taken:
+    deleted once every rank read it); raises ValueError naming the key."""
+    text = (boot.take if take else boot.wait_for)(name, seconds, what)
+    try:
+        value = bytes.fromhex(text)
+    except ValueError:
+        value = b""
+    if len(value) != nbytes:
+        raise ValueError(
+            f"pycollectives: rank {boot.rank}: init: the store's {boot._key}/{name} is not "
+            f"{nbytes} bytes in hexadecimal"
+        )
+    return value
+
+
 def _connect_hosts(
-    boot: Bootstrap, rank: int, world_size: int, seconds: float, ids: list[str]
+    boot: Bootstrap,
+    rank: int,
+    world_size: int,
+    seconds: float,
+    ids: list[str],
+    secret: bytes | None,
 ) -> Any:
     """The ranks span hosts: each host's first rank makes its segment (its
     name published as that rank 0 does on one host); rank 0 publishes its
     settings (PYCOLL_SLOT_BYTES, PYCOLL_NSLOTS, PYCOLL_ONESHOT_BYTES,
-    PYCOLL_ALGO, resolved), which bind every host, and the communicator's
-    128-bit random id, which every TCP handshake must carry; every rank
-    listens, publishes its address and connects to the other hosts."""
+    PYCOLL_ALGO, resolved), which bind every host, the communicator's 128-bit
+    random id, which every TCP handshake carries, whether the job's secret is
+    PYCOLL_AUTH_KEY's and, if not, 32 random bytes for it (deleted once every
+    rank read them); every rank listens, publishes its address and connects
+    to the other hosts, each connection proving the secret (tcp_auth.h).
+    Raises ValueError where rank 0 and this rank disagree on PYCOLL_AUTH_KEY."""
     first: dict[str, int] = {}
     for i in ids:
         first.setdefault(i, len(first))
@@ -194,18 +230,29 @@ def _connect_hosts(
     creator = hosts.index(me) == rank
     if rank == 0:
         boot.set("config", ",".join(str(v) for v in _C.resolved_config(world_size)))
+        boot.set("auth", "env" if secret is not None else "store")
+        if secret is None:
+            boot.set("authkey", os.urandom(STORE_BYTES).hex())
         boot.set("commid", os.urandom(16).hex())
     config = tuple(int(v) for v in boot.wait_for("config", seconds, "rank 0's settings").split(","))
-    comm_id = bytes.fromhex(boot.wait_for("commid", seconds, "rank 0's communicator id"))
+    mode = boot.wait_for("auth", seconds, "rank 0's choice of secret")
+    if (mode == "env") != (secret is not None):
+        raise ValueError(
+            f"pycollectives: rank {rank}: init: {ENV_KEY} (or {ENV_FILE}) is set on "
+            f"{'rank 0 but not on this rank' if mode == 'env' else 'this rank but not on rank 0'}:"
+            " set it on every rank or on none"
+        )
+    if secret is None:
+        secret = _hex(boot, "authkey", STORE_BYTES, seconds, "rank 0's secret", take=True)
+    comm_id = _hex(boot, "commid", 16, seconds, "rank 0's communicator id", take=False)
     if creator:
         name = boot.segment = _C.unique_segment_name()
         boot.set(f"segment/{me}", name)
     else:
         what = f"the first rank of host {me} did not publish its segment's name"
         name = boot.segment = boot.wait_for(f"segment/{me}", seconds, what)
-    core = _C.Communicator(
-        rank, world_size, name, creator, seconds, boot.check, hosts, comm_id, _hint(), config
-    )
+    args = (hosts, comm_id, _hint(), config, secret)
+    core = _C.Communicator(rank, world_size, name, creator, seconds, boot.check, *args)
     boot.set(f"addr/{rank}", core.net_address)
     addrs = [
         boot.wait_for(f"addr/{r}", seconds, f"rank {r} did not publish its address")

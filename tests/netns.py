@@ -88,6 +88,10 @@ class Fabric:
             _ip("-n", ns, "addr", "add", f"{addr(h, True)}/64", "dev", "eth0", "nodad")
             _ip("-n", ns, "link", "set", "eth0", "up")
 
+    def add_address(self, h: int, ip: str) -> None:
+        """Gives host h's eth0 one more IPv4 address (on the fabric's /24)."""
+        _ip("-n", self.hosts[h], "addr", "add", f"{ip}/24", "dev", "eth0")
+
     def link(self, h: int, up: bool) -> None:
         """Cuts (up=False) or restores host h's link to the switch."""
         _ip("-n", self.switch, "link", "set", f"p{h}", "up" if up else "down")

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import struct
 import threading
 import time
 
+import attacker
 import netns
 import pytest
 import torch
@@ -90,6 +90,56 @@ def test_link_down_mid_all_reduce(fabric, tmp_path):
         assert when - cut[0] < NET_TIMEOUT + SLACK, (r, when - cut[0], msg)
 
 
+IDLE_TIMEOUT = 5  # PYCOLL_NET_TIMEOUT of the idle link cut: the review's setting
+
+
+def _idle_when_cut(comm: pc.Communicator, marker: str) -> tuple[float, str, str]:
+    """Rank 0 waits in an all-reduce with nothing of its own in flight (rank
+    1 is late) while the link is cut: only keepalive probes can find it out."""
+    x = torch.ones(1000)
+    comm.all_reduce(x)
+    comm.barrier()
+    if comm.rank == 0:
+        open(f"{marker}.0", "w").close()
+    else:
+        time.sleep(2.0)  # the link is cut meanwhile
+    try:
+        comm.all_reduce(x, timeout=60)
+    except pc.PyCollectivesError as e:
+        return time.time(), type(e).__name__, str(e)
+    return time.time(), "none", "no error"
+
+
+def test_an_idle_link_cut_is_reported_within_the_net_timeout(fabric, tmp_path):
+    """A rank waiting on a link cut raises within PYCOLL_NET_TIMEOUT seconds,
+    its connections idle (the sockets' deadlines end a second short of it:
+    tcp_socket.h's net_deadlines). Before, keepalive probes t/2 after the last
+    bytes and 2 s apart, closing once t had passed, took up to t + 1 s
+    (5.67 s for t = 5 in the review)."""
+    marker = str(tmp_path / "idle")
+    cut: list[float] = []
+
+    def cut_link():
+        cut.append(time.time())
+        fabric.link(1, False)
+
+    env = {"PYCOLL_NET_TIMEOUT": str(IDLE_TIMEOUT)}
+    try:
+        results = _run_while(
+            lambda: run_on_hosts(fabric, [0, 1], _idle_when_cut, marker, env=env, timeout=90),
+            [f"{marker}.0"],
+            cut_link,
+        )
+    finally:
+        fabric.link(1, True)
+    for r, (when, kind, msg) in enumerate(results):
+        print(f"idle link cut: rank {r} raised {kind} after {when - cut[0]:.2f} s: {msg}")
+    # Rank 1 may finish: rank 0's data reached it before the cut. Rank 0 waits.
+    when, kind, msg = results[0]
+    assert kind == "PeerFailure" and "rank 1 is unreachable" in msg, (kind, msg)
+    assert when - cut[0] < IDLE_TIMEOUT, (when - cut[0], msg)
+
+
 def _killed_host(comm: pc.Communicator, marker: str) -> tuple[float, str, str]:
     if comm.hosts[comm.rank] == 1:
         x = torch.ones(BIG)
@@ -122,28 +172,39 @@ def test_host_killed_mid_all_reduce(fabric, tmp_path):
         assert when - killed < NET_TIMEOUT + SLACK, (r, when - killed, msg)
 
 
-def _hello(comm_id: bytes, frm: int, to: int) -> bytes:
-    # tcp_socket.h's Hello: magic, version, kind (2: data), comm id, from, to, stripe, world size
-    return struct.pack("=QII16siiii", 0x3170636F6C6C7970, 1, 2, comm_id, frm, to, 0, 2)
-
-
-def _address(comm: pc.Communicator, peer: int) -> tuple[str, int]:
-    """Rank peer's listening address (gathered through the communicator)."""
+def _address(
+    comm: pc.Communicator, peer: int, via: pc.Communicator | None = None
+) -> tuple[str, int]:
+    """The listening address for `comm` of rank `peer` of `via` (default:
+    comm itself, whose connections gathering them makes), gathered through via."""
+    via = via or comm
     mine = torch.zeros(64, dtype=torch.uint8)
     raw = comm.net_info()["address"].encode()
     mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    every = torch.empty(64 * comm.world_size, dtype=torch.uint8)
-    comm.all_gather(every, mine)
+    every = torch.empty(64 * via.world_size, dtype=torch.uint8)
+    via.all_gather(every, mine)
     text = bytes(every[64 * peer : 64 * (peer + 1)].tolist()).rstrip(b"\0").decode()
     host, port = text.rsplit(":", 1)
     return host.strip("[]"), int(port)
 
 
-def _intruders_then_mismatch(comm: pc.Communicator) -> dict:
+def _intruders_then_mismatch(comm: pc.Communicator, d: str) -> dict:
     r = comm.rank
-    peer_addr = _address(comm, 1)
-    if r == 0:  # from another host: garbage, a wrong communicator id, a silent connection
-        for payload in (b"GET / HTTP/1.0\r\n\r\n" * 4, _hello(os.urandom(16), 0, 1)):
+    if r == 1:  # through a file: a collective would make the connections rank 1 waits for
+        with open(f"{d}/addr1.tmp", "w") as f:
+            f.write(comm.net_info()["address"])
+        os.rename(f"{d}/addr1.tmp", f"{d}/addr1")
+    if r == 0:  # from another host: garbage, an old Hello, another communicator's id
+        while not os.path.exists(f"{d}/addr1"):
+            time.sleep(0.01)
+        with open(f"{d}/addr1") as f:
+            host, port = f.read().rsplit(":", 1)
+        peer_addr = (host.strip("[]"), int(port))
+        for payload in (
+            b"GET / HTTP/1.0\r\n\r\n" * 4,
+            attacker.hello_v1(os.urandom(16), 0, 1, world=3),
+            attacker.hello(os.urandom(16), 0, 1, world=3),
+        ):
             with socket.create_connection(peer_addr, timeout=5) as s:
                 s.sendall(payload)
                 s.settimeout(5)
@@ -182,10 +243,10 @@ def _intruders_then_mismatch(comm: pc.Communicator) -> dict:
     return {"rejected": rejected, "ok": ok, "mismatch": mismatch}
 
 
-def test_intruders_rejected_and_mismatch_named(fabric):
-    out = run_on_hosts(fabric, [0, 1, 1], _intruders_then_mismatch, timeout=90)
+def test_intruders_rejected_and_mismatch_named(fabric, tmp_path):
+    out = run_on_hosts(fabric, [0, 1, 1], _intruders_then_mismatch, str(tmp_path), timeout=90)
     print(out)
-    assert out[1]["rejected"] >= 2, out
+    assert out[1]["rejected"] >= 3, out
     assert all(o["ok"] for o in out), out
     for o in out:
         assert o["mismatch"].startswith("CollectiveMismatch"), o
@@ -212,3 +273,46 @@ def test_slow_peer_on_another_host_is_named(fabric):
     print(out)
     assert out[0].startswith("CollectiveTimeout") and "rank 2" in out[0], out
     assert all(o != "none" for o in out), out
+
+
+def _stopped_rank_of_another_host(comm: pc.Communicator, d: str) -> str:
+    """Rank 2 stops rank 3 (its host's other rank; SIGSTOP) once every rank
+    is past a barrier; the others all-reduce with a 2 s timeout."""
+    x = torch.ones(10)
+    comm.all_reduce(x)
+    with open(f"{d}/pid{comm.rank}", "w") as f:
+        f.write(str(os.getpid()))
+    comm.barrier()
+    time.sleep(0.5)  # every rank has left the barrier
+    if comm.rank == 2:
+        with open(f"{d}/pid3") as f:
+            victim = int(f.read())
+        os.kill(victim, signal.SIGSTOP)
+    if comm.rank == 3:
+        time.sleep(1.0)  # stopped in here, before the all-reduce
+    try:
+        comm.all_reduce(x, timeout=2.0)
+        msg = "none"
+    except pc.PyCollectivesError as e:
+        msg = str(e)
+    if comm.rank == 2:
+        time.sleep(3.0)  # every rank's question about host 1 is over
+        os.kill(victim, signal.SIGCONT)
+    return msg
+
+
+def test_a_stopped_rank_of_another_host_is_named_and_no_live_rank_blamed(fabric, tmp_path):
+    """Ranks 0, 1 on host 0; 2, 3 on host 1; rank 3 stopped. Rank 1 speaks to
+    host 1 through rank 3 (its control peer), so its question at the timeout
+    goes unanswered: its verdict names rank 3 as not answering and rank 2 as
+    not heard from. (It said 'ranks whose hosts did not answer: [2, 3]',
+    rank 2 being alive and waiting in the operation.)"""
+    out = run_on_hosts(fabric, [0, 0, 1, 1], _stopped_rank_of_another_host, str(tmp_path),
+                       timeout=90)  # fmt: skip
+    print(out)
+    own = [m for m in out if m.startswith("pycollectives: rank 1:")]
+    assert own, out  # rank 1 timed out itself (it may also raise rank 0's error)
+    msg = own[0]
+    assert "Timed out" in msg and "for rank 3 (on another host: it did not answer" in msg, msg
+    assert "that did not answer (stopped or stuck): [3]" in msg, msg
+    assert "ranks not heard from (their host's link to this rank did not answer): [2]" in msg, msg

@@ -21,6 +21,7 @@
 #include "comm/topology.h"
 #include "core/cpu_probe.h"
 #include "core/error.h"
+#include "core/sha256.h"
 #include "reduce/reduce.h"
 #include "transport/ptracer.h"
 
@@ -154,6 +155,22 @@ PYBIND11_MODULE(_C, m) {
                               static_cast<uint32_t>(c.algo));
       },
       py::arg("world_size"));
+  m.def(
+      "sha256",
+      [](const py::bytes& data) {
+        const std::string d = data;
+        const Digest h = sha256(d.data(), d.size());
+        return py::bytes(reinterpret_cast<const char*>(h.data()), h.size());
+      },
+      py::arg("data"), "SHA-256 of `data` (the core's own, used by the TCP handshakes).");
+  m.def(
+      "hmac_sha256",
+      [](const py::bytes& key, const py::bytes& data) {
+        const std::string k = key, d = data;
+        const Digest h = hmac_sha256(k.data(), k.size(), d.data(), d.size());
+        return py::bytes(reinterpret_cast<const char*>(h.data()), h.size());
+      },
+      py::arg("key"), py::arg("data"), "HMAC-SHA256 (the core's own, used by the TCP handshakes).");
   m.def("unlink_segment", &ShmSegment::unlink_name, py::arg("name"),
         "Removes a segment's name from /dev/shm (ENOENT: already gone).");
   m.def(
@@ -208,7 +225,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<C, std::shared_ptr<C>>(m, "Communicator")
       .def(py::init([](int rank, int n, const std::string& name, bool creator, double timeout,
                        const py::object& check, const py::object& hosts, const py::bytes& comm_id,
-                       const std::string& hint, const py::object& config) {
+                       const std::string& hint, const py::object& config, const py::bytes& secret) {
              const CommConfig cfg = CommConfig::from_env();
              std::unique_ptr<HostSetup> setup;
              if (!hosts.is_none()) {  // ranks on several hosts (rendezvous.py)
@@ -221,6 +238,12 @@ PYBIND11_MODULE(_C, m) {
                if (id.size() != sizeof(setup->comm_id))
                  throw py::value_error("pycollectives: init: comm_id must be 16 bytes");
                std::memcpy(setup->comm_id, id.data(), id.size());
+               std::string key = secret;  // the job's (rendezvous.py): never empty
+               if (key.size() < 16)
+                 throw py::value_error(
+                     "pycollectives: init: the job's secret must be 16 bytes or more");
+               setup->key = derive_key(key.data(), key.size(), setup->comm_id);
+               wipe(key.data(), key.size());
                setup->hint = hint;
                const auto [slot, nslots, oneshot, algo] =
                    config.cast<std::tuple<size_t, uint32_t, size_t, uint32_t>>();
@@ -238,7 +261,8 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("name"), py::arg("creator"),
            py::arg("timeout"), py::arg("check") = py::none(), py::arg("hosts") = py::none(),
-           py::arg("comm_id") = py::bytes(), py::arg("hint") = "", py::arg("config") = py::none())
+           py::arg("comm_id") = py::bytes(), py::arg("hint") = "", py::arg("config") = py::none(),
+           py::arg("secret") = py::bytes())
       .def(
           "connect",
           [](C& c, const py::object& check, const std::vector<std::string>& addrs) {
@@ -255,6 +279,8 @@ PYBIND11_MODULE(_C, m) {
              d["address"] = c.net_address();
              d["interface"] = c.net_interface();
              d["rejected"] = c.net_rejected();
+             d["listening"] = c.net_listening();
+             d["control_buffer_peak"] = c.net_control_buffer_peak();
              const auto [sent, recvd] = c.net_bytes();
              d["bytes_sent"] = sent;
              d["bytes_received"] = recvd;

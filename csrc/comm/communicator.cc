@@ -195,7 +195,7 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
                                              interrupt_hook_);
   if (hosts != nullptr) {
     net_hint_ = hosts->hint;
-    net_ = std::make_unique<TcpNet>(topo_, NetConfig::from_env(), hosts->comm_id,
+    net_ = std::make_unique<TcpNet>(topo_, NetConfig::from_env(), hosts->comm_id, hosts->key,
                                     layout_.slot_bytes, layout_.nslots, *this, hosts->hint);
     for (int p = 0; p < n; ++p)
       if (!topo_.same_host(p)) {

@@ -61,11 +61,13 @@ struct CommConfig {
 
 // What a communicator whose ranks span hosts is made with (rendezvous.py):
 // where every rank is, the communicator's id (which every TCP handshake
-// carries), the store's address (the default interface is the one that
-// reaches it), and rank 0's settings, which bind every host's segment.
+// carries) and key (which every handshake proves: tcp_auth.h), the store's
+// address (the default interface is the one that reaches it), and rank 0's
+// settings, which bind every host's segment.
 struct HostSetup {
   Topology topo;
   uint8_t comm_id[16] = {};
+  NetKey key;
   std::string hint;
   size_t slot_bytes = 0, oneshot_bytes = 0;
   uint32_t nslots = 0;
@@ -140,8 +142,10 @@ class Communicator final : public Links, public NetHost {
   // This rank's listening address ("ip:port") and its interface, across hosts.
   std::string net_address() const { return net_ ? net_->address() : ""; }
   std::string net_interface() const { return net_ ? net_->interface() : ""; }
-  // Connections refused by this rank's listener (bad handshakes).
+  // Connections refused by this rank's listener (bad handshakes, evicted, expired).
   uint64_t net_rejected() const { return net_ ? net_->rejected() : 0; }
+  bool net_listening() const { return net_ && net_->listening(); }
+  size_t net_control_buffer_peak() const { return net_ ? net_->control_buffer_peak() : 0; }
   // Payload bytes sent to and received from other hosts.
   std::pair<uint64_t, uint64_t> net_bytes() const {
     return net_ ? net_->bytes() : std::pair<uint64_t, uint64_t>{0, 0};
@@ -232,6 +236,9 @@ class Communicator final : public Links, public NetHost {
   // Across hosts: asks the other hosts where their ranks are (for a
   // timeout's verdict and close()'s), bounded by `wait`.
   void refresh_remote(std::chrono::milliseconds wait);
+  // Why rank p of another host was not heard from in the last refresh (its
+  // own silence, or its host's link's), for a timeout's verdict.
+  std::string silent_note(int p);
   // Whether ctl(r) says where rank r is: this host's, or its host answered.
   bool heard(int r) const {
     return topo_.same_host(r) || ctls_[r]->attached.load(std::memory_order_acquire) != 0;

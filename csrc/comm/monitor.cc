@@ -124,7 +124,7 @@ int OpMonitor::culprit(std::string* why) const {
     }
     seen[p] = true;
     if (!c_.heard(p)) {
-      *why = " (on another host, which did not answer)";
+      *why = c_.silent_note(p);
       return p;
     }
     const RankCtl* ctl = c_.ctl(p);
@@ -161,21 +161,27 @@ void OpMonitor::timed_out() {
   if (collective_) {
     os << "; ranks that have not reached this operation: [";
     const char* sep = "";
-    std::vector<int> silent;
+    // Another host's ranks this rank did not hear from: the one it asked
+    // (silent: stopped or stuck), and the others of its host (unknown: only
+    // that one speaks for them to this rank).
+    std::vector<int> silent, unknown;
     for (int p = 0; p < c_.n_; ++p) {
       if (!c_.heard(p)) {
-        silent.push_back(p);
+        (c_.net_->silent_link(p) == p ? silent : unknown).push_back(p);
       } else if (!reached(c_.ctl(p)->started.value.load(), seq_)) {
         os << sep << p;
         sep = ", ";
       }
     }
     os << "]";
-    if (!silent.empty()) {
-      os << "; ranks whose hosts did not answer: [";
-      for (size_t i = 0; i < silent.size(); ++i) os << (i ? ", " : "") << silent[i];
+    auto list = [&](const char* what, const std::vector<int>& ranks) {
+      if (ranks.empty()) return;
+      os << "; " << what << ": [";
+      for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
       os << "]";
-    }
+    };
+    list("ranks of other hosts that did not answer (stopped or stuck)", silent);
+    list("ranks not heard from (their host's link to this rank did not answer)", unknown);
   }
   c_.set_abort(AbortKind::kTimeout, os.str());
   throw TimeoutError(os.str());

@@ -352,12 +352,27 @@ std::vector<CtlStatusEntry> Communicator::host_status() {
 void Communicator::peer_status(const CtlStatusEntry& e) {
   const int64_t now =
       std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+  // idle_ns comes from another host: clamped to [0, a day] (a longer idle
+  // reads the same), so that the subtraction cannot overflow.
+  constexpr int64_t kMaxIdleNs = int64_t{86400} * 1000000000;
+  const int64_t idle = std::min(std::max(e.idle_ns, int64_t{0}), kMaxIdleNs);
   RankCtl* m = mirrors_[e.rank].get();
   m->started.value.store(e.started, std::memory_order_relaxed);
   m->done.store(e.done, std::memory_order_relaxed);
   m->waiting.store(e.waiting, std::memory_order_relaxed);
-  m->beat_ns.store(now - e.idle_ns, std::memory_order_relaxed);
+  m->beat_ns.store(now - idle, std::memory_order_relaxed);
   m->attached.store(1, std::memory_order_release);  // heard from
+}
+
+std::string Communicator::silent_note(int p) {
+  const int link = net_ ? net_->silent_link(p) : -2;
+  if (link == p)
+    return " (on another host: it did not answer this rank's question over TCP though its "
+           "connection is up: stopped, or its process stuck)";
+  if (link >= 0)
+    return " (on another host: not heard from, as rank " + std::to_string(link) +
+           ", this rank's link to its host, did not answer)";
+  return " (on another host: not heard from, this rank's connection to its host being gone)";
 }
 
 void Communicator::refresh_remote(std::chrono::milliseconds wait) {

@@ -16,8 +16,6 @@
 // hosts (shared memory within each host, TCP between them, the same
 // hierarchical collectives), its handshakes carrying its own id; the
 // addresses go through the parent, not the bootstrap store.
-#include <sys/random.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -28,6 +26,7 @@
 #include "algo/algorithms.h"
 #include "comm/communicator.h"
 #include "core/error.h"
+#include "core/sha256.h"
 
 namespace pyc {
 namespace {
@@ -84,15 +83,6 @@ std::exception_ptr attempt(std::vector<char>& rec, const std::string& where, Mak
   } catch (...) {
     put_error(rec, std::current_exception());
     return std::current_exception();
-  }
-}
-
-void random_id(uint8_t out[16]) {
-  for (size_t got = 0; got < 16;) {
-    const ssize_t k = getrandom(out + got, 16 - got, 0);
-    if (k < 0 && errno == EINTR) continue;
-    PYC_SYSCHECK(k);
-    got += static_cast<size_t>(k);
   }
 }
 
@@ -161,7 +151,7 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, double tim
     err = attempt(mine, me, [&] {
       Intent in{};
       if (spans && new_rank == 0) {
-        random_id(in.comm_id);
+        random_bytes(in.comm_id, sizeof(in.comm_id));
         const CommConfig c = CommConfig::from_env().resolved(new_n);
         in.slot_bytes = c.slot_bytes;
         in.nslots = c.nslots;
@@ -181,6 +171,9 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, double tim
       std::memcpy(&in, &all[kRecord * leader + kIntentAt], sizeof(in));
       setup.topo = Topology::from_hosts(new_rank, host_of);
       std::memcpy(setup.comm_id, in.comm_id, sizeof(in.comm_id));
+      // Its key, from this one's (whose connections carried the id): the
+      // child's handshakes prove the parent's key too.
+      setup.key = derive_key(net_->key().bytes, sizeof(net_->key().bytes), in.comm_id);
       setup.hint = net_hint_;
       setup.slot_bytes = in.slot_bytes;
       setup.nslots = static_cast<uint32_t>(in.nslots);

@@ -106,34 +106,6 @@ void net_wait(FunctionRef<bool()> try_op, FunctionRef<int()> fd, short events, W
   }
 }
 
-int handshake(int fd, const Hello& hello, HelloAck* ack, WaitMonitor& mon, int spin_us) {
-  int err = 0;
-  pollfd p{fd, POLLOUT, 0};
-  net_wait([&] { return ::poll(&p, 1, 0) > 0; }, [&] { return fd; }, POLLOUT, mon, spin_us);
-  if ((err = socket_error(fd)) != 0) return err;
-  size_t sent = 0, got = 0;
-  net_wait(
-      [&] {
-        const ssize_t n =
-            send_some(fd, reinterpret_cast<const char*>(&hello) + sent, sizeof(hello) - sent);
-        if (n < 0) err = static_cast<int>(-n);
-        sent += n > 0 ? n : 0;
-        return err != 0 || sent == sizeof(hello);
-      },
-      [&] { return fd; }, POLLOUT, mon, spin_us);
-  if (err != 0) return err;
-  net_wait(
-      [&] {
-        const ssize_t n = recv_some(fd, reinterpret_cast<char*>(ack) + got, sizeof(*ack) - got);
-        if (n == kEof) err = -1;
-        if (n < 0 && n != kEof) err = static_cast<int>(-n);
-        got += n > 0 ? n : 0;
-        return err != 0 || got == sizeof(*ack);
-      },
-      [&] { return fd; }, POLLIN, mon, spin_us);
-  return err;
-}
-
 // ---- sending ----
 
 TcpSendConn::TcpSendConn(const TcpLinkEnv& env, TcpNet& net, PeerNet& state, int peer,
@@ -179,12 +151,6 @@ void TcpSendConn::connect(WaitMonitor& mon) {
   queue_.assign(env_.cfg.nsocks, {});
   for (uint32_t i = 0; i < env_.nslots; ++i) free_.push_back(static_cast<int>(env_.nslots - 1 - i));
   for (int s = 0; s < env_.cfg.nsocks; ++s) {
-    const int fd = tcp_connect_start(addr_, env_.cfg);
-    if (fd < 0) fail(-fd, mon, "a connection");
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      fds_.push_back(fd);
-    }
     Hello h{};
     h.magic = kNetMagic;
     h.version = kNetVersion;
@@ -194,17 +160,28 @@ void TcpSendConn::connect(WaitMonitor& mon) {
     h.to = peer_;
     h.stripe = s;
     h.world_size = env_.world_size;
-    HelloAck ack{};
-    const int err = handshake(fd, h, &ack, mon, env_.cfg.spin_us);
-    if (err != 0) fail(err, mon, "a connection");
-    if (ack.magic != kNetMagic || std::memcmp(ack.comm_id, env_.comm_id, 16) != 0 ||
-        ack.rank != peer_ || ack.status != 0)
-      PYC_THROW(Error, "pycollectives: rank "
-                           << env_.rank << ": rank " << peer_ << " at " << addr_.str()
-                           << " refused a data connection (status " << ack.status
-                           << "; not this communicator's rank " << peer_ << "?)");
+    DialFailure why;
+    const int fd = dial(addr_, h, env_.key, env_.cfg, mon, &why);
+    if (fd < 0) refused(why, mon);
+    std::lock_guard<std::mutex> lk(mu_);
+    fds_.push_back(fd);
   }
   connected_ = true;
+}
+
+void TcpSendConn::refused(const DialFailure& why, WaitMonitor& mon) {
+  // A peer whose death its control connection reported is named as dead;
+  // any other failure is the connection's, named as such: the peer may well
+  // be alive (a flooded listener, an impostor at its address).
+  mon.peer_failed(peer_);  // throws, naming the operation, once the peer's state shows
+  std::ostringstream os;
+  os << "pycollectives: rank " << env_.rank << ": a data connection to rank " << peer_
+     << " was refused by rank " << peer_ << " at " << addr_.str() << ": " << why.text();
+  if (why.auth()) throw Error(os.str());
+  if (why.err == ECONNREFUSED)
+    os << " (nothing listens there: it closed its communicator, or this address is not its: see "
+          "PYCOLL_SOCKET_IFNAME)";
+  throw PeerFailure(os.str());
 }
 
 void* TcpSendConn::acquire(WaitMonitor& mon) {

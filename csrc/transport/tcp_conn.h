@@ -14,7 +14,8 @@
 // The connection of a direction is made by the sender when it first sends
 // (PYCOLL_SOCKET_NSOCKS sockets, frames striped over them in turn), and
 // accepted by the receiver's network thread, which hands it to the receiving
-// side here once its handshake named this communicator and this pair.
+// side here once its handshake (tcp_auth.h) proved the peer holds the
+// communicator's key and named this communicator, this pair and the stripe.
 #pragma once
 
 #include <atomic>
@@ -28,6 +29,7 @@
 
 #include "core/function_ref.h"
 #include "transport/conn.h"
+#include "transport/tcp_auth.h"
 #include "transport/tcp_socket.h"
 
 namespace pyc {
@@ -54,6 +56,7 @@ struct PeerNet {
 struct TcpLinkEnv {
   int rank = 0, world_size = 0;
   uint8_t comm_id[16] = {};
+  NetKey key;  // the communicator's: every handshake proves it (tcp_auth.h)
   NetConfig cfg;
   size_t slot_bytes = 0;
   uint32_t nslots = 0;
@@ -93,6 +96,7 @@ class TcpSendConn final : public SendConn {
   void connect(WaitMonitor& mon);
   int push_locked();
   [[noreturn]] void fail(int err, WaitMonitor& mon, const char* what);
+  [[noreturn]] void refused(const DialFailure& why, WaitMonitor& mon);
 
   const TcpLinkEnv& env_;
   TcpNet& net_;
@@ -153,11 +157,6 @@ class TcpRecvConn final : public RecvConn {
 // time, running the monitor's checks, which throw to end the wait.
 void net_wait(FunctionRef<bool()> try_op, FunctionRef<int()> fd, short events, WaitMonitor& mon,
               int spin_us);
-
-// The connecting side of a handshake on socket fd (connecting): waits for the
-// connection, sends `hello` and reads the answer into *ack. Returns 0, or the
-// errno that failed the socket (-1: it closed before answering).
-int handshake(int fd, const Hello& hello, HelloAck* ack, WaitMonitor& mon, int spin_us);
 
 // Whether errno `err` on a connection means the peer cannot be reached (a cut
 // link, a dead host) rather than that its process went away.

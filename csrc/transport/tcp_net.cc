@@ -21,22 +21,6 @@ namespace {
 enum Tag : uint64_t { kListen = 1, kWake, kPending, kControl, kDataOut };
 uint64_t tag(Tag t, size_t i) { return static_cast<uint64_t>(t) << 32 | i; }
 
-constexpr auto kHandshakeTime = std::chrono::seconds(10);
-constexpr size_t kMaxPending = 256;
-
-void close_quietly(int fd) {
-  if (fd >= 0) (void)::close(fd);  // a socket we drop: nothing to do if close fails
-}
-
-void epoll_set(int ep, int op, int fd, uint32_t events, uint64_t data) {
-  epoll_event ev{};
-  ev.events = events;
-  ev.data.u64 = data;
-  if (epoll_ctl(ep, op, fd, &ev) != 0 &&
-      !(op == EPOLL_CTL_DEL && (errno == ENOENT || errno == EBADF)))
-    detail::throw_sys(__FILE__, __LINE__, "epoll_ctl", errno);
-}
-
 // Sends what it can without blocking: bytes sent (0 on EAGAIN), or -1 on error.
 ssize_t send_nb(int fd, const char* p, size_t n) {
   for (;;) {
@@ -81,35 +65,29 @@ struct TcpNet::Ctl {
   std::string in;    // bytes of frames not yet whole (the thread's)
 };
 
-struct TcpNet::Pending {
-  int fd = -1;
-  std::string from;  // the peer's address, for the log
-  Hello hello{};
-  size_t got = 0;
-  Clock::time_point deadline;
-};
-
 TcpNet::TcpNet(const Topology& topo, const NetConfig& cfg, const uint8_t comm_id[16],
-               size_t slot_bytes, uint32_t nslots, NetHost& host, const std::string& hint)
+               const NetKey& key, size_t slot_bytes, uint32_t nslots, NetHost& host,
+               const std::string& hint)
     : topo_(topo), rank_(topo.rank()), host_(host) {
   env_.rank = rank_;
   env_.world_size = topo.size();
   std::memcpy(env_.comm_id, comm_id, 16);
+  env_.key = key;
   env_.cfg = cfg;
   env_.slot_bytes = slot_bytes;
   env_.nslots = nslots;
   try {
-    listen_addr_ = choose_address(hint, &iface_);
-    listen_fd_ = tcp_listen(listen_addr_);
-    address_ = local_address(listen_fd_).str();
+    const SockAddr where = choose_address(hint, &iface_);
     epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
     PYC_SYSCHECK(epoll_fd_);
     wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     PYC_SYSCHECK(wake_fd_);
-    epoll_set(epoll_fd_, EPOLL_CTL_ADD, listen_fd_, EPOLLIN, tag(kListen, 0));
     epoll_set(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, EPOLLIN, tag(kWake, 0));
+    listener_ = std::make_unique<TcpListener>(rank_, where, key, cfg, epoll_fd_, tag(kListen, 0),
+                                              tag(kPending, 0), *this);
+    address_ = listener_->address().str();
   } catch (...) {
-    close_quietly(listen_fd_);
+    listener_.reset();
     close_quietly(epoll_fd_);
     close_quietly(wake_fd_);
     throw;
@@ -121,11 +99,30 @@ TcpNet::TcpNet(const Topology& topo, const NetConfig& cfg, const uint8_t comm_id
   recv_.resize(n);
   ctl_.resize(n);
   xpeers_ = topo.xpeers(rank_);
+  // What this rank accepts: a control connection from each lower control
+  // peer, every stripe of a data connection from every rank of another host.
+  for (int q : xpeers_) expected_in_ += q < rank_ ? 1 : 0;
+  for (int p = 0; p < n; ++p) expected_in_ += topo.same_host(p) ? 0 : cfg.nsocks;
+  asked_.assign(topo.nhosts(), -2);
+  answered_.assign(topo.nhosts(), false);
 }
 
 TcpNet::~TcpNet() { close(); }
 
 std::string TcpNet::host_note(int p) const { return "ranks on its host: " + topo_.host_ranks(p); }
+
+Hello TcpNet::hello(ConnKind kind, int to, int stripe) const {
+  Hello h{};
+  h.magic = kNetMagic;
+  h.version = kNetVersion;
+  h.kind = static_cast<uint32_t>(kind);
+  std::memcpy(h.comm_id, env_.comm_id, 16);
+  h.from = rank_;
+  h.to = to;
+  h.stripe = stripe;
+  h.world_size = topo_.size();
+  return h;
+}
 
 void TcpNet::dial(const std::vector<std::string>& addrs, Clock::time_point deadline,
                   FunctionRef<void()> check) {
@@ -143,36 +140,18 @@ void TcpNet::dial(const std::vector<std::string>& addrs, Clock::time_point deadl
   for (int q : xpeers_) {
     if (q < rank_) continue;  // the lower rank connects
     mon.peer = q;
-    const int fd = tcp_connect_start(addrs_[q], env_.cfg);
-    int err = fd < 0 ? -fd : 0;
-    HelloAck ack{};
-    if (err == 0) {
-      Hello h{};
-      h.magic = kNetMagic;
-      h.version = kNetVersion;
-      h.kind = static_cast<uint32_t>(ConnKind::kControl);
-      std::memcpy(h.comm_id, env_.comm_id, 16);
-      h.from = rank_;
-      h.to = q;
-      h.world_size = n;
-      try {
-        err = handshake(fd, h, &ack, mon, env_.cfg.spin_us);
-      } catch (...) {
-        close_quietly(fd);
-        throw;
-      }
-    }
-    if (err != 0 || ack.status != 0 || ack.rank != q ||
-        std::memcmp(ack.comm_id, env_.comm_id, 16) != 0) {
-      close_quietly(fd);
-      PYC_THROW(PeerFailure, "pycollectives: rank "
-                                 << rank_ << ": init: could not connect to rank " << q << " at "
-                                 << addrs_[q].str() << " (interface " << iface_ << "): "
-                                 << (err == -1  ? "it closed the connection"
-                                     : err != 0 ? std::strerror(err)
-                                                : "it refused the handshake")
-                                 << " (it died, or the address is not reachable from here: see "
-                                    "PYCOLL_SOCKET_IFNAME)");
+    DialFailure why;
+    const int fd =
+        pyc::dial(addrs_[q], hello(ConnKind::kControl, q, 0), env_.key, env_.cfg, mon, &why);
+    if (fd < 0) {
+      std::ostringstream os;
+      os << "pycollectives: rank " << rank_ << ": init: could not connect to rank " << q << " at "
+         << addrs_[q].str() << " (interface " << iface_ << "): " << why.text();
+      if (why.auth()) throw Error(os.str());  // not a failure of the peer: an attack, or a setup
+      os << (why.status != 0 ? " (another communicator or job at that address?)"
+                             : " (it died, or the address is not reachable from here: see "
+                               "PYCOLL_SOCKET_IFNAME)");
+      throw PeerFailure(os.str());
     }
     register_ctl(q, fd);
   }
@@ -227,7 +206,7 @@ void TcpNet::loop() {
         const auto idx = static_cast<size_t>(evs[i].data.u64 & 0xffffffffu);
         switch (t) {
           case kListen:
-            on_accept();
+            listener_->on_accept();
             break;
           case kWake: {
             uint64_t v;
@@ -237,7 +216,7 @@ void TcpNet::loop() {
             break;
           }
           case kPending:
-            on_pending(idx);
+            listener_->on_pending(idx);
             break;
           case kControl:
             on_control(static_cast<int>(idx), evs[i].events);
@@ -247,7 +226,11 @@ void TcpNet::loop() {
             break;
         }
       }
-      expire_pending();
+      listener_->expire();
+      if (adopted_in_ == expected_in_ && listener_->listening()) {
+        listener_->stop();  // every expected connection is in: no open port
+        listening_.store(false);
+      }
     }
   } catch (const std::exception& e) {
     // Nothing can be raised from this thread: every peer becomes unreachable
@@ -259,135 +242,58 @@ void TcpNet::loop() {
   }
 }
 
-void TcpNet::on_accept() {
-  for (;;) {
-    sockaddr_storage ss{};
-    socklen_t len = sizeof(ss);
-    const int fd =
-        accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-        std::fprintf(stderr, "pycollectives: rank %d: accept: %s\n", rank_, std::strerror(errno));
-        return;
-      }
-      detail::throw_sys(__FILE__, __LINE__, "accept4", errno);
-    }
-    SockAddr from;
-    std::memcpy(&from.ss, &ss, len);
-    from.len = len;
-    size_t slot = 0;
-    while (slot < pending_.size() && pending_[slot]) ++slot;
-    if (slot == kMaxPending) {  // a flood: refuse without reading
-      rejected_.fetch_add(1);
-      close_quietly(fd);
-      continue;
-    }
-    try {
-      tune_socket(fd, env_.cfg);
-    } catch (const std::exception&) {
-      close_quietly(fd);
-      continue;
-    }
-    auto p = std::make_unique<Pending>();
-    p->fd = fd;
-    p->from = from.str();
-    p->deadline = Clock::now() + kHandshakeTime;
-    if (slot == pending_.size()) pending_.emplace_back();
-    epoll_set(epoll_fd_, EPOLL_CTL_ADD, fd, EPOLLIN, tag(kPending, slot));
-    pending_[slot] = std::move(p);
-  }
-}
-
-void TcpNet::reject(Pending& p, const std::string& why) {
-  HelloAck nack{};
-  nack.magic = kNetMagic;
-  nack.rank = rank_;
-  nack.status = 1;
-  (void)send_nb(p.fd, reinterpret_cast<const char*>(&nack), sizeof(nack));  // best effort
-  epoll_set(epoll_fd_, EPOLL_CTL_DEL, p.fd, 0, 0);
-  close_quietly(p.fd);
-  p.fd = -1;
-  rejected_.fetch_add(1);
-  std::fprintf(stderr, "pycollectives: rank %d: refused a connection from %s: %s\n", rank_,
-               p.from.c_str(), why.c_str());
-}
-
-void TcpNet::on_pending(size_t i) {
-  if (i >= pending_.size() || !pending_[i]) return;
-  Pending& p = *pending_[i];
-  auto done = [&] { pending_[i].reset(); };
-  char* dst = reinterpret_cast<char*>(&p.hello);
-  for (;;) {
-    const ssize_t r = ::recv(p.fd, dst + p.got, sizeof(Hello) - p.got, MSG_DONTWAIT);
-    if (r > 0) {
-      p.got += static_cast<size_t>(r);
-      if (p.got >= sizeof(uint64_t) && p.hello.magic != kNetMagic) {
-        reject(p, "not the pycollectives protocol");
-        return done();
-      }
-      if (p.got == sizeof(Hello)) break;
-      continue;
-    }
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-    reject(p, "it closed before its handshake was complete");
-    return done();
-  }
-  const Hello& h = p.hello;
+Refusal TcpNet::vet(const Hello& h, std::string* why) {
   const int n = topo_.size();
-  std::ostringstream why;
   const auto kind = static_cast<ConnKind>(h.kind);
-  if (h.version != kNetVersion)
-    why << "protocol version " << h.version << ", this rank speaks " << kNetVersion;
-  else if (std::memcmp(h.comm_id, env_.comm_id, 16) != 0)
-    why << "it carries another communicator's id";
-  else if (h.to != rank_ || h.world_size != n)
-    why << "it is meant for rank " << h.to << " of " << h.world_size << ", this is rank " << rank_
-        << " of " << n;
-  else if (h.from < 0 || h.from >= n || topo_.same_host(h.from))
-    why << "it claims to come from rank " << h.from << ", which is not a rank of another host";
-  else if (kind == ConnKind::kControl &&
-           std::find(xpeers_.begin(), xpeers_.end(), h.from) == xpeers_.end())
-    why << "rank " << h.from << " is not a control peer of this rank";
-  else if (kind != ConnKind::kControl && kind != ConnKind::kData)
-    why << "unknown connection kind " << h.kind;
-  if (why.str().empty() && kind == ConnKind::kControl) {
-    std::lock_guard<std::mutex> lk(ctl_mu_);
-    if (ctl_[h.from]) why << "rank " << h.from << " has a control connection already";
+  std::ostringstream os;
+  Refusal r = Refusal::kNone;
+  if (!equal_ct(h.comm_id, env_.comm_id, 16)) {
+    r = Refusal::kOtherComm;
+    os << "it carries another communicator's id";
+  } else if (h.to != rank_ || h.world_size != n) {
+    r = Refusal::kNotForMe;
+    os << "it is meant for rank " << h.to << " of " << h.world_size << ", this is rank " << rank_
+       << " of " << n;
+  } else if (h.from < 0 || h.from >= n || topo_.same_host(h.from)) {
+    r = Refusal::kNotExpected;
+    os << "it claims to come from rank " << h.from << ", which is not a rank of another host";
+  } else if (kind != ConnKind::kControl && kind != ConnKind::kData) {
+    r = Refusal::kNotExpected;
+    os << "unknown connection kind " << h.kind;
+  } else if (kind == ConnKind::kControl &&
+             (h.from > rank_ ||
+              std::find(xpeers_.begin(), xpeers_.end(), h.from) == xpeers_.end())) {
+    r = Refusal::kNotExpected;
+    os << "rank " << h.from << " does not open a control connection to this rank";
+  } else if (kind == ConnKind::kData && (h.stripe < 0 || h.stripe >= env_.cfg.nsocks)) {
+    r = Refusal::kNotExpected;
+    os << "stripe " << h.stripe << " is out of range (PYCOLL_SOCKET_NSOCKS=" << env_.cfg.nsocks
+       << " here)";
   }
-  if (!why.str().empty()) {
-    reject(p, why.str());
-    return done();
-  }
-  HelloAck ack{};
-  ack.magic = kNetMagic;
-  std::memcpy(ack.comm_id, env_.comm_id, 16);
-  ack.rank = rank_;
-  epoll_set(epoll_fd_, EPOLL_CTL_DEL, p.fd, 0, 0);
-  // Registered before the answer goes: the peer sends data only after it.
-  if (kind == ConnKind::kData && !(recv_[h.from] && recv_[h.from]->adopt(h.stripe, p.fd))) {
-    reject(p, "a data connection for this stripe exists already, or the stripe is out of range");
-    return done();
-  }
-  if (send_nb(p.fd, reinterpret_cast<const char*>(&ack), sizeof(ack)) != sizeof(ack) &&
-      kind == ConnKind::kControl) {
-    reject(p, "the answer to its handshake could not be sent");
-    return done();
-  }
-  if (kind == ConnKind::kControl) register_ctl(h.from, p.fd);
-  p.fd = -1;
-  done();
+  *why = os.str();
+  return r;
 }
 
-void TcpNet::expire_pending() {
-  const auto now = Clock::now();
-  for (auto& p : pending_)
-    if (p && now > p->deadline) {
-      reject(*p, "no complete handshake within 10 s");
-      p.reset();
-    }
+Refusal TcpNet::adopt(const Hello& h, int fd, std::string* why) {
+  const bool control = h.kind == static_cast<uint32_t>(ConnKind::kControl);
+  const std::string what =
+      (control ? "the control connection" : "data connection " + std::to_string(h.stripe)) +
+      " from rank " + std::to_string(h.from);
+  bool fresh;
+  if (control) {
+    std::lock_guard<std::mutex> lk(ctl_mu_);
+    fresh = ctl_[h.from] == nullptr;
+  } else {
+    fresh = recv_[h.from] && recv_[h.from]->adopt(h.stripe, fd);
+  }
+  if (!fresh) {
+    *why = "it passed the handshake, but " + what +
+           " is connected already: a second one is never adopted";
+    return Refusal::kDuplicate;
+  }
+  if (control) register_ctl(h.from, fd);
+  ++adopted_in_;
+  return Refusal::kNone;
 }
 
 void TcpNet::on_control(int peer, uint32_t events) {
@@ -399,32 +305,44 @@ void TcpNet::on_control(int peer, uint32_t events) {
   if (c == nullptr || c->fd < 0) return;
   if (events & EPOLLOUT) flush_ctl(*c);
   if (!(events & (EPOLLIN | EPOLLERR | EPOLLHUP))) return;
+  // Frames are parsed as they arrive, and no more is read than completes the
+  // largest frame, so the buffer never holds more than that however fast the
+  // peer sends; a header past the limit fails the connection at once.
+  constexpr size_t kCap = sizeof(NetCtlHeader) + kMaxCtlBody;
+  auto parse = [&] {  // false: a malformed header
+    size_t off = 0;
+    bool ok = true;
+    while (c->in.size() - off >= sizeof(NetCtlHeader)) {
+      NetCtlHeader h;
+      std::memcpy(&h, c->in.data() + off, sizeof(h));
+      if (h.bytes > kMaxCtlBody) {
+        ok = false;
+        break;
+      }
+      if (c->in.size() - off < sizeof(h) + h.bytes) break;
+      handle_frame(peer, h.type, c->in.data() + off + sizeof(h), h.bytes);
+      off += sizeof(h) + h.bytes;
+    }
+    c->in.erase(0, off);
+    return ok;
+  };
   char buf[16384];
-  for (;;) {
-    const ssize_t r = ::recv(c->fd, buf, sizeof(buf), MSG_DONTWAIT);
+  for (int reads = 0; reads < 64; ++reads) {  // then the thread's other work (epoll comes back)
+    const size_t room = std::min(sizeof(buf), kCap - c->in.size());
+    const ssize_t r = ::recv(c->fd, buf, room, MSG_DONTWAIT);
     if (r > 0) {
       c->in.append(buf, static_cast<size_t>(r));
+      if (c->in.size() > ctl_in_peak_.load(std::memory_order_relaxed))
+        ctl_in_peak_.store(c->in.size(), std::memory_order_relaxed);
+      if (!parse()) return control_failed(peer, EPROTO);
       continue;
     }
     if (r < 0 && errno == EINTR) continue;
-    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
     // Frames that came before the end still count (a goodbye, an error).
-    while (c->in.size() >= sizeof(NetCtlHeader)) {
-      NetCtlHeader h;
-      std::memcpy(&h, c->in.data(), sizeof(h));
-      if (h.bytes > kMaxCtlBody || c->in.size() < sizeof(h) + h.bytes) break;
-      handle_frame(peer, h.type, c->in.data() + sizeof(h), h.bytes);
-      c->in.erase(0, sizeof(h) + h.bytes);
-    }
-    return control_failed(peer, r == 0 ? -1 : errno);
-  }
-  while (c->in.size() >= sizeof(NetCtlHeader)) {
-    NetCtlHeader h;
-    std::memcpy(&h, c->in.data(), sizeof(h));
-    if (h.bytes > kMaxCtlBody) return control_failed(peer, EPROTO);
-    if (c->in.size() < sizeof(h) + h.bytes) break;
-    handle_frame(peer, h.type, c->in.data() + sizeof(h), h.bytes);
-    c->in.erase(0, sizeof(h) + h.bytes);
+    const int err = r == 0 ? -1 : errno;
+    (void)parse();
+    return control_failed(peer, err);
   }
 }
 
@@ -453,13 +371,18 @@ void TcpNet::handle_frame(int peer, uint32_t type, const char* body, uint32_t by
       if (bytes < sizeof(CtlQuery)) return;
       CtlQuery q;
       std::memcpy(&q, body, sizeof(q));
-      if (q.id != query_id_.load()) return;  // an earlier question's late answer
+      const int h = topo_.host(peer);
+      std::lock_guard<std::mutex> lk(query_mu_);
+      // Only the answer to the latest question, from the rank it asked, once.
+      if (q.id != query_id_.load() || asked_[h] != peer || answered_[h]) return;
       for (size_t off = sizeof(q); off + sizeof(CtlStatusEntry) <= bytes;
            off += sizeof(CtlStatusEntry)) {
         CtlStatusEntry e;
         std::memcpy(&e, body + off, sizeof(e));
-        if (e.rank >= 0 && e.rank < topo_.size() && !topo_.same_host(e.rank)) host_.peer_status(e);
+        // Only its own host's ranks: it speaks for no other.
+        if (e.rank >= 0 && e.rank < topo_.size() && topo_.host(e.rank) == h) host_.peer_status(e);
       }
+      answered_[h] = true;
       answers_.fetch_add(1);
       return;
     }
@@ -590,20 +513,31 @@ void TcpNet::send_abort(int kind, int from, const std::string& msg, int except) 
 }
 
 void TcpNet::query_status(Clock::time_point deadline) {
-  const CtlQuery q{query_id_.fetch_add(1) + 1};
-  answers_.store(0);
-  std::vector<int> asked_hosts;
   int asked = 0;
-  for (int p : xpeers_) {
-    const int h = topo_.host(p);
-    if (std::find(asked_hosts.begin(), asked_hosts.end(), h) != asked_hosts.end()) continue;
-    if (peers_[p]->state.load() != static_cast<int>(PeerState::kAlive)) continue;
-    asked_hosts.push_back(h);
-    send_ctl(p, static_cast<uint32_t>(CtlType::kQuery), &q, sizeof(q));
-    ++asked;
+  {
+    std::lock_guard<std::mutex> lk(query_mu_);
+    const CtlQuery q{query_id_.fetch_add(1) + 1};
+    answers_.store(0);
+    std::fill(asked_.begin(), asked_.end(), -2);
+    std::fill(answered_.begin(), answered_.end(), false);
+    for (int p : xpeers_) {  // one control peer per host (its first alive one)
+      const int h = topo_.host(p);
+      if (asked_[h] >= 0 || peers_[p]->state.load() != static_cast<int>(PeerState::kAlive))
+        continue;
+      asked_[h] = p;
+      send_ctl(p, static_cast<uint32_t>(CtlType::kQuery), &q, sizeof(q));
+      ++asked;
+    }
   }
   while (answers_.load() < asked && Clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+int TcpNet::silent_link(int p) {
+  if (topo_.same_host(p)) return -1;
+  std::lock_guard<std::mutex> lk(query_mu_);
+  const int h = topo_.host(p);
+  return answered_[h] ? -1 : asked_[h];
 }
 
 void TcpNet::close() {
@@ -646,13 +580,11 @@ void TcpNet::close() {
       close_quietly(c->fd);
       c->fd = -1;
     }
-  for (auto& p : pending_)
-    if (p) close_quietly(p->fd);
-  pending_.clear();
-  close_quietly(listen_fd_);
+  listener_.reset();  // its socket and the pending handshakes
+  listening_.store(false);
   close_quietly(epoll_fd_);
   close_quietly(wake_fd_);
-  listen_fd_ = epoll_fd_ = wake_fd_ = -1;
+  epoll_fd_ = wake_fd_ = -1;
 }
 
 }  // namespace pyc

@@ -1,9 +1,11 @@
 // The TCP side of a communicator whose ranks span hosts: its listening socket,
 // its connections to the ranks of other hosts and its network thread.
 //
-// Every rank listens on one address (published through the bootstrap store).
-// Two kinds of connection reach it, each opened with a handshake that names
-// the communicator (its 128-bit random id), the two ranks and the kind:
+// Every rank listens on one address (published through the bootstrap store,
+// or for split through the parent; tcp_listener.h). Two kinds of connection
+// reach it, each opened with a handshake (tcp_auth.h) that proves both sides
+// hold the communicator's key and names the communicator, the two ranks, the
+// kind and the stripe:
 // - a control connection with each of its cross-host peers (Topology::xpeers:
 //   one rank on every other host), made at connect() by the lower rank. The
 //   network thread reads them: the errors a rank reports (so that every host
@@ -13,8 +15,10 @@
 //   PYCOLL_NET_TIMEOUT;
 // - data connections, one direction each (tcp_conn.h), made by the sender the
 //   first time an algorithm sends to that peer.
-// A connection whose first bytes are not a valid handshake for this rank of
-// this communicator is closed and logged; nothing else changes.
+// A connection whose handshake fails (not the protocol, another communicator
+// or rank, a proof that does not verify, one connected already, too slow) is
+// closed, counted and logged; nothing else changes. Once every connection
+// this rank expects is in, it stops listening.
 #pragma once
 
 #include <atomic>
@@ -29,6 +33,7 @@
 #include "core/clock.h"
 #include "core/function_ref.h"
 #include "transport/tcp_conn.h"
+#include "transport/tcp_listener.h"
 
 namespace pyc {
 
@@ -45,12 +50,13 @@ class NetHost {
   virtual void peer_status(const CtlStatusEntry& e) = 0;
 };
 
-class TcpNet {
+class TcpNet final : public ListenerHost {
  public:
   // Listens at once (the address goes to the store before the peers connect).
-  // `hint`: the store's address (MASTER_ADDR), for the choice of interface.
-  TcpNet(const Topology& topo, const NetConfig& cfg, const uint8_t comm_id[16], size_t slot_bytes,
-         uint32_t nslots, NetHost& host, const std::string& hint);
+  // `key`: the communicator's (tcp_auth.h). `hint`: the store's address
+  // (MASTER_ADDR), for the choice of interface.
+  TcpNet(const Topology& topo, const NetConfig& cfg, const uint8_t comm_id[16], const NetKey& key,
+         size_t slot_bytes, uint32_t nslots, NetHost& host, const std::string& hint);
   ~TcpNet();
   TcpNet(const TcpNet&) = delete;
   TcpNet& operator=(const TcpNet&) = delete;
@@ -80,8 +86,18 @@ class TcpNet {
   void query_status(Clock::time_point deadline);
   // A data connection has frames queued: the thread writes them as it can.
   void want_write(int peer);
-  // Connections refused so far (handshakes that failed).
-  uint64_t rejected() const { return rejected_.load(); }
+  // Connections refused so far (handshakes that failed, evicted or expired).
+  uint64_t rejected() const { return listener_->refused(); }
+  // Whether the port still listens (until every expected connection is in).
+  bool listening() const { return listening_.load(); }
+  // The largest a control connection's buffer of unparsed bytes has been.
+  size_t control_buffer_peak() const { return ctl_in_peak_.load(); }
+  // The communicator's key (split derives its children's from it).
+  const NetKey& key() const { return env_.key; }
+  // After query_status: -1 if rank p's host answered (or p is of this
+  // host); else the rank of p's host that was asked and did not answer, or
+  // -2 if none could be asked (its connection gone).
+  int silent_link(int p);
   // Payload bytes sent to and received from other hosts so far.
   std::pair<uint64_t, uint64_t> bytes() const;
   // Writes what is queued (bounded), says goodbye to the control peers,
@@ -90,12 +106,12 @@ class TcpNet {
   void close();
 
  private:
-  struct Ctl;      // a control connection
-  struct Pending;  // an accepted connection before its handshake
+  struct Ctl;  // a control connection
+  // ListenerHost
+  Refusal vet(const Hello& h, std::string* why) override;
+  Refusal adopt(const Hello& h, int fd, std::string* why) override;
+  Hello hello(ConnKind kind, int to, int stripe) const;
   void loop();
-  void on_accept();
-  void on_pending(size_t i);
-  void reject(Pending& p, const std::string& why);
   void on_control(int peer, uint32_t events);
   void handle_frame(int peer, uint32_t type, const char* body, uint32_t bytes);
   void send_ctl(int peer, uint32_t type, const void* body, uint32_t bytes,
@@ -106,31 +122,34 @@ class TcpNet {
   void push_pending_writes();
   void on_data_out(int peer);
   void wake();
-  void expire_pending();
   std::string host_note(int p) const;
 
   Topology topo_;
   int rank_;
   TcpLinkEnv env_;
   NetHost& host_;
-  SockAddr listen_addr_;
   std::string address_, iface_;
-  int listen_fd_ = -1, epoll_fd_ = -1, wake_fd_ = -1;
+  int epoll_fd_ = -1, wake_fd_ = -1;
+  std::unique_ptr<TcpListener> listener_;  // the thread's (after the constructor)
+  int expected_in_ = 0, adopted_in_ = 0;   // connections this rank accepts: all, so far
+  std::atomic<bool> listening_{true};
   std::vector<SockAddr> addrs_;
   std::vector<std::unique_ptr<PeerNet>> peers_;
   std::vector<std::unique_ptr<TcpSendConn>> send_;
   std::vector<std::unique_ptr<TcpRecvConn>> recv_;
   std::vector<int> xpeers_;
-  std::mutex ctl_mu_;                              // ctl_'s entries (made by dial() and the thread)
-  std::vector<std::unique_ptr<Ctl>> ctl_;          // by rank; null for non-control peers
-  std::vector<std::unique_ptr<Pending>> pending_;  // the thread's only
+  std::mutex ctl_mu_;                      // ctl_'s entries (made by dial() and the thread)
+  std::vector<std::unique_ptr<Ctl>> ctl_;  // by rank; null for non-control peers
   std::mutex write_mu_;
   std::vector<int> want_write_;  // peers whose data connections have frames queued
   std::atomic<bool> stop_{false};
   std::atomic<bool> closed_{false};
-  std::atomic<uint64_t> rejected_{0};
+  std::atomic<size_t> ctl_in_peak_{0};
   std::atomic<uint64_t> query_id_{0};
   std::atomic<int> answers_{0};
+  std::mutex query_mu_;
+  std::vector<int> asked_;      // by host: the rank the last query asked (-2: none)
+  std::vector<bool> answered_;  // by host: whether it answered
   std::mutex fatal_mu_;
   std::string fatal_;  // the thread failed: every peer is unreachable from here
   std::thread thread_;

@@ -8,8 +8,10 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sys/epoll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -21,11 +23,6 @@
 
 namespace pyc {
 namespace {
-
-// A close that cannot throw (cleanup on an error path).
-void close_quietly(int fd) {
-  if (fd >= 0) (void)::close(fd);
-}
 
 std::string env_str(const char* name) {
   const char* v = std::getenv(name);
@@ -277,21 +274,30 @@ void tune_socket(int fd, const NetConfig& cfg) {
   PYC_SYSCHECK(fcntl(fd, F_SETFL, flags | O_NONBLOCK));
   setopt(fd, IPPROTO_TCP, TCP_NODELAY, 1, "setsockopt(TCP_NODELAY)");
   // A host that dies or a link that goes down answers nothing: keepalive
-  // probes find an idle connection dead after idle + intvl * cnt, and
-  // TCP_USER_TIMEOUT one whose data stays unacknowledged that long.
-  const int t = static_cast<int>(std::lround(cfg.timeout_s));
-  const int idle = std::max(1, t / 2), intvl = std::max(1, (t - idle + 1) / 2);
+  // probes find an idle connection dead, and TCP_USER_TIMEOUT one whose data
+  // stays unacknowledged, within net_deadlines' time.
+  const NetDeadlines d = net_deadlines(cfg.timeout_s);
   setopt(fd, SOL_SOCKET, SO_KEEPALIVE, 1, "setsockopt(SO_KEEPALIVE)");
-  setopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, idle, "setsockopt(TCP_KEEPIDLE)");
-  setopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, intvl, "setsockopt(TCP_KEEPINTVL)");
-  setopt(fd, IPPROTO_TCP, TCP_KEEPCNT, 2, "setsockopt(TCP_KEEPCNT)");
-  setopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, static_cast<int>(cfg.timeout_s * 1000),
-         "setsockopt(TCP_USER_TIMEOUT)");
+  setopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, d.idle_s, "setsockopt(TCP_KEEPIDLE)");
+  setopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, d.intvl_s, "setsockopt(TCP_KEEPINTVL)");
+  setopt(fd, IPPROTO_TCP, TCP_KEEPCNT, 10, "setsockopt(TCP_KEEPCNT)");  // the user timeout rules
+  setopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, d.user_ms, "setsockopt(TCP_USER_TIMEOUT)");
   if (cfg.sock_buf > 0) {
     const int b = static_cast<int>(std::min<size_t>(cfg.sock_buf, 1 << 30));
     setopt(fd, SOL_SOCKET, SO_SNDBUF, b, "setsockopt(SO_SNDBUF)");
     setopt(fd, SOL_SOCKET, SO_RCVBUF, b, "setsockopt(SO_RCVBUF)");
   }
+}
+
+NetDeadlines net_deadlines(double timeout_s) {
+  // Whole seconds (keepalive's unit) of the budget: a second short of the timeout.
+  const int b = std::max(1, static_cast<int>(std::floor(timeout_s - 1)));
+  NetDeadlines d;
+  d.user_ms = timeout_s >= 3 ? b * 1000 : std::max(500, static_cast<int>((timeout_s - 1) * 1000));
+  // Probes at idle, then idle + intvl = b: the second finds the user timeout past.
+  d.idle_s = std::max(1, (b + 1) / 2);
+  d.intvl_s = std::max(1, b - d.idle_s);
+  return d;
 }
 
 int tcp_connect_start(const SockAddr& a, const NetConfig& cfg) {
@@ -317,6 +323,19 @@ int socket_error(int fd) {
   socklen_t len = sizeof(err);
   PYC_SYSCHECK(getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len));
   return err;
+}
+
+void epoll_set(int ep, int op, int fd, uint32_t events, uint64_t data) {
+  epoll_event ev{};
+  ev.events = events;
+  ev.data.u64 = data;
+  if (epoll_ctl(ep, op, fd, &ev) != 0 &&
+      !(op == EPOLL_CTL_DEL && (errno == ENOENT || errno == EBADF)))
+    detail::throw_sys(__FILE__, __LINE__, "epoll_ctl", errno);
+}
+
+void close_quietly(int fd) {
+  if (fd >= 0) (void)::close(fd);  // a socket we drop: nothing to do if close fails
 }
 
 }  // namespace pyc

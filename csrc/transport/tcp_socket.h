@@ -46,45 +46,37 @@ struct SockAddr {
 // loopback, else loopback. Port 0. *iface gets the interface's name.
 SockAddr choose_address(const std::string& hint, std::string* iface);
 
+// How long a silent peer has before its socket fails, for PYCOLL_NET_TIMEOUT
+// = t seconds: TCP_USER_TIMEOUT (data unacknowledged that long, or keepalive
+// probes unanswered) user_ms; keepalive probes idle_s after the last bytes
+// received, then every intvl_s, so that the probe that finds the time up is
+// sent by then. t >= 3: user_ms = (t - 1) s and idle_s + intvl_s <= t - 1,
+// which leaves a second for the ranks to hear of it and raise, within t.
+// Below 3 s, keepalive's resolution (a second) makes it about 2 s.
+struct NetDeadlines {
+  int user_ms, idle_s, intvl_s;
+};
+NetDeadlines net_deadlines(double timeout_s);
 // A non-blocking listening socket bound to `a` (port 0: any); returns its fd.
 int tcp_listen(const SockAddr& a);
 // The address a socket is bound to.
 SockAddr local_address(int fd);
 // TCP_NODELAY, keepalive probes and TCP_USER_TIMEOUT from cfg.timeout_s (a
-// dead host or a cut link then fails the socket within about that long), and
-// the buffer sizes if set. Non-blocking, close-on-exec.
+// dead host or a cut link then fails the socket within it: net_deadlines),
+// and the buffer sizes if set. Non-blocking, close-on-exec.
 void tune_socket(int fd, const NetConfig& cfg);
 // Starts a non-blocking connect to `a`; returns the fd (connection in
 // progress), or -errno where the kernel refused at once (no route).
 int tcp_connect_start(const SockAddr& a, const NetConfig& cfg);
 // The pending error of a socket (SO_ERROR), 0 if none.
 int socket_error(int fd);
+// epoll_ctl, raising on failure (but a removal of a socket already gone).
+void epoll_set(int ep, int op, int fd, uint32_t events, uint64_t data);
+// close() of a socket being dropped, whose failure changes nothing.
+void close_quietly(int fd);
 
-// ---- wire formats (native byte order: hosts of one job share an architecture,
-// which the magic's byte order checks) ----
-
-constexpr uint64_t kNetMagic = 0x3170636f6c6c7970ull;  // "pycollp1" little-endian
-constexpr uint32_t kNetVersion = 1;
-enum class ConnKind : uint32_t { kControl = 1, kData = 2 };
-
-// The first bytes of every connection, from the side that connected.
-struct Hello {
-  uint64_t magic;
-  uint32_t version;
-  uint32_t kind;  // ConnKind
-  uint8_t comm_id[16];
-  int32_t from;    // the connecting rank
-  int32_t to;      // the rank it means to reach
-  int32_t stripe;  // data: which of the PYCOLL_SOCKET_NSOCKS sockets
-  int32_t world_size;
-};
-// The answer of the side that accepted: status 0 when taken.
-struct HelloAck {
-  uint64_t magic;
-  uint8_t comm_id[16];
-  int32_t rank;
-  int32_t status;
-};
+// ---- wire formats of the frames (native byte order: hosts of one job share
+// an architecture; the handshakes that open the connections: tcp_auth.h) ----
 
 // A data frame: one slot of the SendConn/RecvConn interface.
 struct DataHeader {
