@@ -10,8 +10,8 @@ pycollectives (strategies/parallel3d/).
     torchrun --nproc-per-node 8 examples/train_gpt.py --dp 2 --tp 2 --pp 2
 
 Under torchrun each process is one rank; otherwise the script starts
-dp x tp x pp local ranks itself. Rank 0 shows a progress bar (tqdm if
-installed, else a line every --log-every steps) with the loss and tokens/s.
+dp x tp x pp local ranks itself. Rank 0 shows its progress with the loss and tokens/s: a tqdm bar on a
+terminal when tqdm is installed, else a line every --log-every steps.
 The defaults train a tiny model on a synthetic language (a sparse Markov
 chain: the loss falls towards log(2)) in seconds on two cores. Bad options
 are reported once, before any rank starts, with exit status 2 (what only the
@@ -137,11 +137,12 @@ def resume(trainer, directory: str) -> None:  # noqa: ANN001
 
 
 class Progress:
-    """Rank 0's progress: a tqdm bar if tqdm is installed, else plain lines."""
+    """Rank 0's progress: a tqdm bar on a terminal when tqdm is installed, else
+    plain lines (a log or a pipe gets lines, not a bar redrawn with carriage returns)."""
 
     def __init__(self, total: int, first: int, every: int, enabled: bool) -> None:
         self.enabled, self.every, self.total, self.bar = enabled, every, total, None
-        if enabled:
+        if enabled and sys.stdout.isatty():
             try:
                 from tqdm import tqdm
 
