@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pybind11.setup_helpers import Pybind11Extension
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
@@ -172,4 +172,23 @@ ext = Pybind11Extension(
     extra_link_args=["-pthread"],
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
+
+def _packages() -> tuple[list[str], dict[str, str]]:
+    """The packages and where their folders are: pycollectives/ and, below it in the
+    import namespace, the strategies/ folder of the repository's root, installed and
+    imported as pycollectives.strategies (a top-level `strategies` would clash with PyPI's
+    package of that name and with any user project's strategies/ folder)."""
+    ours = find_packages(include=["pycollectives", "pycollectives.*"])
+    strategies = ["pycollectives.strategies"] + [
+        f"pycollectives.strategies.{p}" for p in find_packages(where="strategies")
+    ]
+    return ours + strategies, {"pycollectives.strategies": "strategies"}
+
+
+packages, package_dir = _packages()
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExt},
+)

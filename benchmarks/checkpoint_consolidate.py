@@ -7,7 +7,7 @@ checkpoint's size.
 1. ZeRO-3 on 4 ranks, AdamW, one step; save() (timed, slowest rank).
 2. FSDP on 2 ranks (fully_shard per block + root, torch AdamW): load()
    (timed; tensor bytes each rank read).
-3. `python -m strategies.checkpoint consolidate DIR OUT` (its main(), in a
+3. `python -m pycollectives.strategies.checkpoint consolidate DIR OUT` (its main(), in a
    fresh interpreter that then prints its peak RSS, VmHWM), against an
    interpreter that only reads the index, the checkpoint's size and its
    largest tensor; the same with --model-only.
@@ -48,10 +48,10 @@ def _worker(rank: int, world: int, port: int, mode: str, path: str, q: object) -
 
     torch.set_num_threads(1)
     import pycollectives as pc
-    from strategies.checkpoint import load, read_stats, save
-    from strategies.fsdp import fully_shard
-    from strategies.models.gpt import GPT, GPTConfig
-    from strategies.zero import ZeroOptimizer
+    from pycollectives.strategies.checkpoint import load, read_stats, save
+    from pycollectives.strategies.fsdp import fully_shard
+    from pycollectives.strategies.models.gpt import GPT, GPTConfig
+    from pycollectives.strategies.zero import ZeroOptimizer
 
     comm = pc.init(timeout=300)
     model = GPT(GPTConfig(**CFG))
@@ -145,13 +145,13 @@ def main() -> None:
         )
         largest = max(4 * math.prod(m["shape"]) for m in index["tensors"].values())
         base, _ = peak_mib(
-            f"from strategies.checkpoint.format import read_index; read_index({str(src)!r})"
+            f"from pycollectives.strategies.checkpoint.format import read_index; read_index({str(src)!r})"
         )
         rows = []
         for label, flag in (("all tensors", ""), ("--model-only", ", '--model-only'")):
             out = scratch / "out.safetensors"
             peak, secs = peak_mib(  # the command line's main(), in the measured interpreter
-                "from strategies.checkpoint.__main__ import main; "
+                "from pycollectives.strategies.checkpoint.__main__ import main; "
                 f"assert main(['consolidate', {str(src)!r}, {str(out)!r}{flag}]) == 0"
             )
             rows.append((f"streaming ({label})", peak, secs, out.stat().st_size))
@@ -181,7 +181,7 @@ def main() -> None:
         f"save() under ZeRO-3 on 4 ranks: {max(t for _, t, _ in saved):.2f} s (slowest rank)",
         f"load() under FSDP on 2 ranks: {max(t for _, t, _ in loaded):.2f} s; tensor bytes read "
         f"per rank: {', '.join(f'{b / mib:.0f} MiB' for _, _, b in loaded)} (of {size / mib:.0f})",
-        f"Interpreter floors (VmHWM): {base:.0f} MiB (stdlib + strategies.checkpoint, reading the "
+        f"Interpreter floors (VmHWM): {base:.0f} MiB (pycollectives, torch included, reading the "
         f"index), {base_np:.0f} MiB (numpy + safetensors)",
     ]
     emit_section(

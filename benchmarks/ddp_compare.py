@@ -10,9 +10,10 @@ small MLP: little compute per gradient byte, communication dominates). Every
 rank runs, on each, in this order:
   compute    forward + backward with no communication (strategies.DDP no_sync)
   comm       the all-reduce of every bucket alone (what one step communicates)
-  ours       strategies.DDP, buckets launched as their gradients become ready
-  ours-noov  strategies.DDP with overlap=False (all-reduces after backward)
-  ours-view  strategies.DDP with gradient_as_bucket_view=True (no copies)
+  ours       strategies.DDP with gradient_as_bucket_view=False (gradients copied into
+             their buckets and back), buckets launched as their gradients become ready
+  ours-noov  the same with overlap=False (all-reduces after backward)
+  ours-view  strategies.DDP with gradient_as_bucket_view=True (its default: no copies)
   ours-view-noov  the same with overlap=False
   torch      torch.nn.parallel.DistributedDataParallel over gloo
 each step = zero_grad + forward + backward (+ the wait for the gradients);
@@ -96,7 +97,7 @@ def worker(
     import torch.distributed as dist
 
     import pycollectives as pc
-    from strategies.ddp import DistributedDataParallel as OurDDP
+    from pycollectives.strategies.ddp import DistributedDataParallel as OurDDP
 
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(60))
     comm = pc.init(rank=rank, world_size=world, store=store, prefix="ddpbench")
@@ -109,7 +110,7 @@ def worker(
     def barrier() -> None:
         comm.barrier()
 
-    ddp = OurDDP(make_model(kind), comm)
+    ddp = OurDDP(make_model(kind), comm, gradient_as_bucket_view=False)
     nparams = sum(p.numel() for p in ddp.parameters())
     with ddp.no_sync():
         res["compute"] = timed_steps(ddp, x, args.steps, barrier)
@@ -126,7 +127,10 @@ def worker(
     res["ours"] = timed_steps(ddp, x, args.steps, barrier)
     del ddp
     res["ours-noov"] = timed_steps(
-        OurDDP(make_model(kind), comm, overlap=False), x, args.steps, barrier
+        OurDDP(make_model(kind), comm, gradient_as_bucket_view=False, overlap=False),
+        x,
+        args.steps,
+        barrier,
     )
     res["ours-view"] = timed_steps(
         OurDDP(make_model(kind), comm, gradient_as_bucket_view=True), x, args.steps, barrier
@@ -196,8 +200,8 @@ def table(kind: str, nparams: int, ms: dict[str, float], batch: int) -> list[str
         "|---|---:|---:|---:|",
     ]
     for k, label in [
-        ("ours", "strategies.DDP (overlap, 25 MiB buckets)"),
-        ("ours-noov", "strategies.DDP, all-reduce after backward"),
+        ("ours", "strategies.DDP, gradient_as_bucket_view=False (overlap, 25 MiB buckets)"),
+        ("ours-noov", "strategies.DDP, gradient_as_bucket_view=False, all-reduce after backward"),
         ("ours-view", "strategies.DDP, gradient_as_bucket_view"),
         ("ours-view-noov", "strategies.DDP, gradient_as_bucket_view, all-reduce after backward"),
         ("torch", "torch DDP over gloo (default options)"),

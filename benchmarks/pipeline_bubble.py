@@ -68,12 +68,12 @@ class SleepStage:
         self.held: set[int] = set()
 
     def input_spec(self, inputs):  # noqa: ANN001, ANN201
-        from strategies.pipeline import TensorSpec
+        from pycollectives.strategies.pipeline import TensorSpec
 
         return inputs if self.index == 0 else TensorSpec(SPEC, torch.float32)
 
     def output_spec(self, inputs):  # noqa: ANN001, ANN201
-        from strategies.pipeline import TensorSpec
+        from pycollectives.strategies.pipeline import TensorSpec
 
         return None if self.index == self.num_stages - 1 else TensorSpec(SPEC, torch.float32)
 
@@ -108,7 +108,7 @@ class SleepStage:
 def gpt_config():  # noqa: ANN201
     """4 blocks, d_model 256, seq 128, vocab 512: activations of 512 KiB per
     micro-batch of 4 sequences; a 2-block stage forward ~25 ms on one core."""
-    from strategies.models import GPTConfig
+    from pycollectives.strategies.models import GPTConfig
 
     return GPTConfig(vocab_size=512, seq_len=128, n_layer=4, n_head=4, d_model=256, seed=1)
 
@@ -172,8 +172,8 @@ def _worker(rank: int, p: int, port: int, mode: str, cases: list, args: dict, q:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(p))
     torch.set_num_threads(1)
     import pycollectives as pc
-    from strategies.pipeline import PipelineRuntime, build, gpt_stages
-    from strategies.pipeline.communications import gather_records
+    from pycollectives.strategies.pipeline import PipelineRuntime, build, gpt_stages
+    from pycollectives.strategies.pipeline.communications import gather_records
 
     comm = pc.init(timeout=300)
     out = []
@@ -252,7 +252,7 @@ def formula(name: str, p: int, m: int, v: int) -> tuple[str, float]:
 def hop_latency(records: list) -> float:
     """Median seconds from the end of a compute on one rank to the start of
     the compute on another rank that waited for its message."""
-    from strategies.pipeline import Kind
+    from pycollectives.strategies.pipeline import Kind
 
     compute = sorted((r for r in records if r.action.is_compute), key=lambda r: r.start)
     end = {(r.action.kind, r.action.stage, r.action.microbatch): r for r in compute}
@@ -278,7 +278,7 @@ def hop_latency(records: list) -> float:
 
 
 def median_step(steps: list, p: int) -> tuple:
-    from strategies.pipeline import measure
+    from pycollectives.strategies.pipeline import measure
 
     return sorted(steps, key=lambda st: measure(st[0], p).makespan)[len(steps) // 2]
 
@@ -287,8 +287,8 @@ def replay(schedule, records: list, t_p2p: float):  # noqa: ANN001, ANN201
     """The schedule simulated with each compute's measured duration and
     messages taking t_p2p: what the step would take if the runtime added
     nothing but the hops."""
-    from strategies.pipeline import Record, execute, measure
-    from strategies.pipeline.verify import check_static
+    from pycollectives.strategies.pipeline import Record, execute, measure
+    from pycollectives.strategies.pipeline.verify import check_static
 
     took = {
         (r.action.kind, r.action.stage, r.action.microbatch): r.end - r.start
@@ -303,7 +303,7 @@ def replay(schedule, records: list, t_p2p: float):  # noqa: ANN001, ANN201
 def bubble_rows(p: int, results: list, costs) -> tuple[list[str], list]:  # noqa: ANN001
     """Table rows (formula, simulated, replayed, measured) and the chosen
     steps."""
-    from strategies.pipeline import build, measure, simulate
+    from pycollectives.strategies.pipeline import build, measure, simulate
 
     rows, chosen = [], []
     for name, v, m, steps in results:
@@ -349,7 +349,7 @@ def main() -> None:
     pictures: list[str] = []
 
     def picture(tag: str, title: str, records: list, sim, unit: float) -> None:  # noqa: ANN001
-        from strategies.pipeline import draw_measured_and_simulated, save_chrome_trace
+        from pycollectives.strategies.pipeline import draw_measured_and_simulated, save_chrome_trace
 
         draw_measured_and_simulated(
             records, sim.records, DATA / f"{tag}.png", title=title, sim_unit=unit

@@ -55,9 +55,9 @@ def layouts(world: int) -> list[tuple[int, int, int]]:
 
 def job_layouts(rank: int, world: int, steps: int) -> list[dict]:
     import pycollectives as pc
-    from strategies.mesh import ParallelDims
-    from strategies.models import GPTConfig
-    from strategies.parallel3d import Trainer3D, TrainOptions
+    from pycollectives.strategies.mesh import ParallelDims
+    from pycollectives.strategies.models import GPTConfig
+    from pycollectives.strategies.parallel3d import Trainer3D, TrainOptions
 
     comm = pc.init(timeout=300)
     config = GPTConfig(**MODEL)
@@ -77,8 +77,8 @@ def job_layouts(rank: int, world: int, steps: int) -> list[dict]:
 
 def job_tp_layers(rank: int, world: int, reps: int, d: int, tokens: int) -> dict:
     import pycollectives as pc
-    from strategies.mesh import ParallelDims
-    from strategies.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from pycollectives.strategies.mesh import ParallelDims
+    from pycollectives.strategies.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     comm = pc.init(timeout=300)
     g = torch.Generator().manual_seed(0)

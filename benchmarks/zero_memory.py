@@ -53,7 +53,7 @@ def formula(mode: str, mixed: bool, p: int, n: int) -> float:
 
 
 def config(args: argparse.Namespace):  # noqa: ANN201 - GPTConfig, imported lazily
-    from strategies.models.gpt import GPTConfig
+    from pycollectives.strategies.models.gpt import GPTConfig
 
     return GPTConfig(
         vocab_size=args.vocab,
@@ -70,7 +70,7 @@ def fixed_buffers(mode: str, mixed: bool, n: int, args: argparse.Namespace) -> i
     final norm, tied head), padded to n shards, in the reduce dtype."""
     if mode not in ("zero2", "zero3", "fsdp"):
         return 0
-    from strategies.models.gpt import GPT
+    from pycollectives.strategies.models.gpt import GPT
 
     model = GPT(config(args))
     block = sum(p.numel() for p in model.blocks[0].parameters())
@@ -86,7 +86,7 @@ def warm_up(cfg) -> None:  # noqa: ANN001 - a GPTConfig
 
     import torch
 
-    from strategies.models.gpt import GPT
+    from pycollectives.strategies.models.gpt import GPT
 
     tiny = dataclasses.replace(cfg, vocab_size=64, d_model=cfg.n_head * 4, n_layer=1)
     for dtype in (torch.float32, torch.bfloat16):
@@ -103,7 +103,7 @@ def job(rank: int, world: int, port: int, mode: str, mixed: bool, args: argparse
     from _zero_setups import build
 
     import pycollectives as pc
-    from strategies.models.gpt import GPT
+    from pycollectives.strategies.models.gpt import GPT
 
     comm = pc.init(rank=rank, world_size=world, prefix=f"mem{port}")
     torch.manual_seed(rank)
@@ -218,7 +218,7 @@ def main() -> int:
         f"AdamW; {args.steps} steps after the first.",
         "Storage: bytes of the tensors this rank holds after a step, by role, each storage "
         "once; the worst rank. DP = strategies.DDP with gradient_as_bucket_view=True (its "
-        "buckets are the gradients; the default, False, holds another 4P of buckets); in bf16 "
+        "default: its buckets are the gradients; False holds another 4P of buckets); in bf16 "
         "the DP model is bf16 (parameters and bucketed gradients) beside fp32 master copies "
         "that AdamW steps. ZeRO-1/2 keep full parameters (bf16: the compute copies), "
         "ZeRO-3/FSDP only shards (fp32 master shards) between steps.",

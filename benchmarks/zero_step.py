@@ -50,7 +50,7 @@ LABELS = {
 
 
 def gpt_config(args: argparse.Namespace):  # noqa: ANN201 - GPTConfig
-    from strategies.models.gpt import GPTConfig
+    from pycollectives.strategies.models.gpt import GPTConfig
 
     return GPTConfig(
         vocab_size=args.vocab,
@@ -82,7 +82,7 @@ def common_args(doc: str, default_cells: str) -> argparse.ArgumentParser:
 def measure(args: argparse.Namespace, cells: list[str]) -> tuple[dict, list[str]]:
     """Runs the cells on fresh ranks; returns their medians and the notes on
     the run (model, load average before and after, duration)."""
-    from strategies.models.gpt import GPT
+    from pycollectives.strategies.models.gpt import GPT
 
     cfg = gpt_config(args)
     params = sum(p.numel() for p in GPT(cfg, device="meta").parameters())

@@ -1,29 +1,31 @@
 """Sharded checkpoints that load into another layout (strategies.checkpoint).
 
-torchrun --nproc-per-node 2 examples/checkpoint_resume.py [--dir DIR]
+torchrun --nproc-per-node 2 examples/checkpoint_resume.py --dir ckpt
+python -m pycollectives.strategies.checkpoint consolidate ckpt/step-4 model.safetensors
 
 Trains a small GPT under ZeRO-3 for 4 steps, saves a sharded checkpoint
 (one safetensors file per rank + index.json), trains 4 more steps; then
 builds the model afresh under FSDP (fully_shard + torch AdamW), loads the
 checkpoint (parameters and AdamW state), trains the same 4 steps and compares
 with the uninterrupted run. Rank 0 finally consolidates the checkpoint into
-one safetensors file, as `python -m strategies.checkpoint consolidate` does,
-and loads it into a plain model.
+one safetensors file (DIR/model.safetensors), as the second line does, and
+loads it into a plain model. It says where each file went.
 """
 
 import argparse
 import getpass
 import os
+import sys
 import tempfile
 
 import torch
 
 import pycollectives as pc
-from strategies.checkpoint import consolidate, load, save
-from strategies.data import SyntheticSequences
-from strategies.fsdp import fully_shard
-from strategies.models.gpt import GPT, GPTConfig
-from strategies.zero import ZeroOptimizer
+from pycollectives.strategies.checkpoint import consolidate, load, save
+from pycollectives.strategies.data import SyntheticSequences
+from pycollectives.strategies.fsdp import fully_shard
+from pycollectives.strategies.models.gpt import GPT, GPTConfig
+from pycollectives.strategies.zero import ZeroOptimizer
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16)
 DATA = SyntheticSequences(CFG.vocab_size, CFG.seq_len, 1024, seed=1)
@@ -53,6 +55,8 @@ def main() -> None:
     zero = ZeroOptimizer(model, torch.optim.AdamW, comm, stage=3, **OPT)
     train(comm, model, zero, range(4))
     save(path, comm, model, zero, extra={"step": 4})  # atomic: replaces an earlier step-4
+    if comm.rank == 0:
+        print(f"saved step 4 (ZeRO-3, {comm.world_size} ranks) in {path}", flush=True)
     loss = train(comm, model, zero, range(4, 8))
     uninterrupted = zero.full_parameters()
 
@@ -65,10 +69,11 @@ def main() -> None:
     resumed_loss = train(comm, fresh, opt, range(extra["step"], 8))
     resumed = fresh.full_parameters()
     diff = max((resumed[n] - uninterrupted[n]).abs().max().item() for n in resumed)
-    print(
+    sys.stdout.write(  # the whole line in one write, flushed: the ranks share the terminal
         f"rank {comm.rank}: loss {loss:.4f} uninterrupted (ZeRO-3), {resumed_loss:.4f} resumed "
-        f"under FSDP from step {extra['step']}; max |parameter difference| {diff:.3g}"
+        f"under FSDP from step {extra['step']} of {path}; max |parameter difference| {diff:.3g}\n"
     )
+    sys.stdout.flush()
     assert diff <= 1e-5, diff
 
     if comm.rank == 0:

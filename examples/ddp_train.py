@@ -7,11 +7,14 @@ shared-memory buckets whose all-reduces overlap backward. The script checks
 that every rank ends with the same parameters.
 """
 
+import sys
+
 import torch
 from torch import nn
 
 import pycollectives as pc
-from strategies.ddp import DistributedDataParallel
+from pycollectives.launcher import run_rank
+from pycollectives.strategies.ddp import DistributedDataParallel
 
 
 def main() -> None:
@@ -33,10 +36,14 @@ def main() -> None:
     every = torch.empty(comm.world_size * flat.numel())
     comm.all_gather(every, flat)
     same = all(torch.equal(c, flat) for c in every.view(comm.world_size, -1))
-    print(f"rank {comm.rank}: loss {loss.item():.4f}, parameters identical on all ranks: {same}")
+    # One write of the whole line, flushed: the ranks share the terminal.
+    sys.stdout.write(
+        f"rank {comm.rank}: loss {loss.item():.4f}, parameters identical on all ranks: {same}\n"
+    )
+    sys.stdout.flush()
     assert same
     comm.close()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_rank(main, "ddp_train.py"))

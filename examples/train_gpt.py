@@ -14,67 +14,124 @@ dp x tp x pp local ranks itself. Rank 0 shows a progress bar (tqdm if
 installed, else a line every --log-every steps) with the loss and tokens/s.
 The defaults train a tiny model on a synthetic language (a sparse Markov
 chain: the loss falls towards log(2)) in seconds on two cores. Bad options
-raise the same error on every rank; the script prints it once and exits 2.
+are reported once, before any rank starts, with exit status 2 (what only the
+ranks can check, once too). Ctrl-C: one line per rank, exit status 130. A rank
+that fails (or, with --timeout, one that is stopped or hung) fails every rank,
+each saying so in one line; the script ends the ranks still running a few
+seconds later and exits non-zero with the first failure.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
-from pathlib import Path
+from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone as is
+import torch
 
-import torch  # noqa: E402
+import pycollectives as pc
+from pycollectives.launcher import run_rank, spawn
+from pycollectives.strategies.models import GPTConfig
+from pycollectives.strategies.parallel3d import SCHEDULES, TrainOptions, problems
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+PROG = "train_gpt.py"
+DEFAULT_TIMEOUT = inspect.signature(pc.init).parameters["timeout"].default  # the library's
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks)")
-    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or zbh1")
+    p.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES), help="pipeline schedule")
     p.add_argument("--virtual-stages", type=int, default=2, help="interleaved: stages per rank")
     p.add_argument("--microbatches", type=int, default=4, help="per step and dp rank")
     p.add_argument("--batch", type=int, default=16, help="global batch (samples per step)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--zero", type=int, default=0, help="ZeRO stage on dp (2, 3: --pp 1)")
+    p.add_argument("--steps", type=int, default=30, help="training steps")
+    p.add_argument("--zero", type=int, default=0, choices=range(4),
+                   help="ZeRO stage on dp (2, 3: --pp 1)")  # fmt: skip
     p.add_argument("--fsdp", action="store_true", help="FSDP on the dp axis (not with zbh1)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp (any --pp)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=32)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--d-model", type=int, default=32, help="model width")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--vocab", type=int, default=64, help="vocabulary size")
+    p.add_argument("--seq-len", type=int, default=16, help="tokens per sample")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="weights and data")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameters")
     p.add_argument(
         "--device", default="cpu", choices=["cpu", "cuda"], help="cuda: cuda:(LOCAL_RANK %% GPUs)"
     )
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                   help="seconds any collective or pipeline message may wait for a peer "
+                   "(pycollectives.init's default)")  # fmt: skip
     p.add_argument("--log-every", type=int, default=10, help="plain progress lines")
     p.add_argument("--save", metavar="DIR", help="save a checkpoint at the end")
     p.add_argument("--resume", metavar="DIR", help="start from a checkpoint")
     return p.parse_args(argv)
 
 
+def config_of(args: argparse.Namespace) -> GPTConfig:
+    """The model the options describe."""
+    return GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.layers,
+                     n_head=args.heads, d_model=args.d_model, seed=args.seed)  # fmt: skip
+
+
+def options_of(args: argparse.Namespace) -> TrainOptions:
+    """The training options the flags describe."""
+    return TrainOptions(
+        schedule=args.schedule, microbatches=args.microbatches, zero=args.zero,
+        virtual_stages=args.virtual_stages, fsdp=args.fsdp, global_batch=args.batch,
+        sequence_parallel=args.sequence_parallel, data_seed=args.seed, lr=args.lr,
+        dtype=DTYPES[args.dtype], device=args.device, timeout=args.timeout,
+    )  # fmt: skip
+
+
+def check(args: argparse.Namespace, world: int | None) -> list[str]:
+    """What is wrong with the options, found without starting a rank (the
+    ranks check the same again, and what depends on them): sizes, the world
+    size against dp x tp x pp (`world`: torchrun's, None when this script
+    starts the ranks), the layout rules of Trainer3D (`problems`)."""
+    out = []
+    for flag in ("dp", "tp", "pp", "steps", "layers", "heads", "d_model", "vocab", "seq_len",
+                 "log_every"):  # fmt: skip
+        if getattr(args, flag) < 1:
+            out.append(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
+    if not args.timeout > 0:
+        out.append(f"--timeout {args.timeout} must be > 0 seconds")
+    if out:
+        return out
+    size = args.dp * args.tp * args.pp
+    if world is not None and world != size:
+        out.append(f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} = {size}, "
+                   f"but the world size is {world}")  # fmt: skip
+    try:
+        config = config_of(args)
+    except ValueError as e:
+        return [*out, str(e)]
+    dims = SimpleNamespace(dp=args.dp, tp=args.tp, pp=args.pp)
+    return out + problems(dims, config, options_of(args))  # type: ignore[arg-type]
+
+
 def save(trainer, directory: str) -> None:  # noqa: ANN001
     """Writes the checkpoint of `trainer` into `directory` (collective)."""
-    from strategies.parallel3d.checkpoint import save_trainer
+    from pycollectives.strategies.parallel3d.checkpoint import save_trainer
 
     save_trainer(trainer, directory)
 
 
 def resume(trainer, directory: str) -> None:  # noqa: ANN001
     """Loads `directory` into `trainer`, which continues at the saved step (collective)."""
-    from strategies.parallel3d.checkpoint import load_trainer
+    from pycollectives.strategies.parallel3d.checkpoint import load_trainer
 
     load_trainer(trainer, directory)
 
@@ -109,37 +166,29 @@ class Progress:
 
 def train(args: argparse.Namespace) -> int:
     """One rank's training (RANK, WORLD_SIZE, MASTER_ADDR/PORT set); returns the exit code."""
-    import pycollectives as pc
-    from strategies.mesh import ParallelDims
-    from strategies.models import GPTConfig
-    from strategies.parallel3d import Trainer3D, TrainOptions, full_shapes
+    from pycollectives.strategies.mesh import ParallelDims
+    from pycollectives.strategies.parallel3d import Trainer3D, full_shapes
 
-    comm = pc.init(timeout=120)
+    comm = pc.init(timeout=args.timeout)
     rank = comm.rank
     try:
-        config = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.layers,
-                           n_head=args.heads, d_model=args.d_model, seed=args.seed)  # fmt: skip
-        opts = TrainOptions(
-            schedule=args.schedule, microbatches=args.microbatches, zero=args.zero,
-            virtual_stages=args.virtual_stages, fsdp=args.fsdp, global_batch=args.batch,
-            sequence_parallel=args.sequence_parallel, data_seed=args.seed, lr=args.lr,
-            dtype=DTYPES[args.dtype], device=args.device, timeout=120,
-        )  # fmt: skip
+        config = config_of(args)
         dims = ParallelDims(comm, dp=args.dp, tp=args.tp, pp=args.pp)
-        trainer = Trainer3D(dims, config, opts)
+        trainer = Trainer3D(dims, config, options_of(args))
         if args.resume:
             resume(trainer, args.resume)
     except ValueError as e:
         if rank == 0:
-            print(f"train_gpt.py: error: {e}", file=sys.stderr)
+            print(f"{PROG}: error: {e}", file=sys.stderr)
         comm.close()
         return 2
     if rank == 0:
         n = sum(math.prod(shape) for shape in full_shapes(config).values())
+        dp_mode = "fsdp" if args.fsdp else f"zero={args.zero}"
         print(f"GPT {n:,} parameters; dp={dims.dp} x tp={dims.tp} x pp={dims.pp} = "
               f"{comm.world_size} ranks, schedule {args.schedule}, "
-              f"{args.microbatches} micro-batches, zero={args.zero}, on {args.device}; steps "
-              f"{trainer.step_index}..{args.steps}")  # fmt: skip
+              f"{args.microbatches} micro-batches, {dp_mode}, on {args.device}; steps "
+              f"{trainer.step_index}..{args.steps}", flush=True)  # fmt: skip
     progress = Progress(args.steps, trainer.step_index, args.log_every, rank == 0)
     rates, loss = [], float("nan")
     while trainer.step_index < args.steps:
@@ -151,46 +200,36 @@ def train(args: argparse.Namespace) -> int:
     if args.save:
         save(trainer, args.save)
     if rank == 0 and rates:
-        median = statistics.median(rates[1:] or rates)
-        print(f"final loss {loss:.4f} after {trainer.step_index} steps; "
-              f"median {median:,.0f} tokens/s")  # fmt: skip
+        # The first step (warm-up: allocations, the first messages) is left out
+        # when there are others; the progress line shows every step's rate.
+        timed = rates[1:] or rates
+        print(f"final loss {loss:.4f} after {trainer.step_index} steps; median {statistics.median(timed):,.0f} "
+              f"tokens/s over steps {trainer.step_index - len(timed) + 1}..{trainer.step_index} "
+              f"(rank 0's step times)", flush=True)  # fmt: skip
     dims.close()
     comm.close()
     return 0
 
 
-def _rank_main(rank: int, world: int, port: int, argv: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
+def _rank_main(argv: list[str], world: int) -> int:
+    """A rank started by spawn(): RANK, WORLD_SIZE, MASTER_ADDR/PORT are set."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    sys.exit(train(parse_args(argv)))  # the process's exit code
-
-
-def spawn(args: argparse.Namespace, argv: list[str]) -> int:
-    """Starts dp x tp x pp local ranks; returns the worst exit code."""
-    world = args.dp * args.tp * args.pp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, argv)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    return max(abs(p.exitcode or 0) for p in procs)
+    return train(parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return train(args)
-    if min(args.dp, args.tp, args.pp) < 1:
-        print(f"train_gpt.py: error: --dp {args.dp} --tp {args.tp} --pp {args.pp} must be >= 1",
-              file=sys.stderr)  # fmt: skip
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    found = check(args, int(os.environ["WORLD_SIZE"]) if torchrun else None)
+    if found:  # before any rank starts (under torchrun: each rank, before init)
+        if not torchrun or os.environ.get("RANK") == "0":
+            print(f"{PROG}: error: {'; '.join(found)}", file=sys.stderr)
         return 2
-    return spawn(args, argv)
+    if torchrun:
+        return run_rank(lambda: train(args), PROG)
+    world = args.dp * args.tp * args.pp
+    return spawn(_rank_main, world, (argv, world), prog=PROG)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ import os
 import sys
 
 import torch
-import torch.multiprocessing as mp
 
 import pycollectives as pc
-from strategies.data import SyntheticSequences
-from strategies.fsdp import MixedPrecisionPolicy, fully_shard
-from strategies.models.gpt import GPT, GPTConfig
-from strategies.zero import ZeroOptimizer
+from pycollectives.launcher import run_rank, spawn
+from pycollectives.strategies.data import SyntheticSequences
+from pycollectives.strategies.fsdp import MixedPrecisionPolicy, fully_shard
+from pycollectives.strategies.models.gpt import GPT, GPTConfig
+from pycollectives.strategies.zero import ZeroOptimizer
 
 
 def say(line: str) -> None:
@@ -69,31 +69,22 @@ def train(args: argparse.Namespace) -> None:
     comm.close()
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    train(args)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stage", type=int, choices=(1, 2, 3), default=3)
+    ap.add_argument("--stage", type=int, choices=(1, 2, 3), default=3, help="ZeRO stage")
     ap.add_argument("--fsdp", action="store_true", help="fully_shard instead of ZeroOptimizer")
     ap.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 master weights")
     ap.add_argument("--nproc", type=int, default=2, help="local ranks (without torchrun)")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=30, help="training steps")
     args = ap.parse_args()
+    if args.nproc < 1 or args.steps < 1:
+        ap.error(f"--nproc {args.nproc} and --steps {args.steps} must be >= 1")
     if "RANK" in os.environ:  # under torchrun
-        train(args)
-        return
-    import socket
-
-    with socket.socket() as s:  # a free port for the ranks' rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.nproc, port, args), nprocs=args.nproc)
+        return run_rank(lambda: train(args), "zero_train.py")
+    return spawn(train, args.nproc, (args,), prog="zero_train.py")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

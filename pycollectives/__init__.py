@@ -5,6 +5,9 @@ comm = pc.init()            # under torchrun
 comm.all_reduce(tensor)     # in place, SUM
 """
 
+# First: a clone that was never built (`pip install .` put the build in
+# site-packages) loads that build's modules, or says in one line what to do.
+from . import _source_tree  # noqa: F401, I001
 from . import _C
 from .communicator import Communicator, ReduceOp, Work
 from .errors import (

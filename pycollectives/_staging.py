@@ -66,7 +66,10 @@ class TorchCudaOps:
     def copy(self, dst: Any, src: Any, stream: Any) -> None:
         import torch
 
-        with torch.cuda.stream(stream):
+        # Outside autograd, as c10d's copies: the copy back may go into a
+        # Parameter (or a view of one) or an inference tensor, at a wait() made
+        # outside the inference mode the operation was issued in.
+        with torch.cuda.stream(stream), torch.inference_mode():
             dst.copy_(src, non_blocking=True)
 
     def record(self, stream: Any) -> Any:

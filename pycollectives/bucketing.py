@@ -189,13 +189,15 @@ def all_reduce_coalesced(
         bs = cache[key] = BucketSet(
             comm, tensors, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=bucket_cap_mb
         )
-    for i, t in enumerate(tensors):
-        bs.view(i).copy_(t)
+    with torch.inference_mode():  # outside autograd (Parameters), as the copies out
+        for i, t in enumerate(tensors):
+            bs.view(i).copy_(t)
     works = [bs.all_reduce(b, op, async_op=True) for b in range(len(bs))]
 
-    def copy_out() -> None:
-        for i, t in enumerate(tensors):
-            t.copy_(bs.view(i))
+    def copy_out() -> None:  # inference tensors too, whatever thread or mode waits
+        with torch.inference_mode():
+            for i, t in enumerate(tensors):
+                t.copy_(bs.view(i))
 
     work = CoalescedWork(works, copy_out)
     if async_op:

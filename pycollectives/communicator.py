@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import collections
 import enum
+import sys
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -442,6 +443,20 @@ class Communicator(PointToPoint):
                 stacklevel=2,
             )
 
+    def abort(self, reason: str) -> None:
+        """Aborts the communicator on every rank, as ncclCommAbort: their
+        pending and later operations raise CommunicatorAborted with
+        "pycollectives: <reason>" (the first abort wins). For a rank that stops
+        for a reason of its own, such as Ctrl-C in Python code, so that its
+        peers say why instead of waiting for it. A no-op once closed."""
+        self._c.abort(f"pycollectives: {reason}")
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the communicator is aborted (an error, a timeout, a dead or
+        interrupted peer, abort()): every operation on it raises."""
+        return bool(self._c.aborted)
+
     def __enter__(self) -> Communicator:
         return self
 
@@ -452,10 +467,23 @@ class Communicator(PointToPoint):
         return f"<pycollectives.Communicator rank={self.rank} world_size={self.world_size}>"
 
 
+def abort_all_interrupted() -> None:
+    """Aborts every open communicator of this process saying "rank R was
+    interrupted (SIGINT)", R this process's rank in each (see
+    Communicator.abort): what Ctrl-C does to a rank's peers."""
+    for comm in list(_live):
+        comm.abort(f"rank {comm.rank} was interrupted (SIGINT)")
+
+
 @atexit.register
 def _close_all_at_exit() -> None:
     """Closes the communicators still open at exit, while Python still runs: a
     pending operation is then aborted (or finishes) and reported, instead of
-    holding the exit until its timeout."""
+    holding the exit until its timeout. Exiting on Ctrl-C (an uncaught
+    KeyboardInterrupt), it first aborts them saying so: the peers then report
+    the interrupt, not a closed communicator or a mismatch."""
+    last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if isinstance(last, KeyboardInterrupt):
+        abort_all_interrupted()
     for comm in list(_live):
         comm.close()

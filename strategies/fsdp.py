@@ -122,7 +122,8 @@ class FSDPModule:
         self.sharding_unit.free(engine.guard)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Collective: clips the gradients of the whole tree by their global norm."""
+        """Collective: clips the gradients of the whole tree by their global norm,
+        bitwise as torch.nn.utils.clip_grad_norm_ on the full fp32 gradients."""
         return self._require_engine("clip_grad_norm_").grads.clip_grad_norm_(max_norm, norm_type)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:

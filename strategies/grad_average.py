@@ -27,7 +27,8 @@ from torch import nn
 
 from pycollectives import Communicator, ReduceOp, Work
 from pycollectives.bucketing import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, BucketSet
-from strategies.ddp import ranks_that_differ
+
+from .ddp import ranks_that_differ
 
 __all__ = ["StepGradAverager"]
 

@@ -15,6 +15,7 @@ than dp): one more name in AXES and NAMES, one more keyword and its properties.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -122,6 +123,50 @@ class ParallelDims:
         for axis in AXES:
             rank = rank * self.sizes[axis] + coords[axis]
         return rank
+
+    def where(self, rank: int | None = None) -> str:
+        """World rank `rank` (this one by default) and its coordinates:
+        "rank 3 (dp=1, tp=0, pp=1)"."""
+        rank = self.world.rank if rank is None else rank
+        coords = dict(zip(AXES, self._unravel(rank), strict=True))
+        return f"rank {rank} (" + ", ".join(f"{a}={coords[a]}" for a in NAMES) + ")"
+
+    def world_ranks(self, axis: str) -> list[int]:
+        """The world rank of each rank of this rank's `axis` communicator, by its rank there."""
+        return [self.rank_of(**{**self.coords, axis: c}) for c in range(self.sizes[axis])]
+
+    def in_world_terms(self, message: str, axis: str | None = None) -> str:
+        """`message`, an error of one of this rank's communicators, with the
+        ranks it names (ranks of the communicator that failed: `axis`'s, else
+        the one that is aborted) as world ranks with their coordinates, "rank 3
+        (dp=1, tp=0, pp=1)". Where several are aborted (a failure spreads), the
+        one in which the message names this rank ("pycollectives: rank N:",
+        "raised on rank N") by its rank there; unchanged if that is ambiguous."""
+        failed = (
+            [axis] if axis else [a for a in AXES if self.sizes[a] > 1 and self._comms[a].aborted]
+        )
+        if len(failed) > 1:
+            me = re.search(r"raised on rank (\d+)\]|pycollectives: rank (\d+)\b", message)
+            if me is not None:
+                failed = [a for a in failed if self.coords[a] == int(me[1] or me[2])]
+            if len(failed) != 1:
+                return message
+        if failed:
+            ranks, axis = self.world_ranks(failed[0]), failed[0]
+        elif self.world.aborted:
+            ranks, axis = list(range(self.world.world_size)), ""
+        else:
+            return message
+
+        def world(m: re.Match) -> str:
+            r = int(m[1])
+            return self.where(ranks[r]) if 0 <= r < len(ranks) else m[0]
+
+        out = re.sub(r"\brank (\d+)\b(?! \(dp=)", world, message)
+        if axis:
+            legend = ", ".join(f"{g} = rank {w}" for g, w in enumerate(ranks))
+            out += f" [ranks of the {axis} communicator of {self.where()}: {legend}]"
+        return out
 
     def _unravel(self, rank: int) -> list[int]:
         out = []

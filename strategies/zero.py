@@ -235,8 +235,11 @@ class ZeroOptimizer:
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
-        """Collective: clips the gradient of the whole model by its global norm
-        (computed across the shards); returns that norm."""
+        """Collective: clips the gradient of the whole model by its global norm,
+        as torch.nn.utils.clip_grad_norm_ does on the full gradients (the same
+        bits with fp32 gradients: strategies/sharding/clip.py); returns that
+        norm. RuntimeError on every rank for a non-finite norm with
+        error_if_nonfinite."""
         return self.engine.grads.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     @contextlib.contextmanager

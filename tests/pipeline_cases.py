@@ -10,8 +10,8 @@ import functools
 import torch
 from torch import nn
 
-from strategies.models import GPT, GPTConfig
-from strategies.pipeline.stage import TIED
+from pycollectives.strategies.models import GPT, GPTConfig
+from pycollectives.strategies.pipeline.stage import TIED
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2))
 B, T = 2, 8

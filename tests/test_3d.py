@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import pycollectives as pc
-from strategies.data import GlobalBatches, SyntheticSequences
-from strategies.mesh import ParallelDims
-from strategies.models import GPT, GPTConfig
-from strategies.parallel3d import Trainer3D, TrainOptions
+from pycollectives.strategies.data import GlobalBatches, SyntheticSequences
+from pycollectives.strategies.mesh import ParallelDims
+from pycollectives.strategies.models import GPT, GPTConfig
+from pycollectives.strategies.parallel3d import Trainer3D, TrainOptions
 
 STEPS = 20
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, n_layer=4, n_head=2, d_model=16, seed=5)
@@ -274,7 +274,7 @@ def test_bad_input_raises_on_every_rank(pool):
 def job_averager(comm: pc.Communicator) -> dict:
     from torch import nn
 
-    from strategies.grad_average import StepGradAverager
+    from pycollectives.strategies.grad_average import StepGradAverager
 
     def net() -> nn.Module:
         torch.manual_seed(0)  # the same weights on every rank

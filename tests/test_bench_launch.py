@@ -106,3 +106,29 @@ def test_mpirun_runs_the_bench_command(monkeypatch, clone_root, safe_path_flag):
     p = subprocess.run(rank_cmd, cwd=clone_root, env=env, capture_output=True, text=True,
                        timeout=60)  # fmt: skip
     assert p.returncode == 0 and "usage: pycollectives-bench" in p.stdout, p.stdout + p.stderr
+
+
+def test_sizes_end_at_the_end_size():
+    """-b 8 -e 64M -f 4: the factor steps from 32 MiB to 128 MiB; 64 MiB is still the last size."""
+    from pycollectives.bench.specs import size_list
+
+    sizes = size_list(8, 64 << 20, 4)
+    assert sizes[0] == 8 and sizes[-2:] == [32 << 20, 64 << 20], sizes
+    assert size_list(8, 32 << 20, 4)[-1] == 32 << 20 and size_list(8, 8, 4) == [8]
+
+
+def test_compare_mpi_without_mpi_fails_before_the_sweep(monkeypatch, capsys):
+    """--compare mpi where mpi4py or mpirun is missing: exit 2 at once, naming the install
+    command, no rank started."""
+    monkeypatch.setattr(launch, "mpi_missing", lambda: ["mpi4py"])
+    import pycollectives.bench.cli as cli
+
+    monkeypatch.setattr(cli, "mpi_missing", lambda: ["mpi4py"])
+    monkeypatch.setattr(cli, "launch_ranks", lambda *a: pytest.fail("ranks started"))
+    for k in _TORCHRUN_VARS:
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(SystemExit) as e:
+        main([*FLAGS, "--compare", "gloo,mpi"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--compare mpi needs mpi4py" in err and "pip install mpi4py" in err, err

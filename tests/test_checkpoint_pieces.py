@@ -14,14 +14,14 @@ import pytest
 import torch
 
 import pycollectives as pc
-from strategies.checkpoint import (
+from pycollectives.strategies.checkpoint import (
     Piece,
     load_pieces,
     read_index,
     read_stats,
     save_pieces,
 )
-from strategies.checkpoint.pieces import copy_plan, runs
+from pycollectives.strategies.checkpoint.pieces import copy_plan, runs
 
 
 def _random_piece(rng: random.Random, shape: tuple[int, ...]) -> tuple:
@@ -219,7 +219,7 @@ def test_tensor_parallel_boxes_load_as_flat_shards(pool, tmp_path):
 def test_save_replaces_a_checkpoint(tmp_path, monkeypatch, exchange):
     """A second save to the same path replaces the first (renameat2 exchange,
     or the two renames where it is unavailable) and leaves nothing beside it."""
-    from strategies.checkpoint import sharded
+    from pycollectives.strategies.checkpoint import sharded
 
     if not exchange:
         monkeypatch.setattr(sharded, "_rename_exchange", lambda a, b: False)

@@ -28,6 +28,9 @@ def test_ddp_example_under_torchrun():
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.count("parameters identical on all ranks: True") == 2, p.stdout
+    lines = [ln for ln in p.stdout.splitlines() if "rank" in ln]
+    pattern = r"rank [01]: loss [\d.]+, parameters identical on all ranks: True"
+    assert len(lines) == 2 and all(re.fullmatch(pattern, ln) for ln in lines), p.stdout
 
 
 def test_windows_example_under_torchrun():
@@ -110,7 +113,10 @@ def test_checkpoint_example_under_torchrun(tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.count("resumed under FSDP from step 4") == 2, p.stdout
+    lines = [ln for ln in p.stdout.splitlines() if "resumed under FSDP" in ln]
+    assert len(lines) == 2 and all(ln.count("rank ") == 1 for ln in lines), p.stdout
     assert "consolidated 28 tensors" in p.stdout, p.stdout
+    assert f"saved step 4 (ZeRO-3, 2 ranks) in {tmp_path / 'step-4'}" in p.stdout, p.stdout
     assert (tmp_path / "step-4" / "index.json").exists() and (
         tmp_path / "model.safetensors"
     ).exists()

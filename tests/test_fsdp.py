@@ -28,10 +28,10 @@ from test_zero_common import (
 
 import pycollectives as pc
 from pycollectives import _C
-from strategies.ddp import DistributedDataParallel
-from strategies.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from strategies.models.gpt import GPT, GPTConfig
-from strategies.sharding import EngineMeter
+from pycollectives.strategies.ddp import DistributedDataParallel
+from pycollectives.strategies.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from pycollectives.strategies.models.gpt import GPT, GPTConfig
+from pycollectives.strategies.sharding import EngineMeter
 
 VARIANTS = {  # label: (reshard_after_forward, prefetch)
     "reshard": (True, 2),
@@ -145,8 +145,8 @@ def job_accumulate_and_clip(comm: pc.Communicator) -> list[str]:
     if differ(got, ref_acc):
         bad.append(f"no_sync accumulation vs DDP: {differ(got, ref_acc)}")
     got, _, _ = train(comm, "fsdp", steps, micro=3, clip_to=0.05, **fsdp_kw(False, 2))
-    if differ(got, ref_clip, 1e-5, 1e-6):  # the norm sums in another order
-        bad.append(f"accumulation + clipping vs DDP: {differ(got, ref_clip, 1e-5, 1e-6)}")
+    if differ(got, ref_clip):  # bitwise: the norm as torch takes it (sharding/clip.py)
+        bad.append(f"accumulation + clipping vs DDP: {differ(got, ref_clip)}")
     # set_requires_gradient_sync(False) is no_sync: no reduce-scatter, same result
     model, opt = build(comm, "fsdp", **fsdp_kw(True, 2))
     for step in range(steps):

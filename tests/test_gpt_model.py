@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from strategies.data import GlobalBatches, SyntheticSequences
-from strategies.models import GPT, GPTConfig, initial_value
+from pycollectives.strategies.data import GlobalBatches, SyntheticSequences
+from pycollectives.strategies.models import GPT, GPTConfig, initial_value
 
 
 def test_config_errors():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pycollectives as pc
-from strategies.mesh import AXES, ParallelDims
+from pycollectives.strategies.mesh import AXES, ParallelDims
 
 # Every factorization of 1..4 ranks into (dp, tp, pp).
 LAYOUTS = {

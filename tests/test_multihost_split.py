@@ -26,7 +26,7 @@ from multihost_jobs import run_on_hosts
 from test_multihost_faults import _address
 
 import pycollectives as pc
-from strategies.mesh import ParallelDims
+from pycollectives.strategies.mesh import ParallelDims
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
 

@@ -28,7 +28,7 @@ import torch
 from pipeline_cases import SCHEDULES, config, microbatches, reference
 
 import pycollectives as pc
-from strategies.pipeline import (
+from pycollectives.strategies.pipeline import (
     Action,
     Kind,
     PipelineError,
@@ -41,8 +41,8 @@ from strategies.pipeline import (
     peak_activations,
     simulate,
 )
-from strategies.pipeline.communications import gather_records
-from strategies.pipeline.stage import TIED
+from pycollectives.strategies.pipeline.communications import gather_records
+from pycollectives.strategies.pipeline.stage import TIED
 
 
 def run_case(comm: pc.Communicator, name: str, v: int, m: int, steps: int = 1) -> dict:
@@ -298,3 +298,39 @@ def test_records_cover_every_action(pool):
     want = {(r, str(a)) for r, acts in enumerate(s.actions) for a in acts}
     for n, got in pool(2).run(job_records):
         assert n == len(want) and got == want
+
+
+def job_interrupted(comm: pc.Communicator) -> str:
+    """Rank 1's stage forward raises KeyboardInterrupt (Ctrl-C in Python
+    code, not in a pycollectives wait) on its second micro-batch."""
+    s = build("1f1b", comm.world_size, 4)
+    sub = comm.split(0)  # aborted by the interrupt
+    stages = gpt_stages(config(s.num_stages), s.stages_of(comm.rank), s.num_stages)
+    calls = []
+
+    def ctrl_c(module, args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    if comm.rank == 1:
+        stages[0].register_forward_pre_hook(ctrl_c)
+    try:
+        PipelineRuntime(s, stages, sub, timeout=20).step(microbatches(4))
+        return "no error"
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt"
+    except PipelineError as e:
+        return f"{type(e.__cause__).__name__}: {e}"
+    finally:
+        sub.close()
+
+
+def test_an_interrupted_rank_is_named_not_a_mismatch(pool):
+    """Its peers say that rank 1 was interrupted: not a stop signal (a failed
+    step) nor, for a peer waiting for an end mark, a send/recv mismatch."""
+    out = pool(2).run(job_interrupted, timeout=90)
+    assert out[1] == "KeyboardInterrupt", out
+    assert out[0].startswith("CommunicatorAborted"), out[0]
+    assert "rank 1 was interrupted (SIGINT)" in out[0], out[0]
+    assert "stop signal" not in out[0] and "ismatch" not in out[0], out[0]

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from strategies.pipeline import (
+from pycollectives.strategies.pipeline import (
     Action,
     Kind,
     Schedule,

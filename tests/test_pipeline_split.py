@@ -13,9 +13,9 @@ from pipeline_cases import B, T, config, microbatches
 from torch import nn
 
 import pycollectives as pc
-from strategies.mesh import ParallelDims
-from strategies.models import GPT
-from strategies.pipeline import (
+from pycollectives.strategies.mesh import ParallelDims
+from pycollectives.strategies.models import GPT
+from pycollectives.strategies.pipeline import (
     AutogradStage,
     PipelineRuntime,
     SplitLinear,
@@ -27,8 +27,8 @@ from strategies.pipeline import (
     gpt_stages,
     layer_split,
 )
-from strategies.pipeline.stage import TIED
-from strategies.tensor_parallel import parallelize_gpt
+from pycollectives.strategies.pipeline.stage import TIED
+from pycollectives.strategies.tensor_parallel import parallelize_gpt
 
 
 def test_layer_split_balances_parameters():

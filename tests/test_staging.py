@@ -20,7 +20,14 @@ import torch
 
 import pycollectives as pc
 from pycollectives._cuda_args import cuda_args
-from pycollectives._staging import PinnedCache, Staged, StagedWork, Stager, cache_bytes_from_env
+from pycollectives._staging import (
+    PinnedCache,
+    Staged,
+    StagedWork,
+    Stager,
+    TorchCudaOps,
+    cache_bytes_from_env,
+)
 from pycollectives.work import Work
 
 
@@ -239,6 +246,22 @@ def test_pinned_buffers_are_reused_bounded_and_reused_only_after_their_copy_back
         cache.give(cache.take(n), None)
     assert cache.cached_bytes == 30  # the least recently returned went first
     assert cache.take(30) is not None and len(cache) == 0
+
+
+def test_torch_copy_back_writes_parameters_and_inference_tensors():
+    """TorchCudaOps.copy (the real device copy; stream None: the current one,
+    here on CPU tensors) writes outside autograd: into a Parameter, a view of
+    one, and an inference tensor outside inference mode (a wait() made after
+    leaving the mode the operation was issued in), as c10d's copies do."""
+    ops = TorchCudaOps()
+    p = torch.nn.Parameter(torch.zeros(3, 2))
+    with torch.inference_mode():
+        inf = torch.zeros(3)
+    ops.copy(p, torch.ones(3, 2), None)
+    ops.copy(p[:, 1], torch.full((3,), 2.0), None)
+    ops.copy(inf, torch.full((3,), 3.0), None)
+    assert p.tolist() == [[1.0, 2.0]] * 3 and p.is_leaf and p.requires_grad
+    assert inf.tolist() == [3.0] * 3
 
 
 def test_cache_size_setting(monkeypatch):

@@ -20,8 +20,8 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import pycollectives as pc
-from strategies.mesh import ParallelDims
-from strategies.tensor_parallel import (
+from pycollectives.strategies.mesh import ParallelDims
+from pycollectives.strategies.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,

@@ -20,11 +20,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pycollectives as pc
-from strategies.data import GlobalBatches, SyntheticSequences
-from strategies.ddp import DistributedDataParallel
-from strategies.mesh import ParallelDims
-from strategies.models import GPT, GPTConfig
-from strategies.tensor_parallel import (
+from pycollectives.strategies.data import GlobalBatches, SyntheticSequences
+from pycollectives.strategies.ddp import DistributedDataParallel
+from pycollectives.strategies.mesh import ParallelDims
+from pycollectives.strategies.models import GPT, GPTConfig
+from pycollectives.strategies.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,

@@ -21,10 +21,12 @@ from test_zero_common import (
 )
 
 import pycollectives as pc
-from strategies.ddp import DistributedDataParallel
-from strategies.models.gpt import GPT, GPTConfig
-from strategies.sharding import ShardingMismatch
-from strategies.zero import ZeroOptimizer
+from pycollectives.strategies.ddp import DistributedDataParallel
+from pycollectives.strategies.models.gpt import GPT, GPTConfig
+from pycollectives.strategies.sharding import ShardingMismatch
+from pycollectives.strategies.sharding import clip as clip_module
+from pycollectives.strategies.sharding.engine import count_storage
+from pycollectives.strategies.zero import ZeroOptimizer
 
 # Tolerances. Against DDP on 2 ranks: none (bitwise), since every average has
 # the same two terms ((a + b) / 2, commutative) and AdamW is elementwise. On 3
@@ -67,13 +69,12 @@ def test_zero_equals_ddp_and_single_process(pool, world_size):
         assert not bad, f"rank {r}: {bad}"
 
 
-def job_accumulate_and_clip(comm: pc.Communicator) -> list[str]:
-    """3 micro-batches per step (no_sync on the first 2), then clipping to a
-    norm the gradients exceed: equal to DDP with torch's clip_grad_norm_."""
+def job_accumulate(comm: pc.Communicator) -> list[str]:
+    """3 micro-batches per step (no_sync on the first 2): one reduce-scatter
+    per unit per step, bitwise equal to DDP."""
     bad = []
     steps = 4
     ref_acc = train_ddp(comm, steps, micro=3)
-    ref_clip = train_ddp(comm, steps, micro=3, clip=0.05)
     for mode in ("zero1", "zero2", "zero3"):
         before = comm.stats().get("reduce_scatter", {}).get("calls", 0)
         calls: list[int] = []
@@ -88,17 +89,56 @@ def job_accumulate_and_clip(comm: pc.Communicator) -> list[str]:
         err = differ(got, ref_acc)  # accumulation: bitwise on 2 ranks
         if err:
             bad.append(f"{mode} accumulation vs DDP: {err}")
-        got, _, _ = train(comm, mode, steps, micro=3, clip_to=0.05)
-        # The global norm sums the squares in another order than torch's norm
-        # of per-parameter norms: the clipping factor differs in the last bits.
-        err = differ(got, ref_clip, 1e-5, 1e-6)
+    return bad
+
+
+def test_accumulation_equals_ddp(pool):
+    for r, bad in enumerate(pool(2).run(job_accumulate, timeout=240)):
+        assert not bad, f"rank {r}: {bad}"
+
+
+CLIP_TO, CLIP_STEPS = 0.05, 10
+
+
+def job_clip(comm: pc.Communicator) -> list[str]:
+    """Accumulation (3 micro-batches), then clip_grad_norm_ to a norm the
+    gradients exceed at every step (the clip bites: coefficient < 1): the total
+    norms and the parameters equal DDP's with torch.nn.utils.clip_grad_norm_
+    (fp32), bit for bit, for ZeRO-1/2/3 and fully_shard. The model has
+    parameters that straddle two ranks' shards (their norms are taken whole)."""
+    bad: list[str] = []
+    want_norms: list[torch.Tensor] = []
+    want = train_ddp(comm, CLIP_STEPS, micro=3, clip=CLIP_TO, norms=want_norms)
+    bites = [float(CLIP_TO / (n + 1e-6)) for n in want_norms]
+    if not all(c < 1.0 for c in bites):
+        bad.append(f"the clip does not bite at every step: coefficients {bites}")
+    for mode in ("zero1", "zero2", "zero3", "fsdp", "zero2/all-reduce"):
+        norms: list[torch.Tensor] = []
+        # "/all-reduce": straddling parameters summed whole everywhere (the device route)
+        clip_module.ASSEMBLE_ON_OWNER = not mode.endswith("/all-reduce")
+        try:
+            got, model, opt = train(
+                comm, mode.split("/")[0], CLIP_STEPS, micro=3, clip_to=CLIP_TO, norms=norms
+            )
+        finally:
+            clip_module.ASSEMBLE_ON_OWNER = True
+        engine = model._root_engine() if mode == "fsdp" else opt.engine
+        flats = [f for u in engine.units for f in u.trainable]
+        straddling = sum(len(f.layout.holders(k)) > 1 for f in flats for k in range(len(f.params)))
+        if comm.world_size > 1 and not straddling:
+            bad.append(f"{mode}: no parameter straddles two shards (the test lost its point)")
+        if not all(torch.equal(a, b) for a, b in zip(norms, want_norms, strict=True)):
+            diffs = [float(a) - float(b) for a, b in zip(norms, want_norms, strict=True)]
+            bad.append(f"{mode}: total norms differ from DDP's by {diffs}")
+        err = differ(got, want)
         if err:
             bad.append(f"{mode} accumulation + clipping vs DDP: {err}")
     return bad
 
 
-def test_accumulation_and_clipping_equal_ddp(pool):
-    for r, bad in enumerate(pool(2).run(job_accumulate_and_clip, timeout=240)):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_clipping_equals_ddp_bitwise(pool, world_size):
+    for r, bad in enumerate(pool(world_size).run(job_clip, timeout=240)):
         assert not bad, f"rank {r}: {bad}"
 
 
@@ -167,21 +207,36 @@ def test_stage2_and_3_reduce_during_backward(pool):
 
 
 def job_clip_norm(comm: pc.Communicator) -> list[str]:
-    """The norm clip_grad_norm_ returns is the whole model's (orders 2 and inf):
-    the norm of the global batch's gradient, which the ranks' average is."""
+    """The norm clip_grad_norm_ returns is the whole model's (orders 1, 2 and
+    inf): the norm of the global batch's gradient, which the ranks' average is;
+    with bf16 gradients (taken in float32) too. A non-finite norm with
+    error_if_nonfinite raises on every rank and scales nothing."""
     bad = []
     ref = GPT(CFG)
     ref(*global_batch(comm.world_size, 0)).backward()
     grads = [p.grad for p in ref.parameters()]
-    for stage in (1, 2, 3):
+    for stage, kw in ((1, {}), (2, {}), (3, {}), (2, {"param_dtype": torch.bfloat16})):
         model = GPT(CFG)
-        zero = ZeroOptimizer(model, torch.optim.AdamW, comm, stage=stage, **OPT)
+        zero = ZeroOptimizer(model, torch.optim.AdamW, comm, stage=stage, **kw, **OPT)
         model(*local_batch(comm, 0)).backward()
-        for order in (2.0, float("inf")):
+        rtol = 2e-2 if kw else 1e-5
+        for order in (1.0, 2.0, float("inf")):
             want = torch.nn.utils.get_total_norm(grads, order)
             got = zero.clip_grad_norm_(1e9, order)  # max_norm far above: the norm alone
-            if not torch.allclose(got, want, rtol=1e-5):
-                bad.append(f"stage {stage} norm {order}: {got.item()} vs {want.item()}")
+            if got.dtype != torch.float32 or not torch.allclose(got, want, rtol=rtol):
+                bad.append(f"stage {stage} {kw} norm {order}: {got} vs {want}")
+    shard = zero.engine.grads.grad_shards()[0]
+    shard[0] = float("inf") if comm.rank == comm.world_size - 1 else shard[0]
+    before = [g.clone() for g in zero.engine.grads.grad_shards()]
+    try:
+        zero.clip_grad_norm_(1.0, error_if_nonfinite=True)
+        bad.append("an infinite gradient on one rank: no error")
+    except RuntimeError as e:
+        if f"rank {comm.rank}" not in str(e) or "inf" not in str(e):
+            bad.append(f"error_if_nonfinite: {e}")
+    after = zero.engine.grads.grad_shards()
+    if not all(torch.equal(a, b) for a, b in zip(before, after, strict=True)):
+        bad.append("error_if_nonfinite: the gradients were scaled before the error")
     return bad
 
 
@@ -275,7 +330,7 @@ def job_diverging_forwards(comm: pc.Communicator, mode: str) -> str:
     if mode == "zero3":
         opt = ZeroOptimizer(model, torch.optim.AdamW, sub, stage=3, **OPT)
     else:
-        from strategies.fsdp import fully_shard
+        from pycollectives.strategies.fsdp import fully_shard
 
         for block in model.blocks:
             fully_shard(block, sub)
@@ -366,7 +421,7 @@ def job_storage(comm: pc.Communicator, param_dtype: torch.dtype | None) -> dict:
         out["largest"] = max(f.layout.padded_numel * 4 for u in units for f in u.flats)
         out["flats"] = sum(len(u.flats) for u in units)
         out["count"] = len(list(model.parameters()))
-    from strategies.fsdp import MixedPrecisionPolicy, fully_shard
+    from pycollectives.strategies.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=4, n_head=2, d_model=32))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype)
@@ -380,6 +435,23 @@ def job_storage(comm: pc.Communicator, param_dtype: torch.dtype | None) -> dict:
         opt.step()
     out["fsdp"] = model.sharding_unit.engine.storage(opt)
     out["fsdp_steps"] = 4 * len(opt.state)  # AdamW's step counter per parameter
+    # DP: strategies.DDP with its defaults (gradient_as_bucket_view=True: .grad are
+    # views of the buckets), AdamW's step counters apart
+    model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=4, n_head=2, d_model=32))
+    ddp = DistributedDataParallel(model, comm)
+    opt = torch.optim.AdamW(ddp.parameters(), **OPT)
+    opt.zero_grad()
+    ddp(*local_batch(comm, 0)).backward()
+    opt.step()
+    params = list(model.parameters())
+    out["dp"] = count_storage(
+        {
+            "params": params,
+            "grads": [q.grad for q in params if q.grad is not None],
+            "buckets": [b.buffer for b in ddp.buckets.buckets],
+            "optimizer": [t for st in opt.state.values() for k, t in st.items() if k != "step"],
+        }
+    )
     return out
 
 
@@ -389,7 +461,8 @@ def test_storage_per_rank_matches_zero_formulas(pool, world_size, mixed):
     """AdamW, in bytes per parameter (ZeRO paper, Sec. 3; P parameters, N ranks):
 
         stage   fp32 (4 + 4 + 8)   bf16 params and gradients, fp32 master + state (2 + 2 + 12)
-        DP      16P                 16P
+        DP      16P                 16P (strategies.DDP, asserted in fp32: its default
+                                    gradient_as_bucket_view=True keeps no bucket copy)
         1       8P + 8P/N           4P + 12P/N
         2       4P + 12P/N          2P + 14P/N
         3       16P/N               14P/N (no 16-bit parameter shard kept: see below)
@@ -405,6 +478,8 @@ def test_storage_per_rank_matches_zero_formulas(pool, world_size, mixed):
     n = world_size
     res = pool(n).run(job_storage, torch.bfloat16 if mixed else None)
     for s in res:
+        # DP: 4 (parameters) + 4 (gradients, in the buckets) + 8 (AdamW) = 16P exactly
+        assert s["dp"]["buckets"] == 0 and sum(s["dp"].values()) == 4 * s["P"], s["dp"]
         # the meter: stages 1/2 all-gather after the step, stage 3 per unit in forward/backward
         assert [s[f"meter{k}"]["step_gather_s"] > 0 for k in (1, 2, 3)] == [True, True, False], s
         assert [s[f"meter{k}"]["gathers"] for k in (1, 2)] == [0, 0], s

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 import pycollectives as pc
-from strategies.data import SyntheticSequences
-from strategies.ddp import DistributedDataParallel
-from strategies.fsdp import MixedPrecisionPolicy, fully_shard
-from strategies.models.gpt import GPT, GPTConfig
-from strategies.zero import ZeroOptimizer
+from pycollectives.strategies.data import SyntheticSequences
+from pycollectives.strategies.ddp import DistributedDataParallel
+from pycollectives.strategies.fsdp import MixedPrecisionPolicy, fully_shard
+from pycollectives.strategies.models.gpt import GPT, GPTConfig
+from pycollectives.strategies.zero import ZeroOptimizer
 
 # Embedding, attention, MLP, layer norms, a head tied to the embedding: 2
 # blocks of d_model 16 (3,296 parameters each) and a root of 832.
@@ -61,10 +61,15 @@ def train_single(world: int, steps: int = STEPS) -> Params:
 
 
 def train_ddp(
-    comm: pc.Communicator, steps: int = STEPS, micro: int = 1, clip: float | None = None
+    comm: pc.Communicator,
+    steps: int = STEPS,
+    micro: int = 1,
+    clip: float | None = None,
+    norms: list[torch.Tensor] | None = None,
 ) -> Params:
     """strategies.DDP, the reference; `micro` micro-batches per step (no_sync
-    for all but the last), gradients clipped to `clip`."""
+    for all but the last), gradients clipped to `clip` (the total norms
+    torch.nn.utils.clip_grad_norm_ returns appended to `norms`)."""
     model = GPT(CFG)
     ddp = DistributedDataParallel(model, comm)
     opt = torch.optim.AdamW(ddp.parameters(), **OPT)
@@ -78,7 +83,9 @@ def train_ddp(
             else:
                 (ddp(x, y) / micro).backward()
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
+            total = torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
+            if norms is not None:
+                norms.append(total)
         opt.step()
     return named(model)
 
@@ -119,6 +126,7 @@ def train(
     micro: int = 1,
     clip_to: float | None = None,
     each_step: Callable[[int, GPT, Any], None] | None = None,
+    norms: list[torch.Tensor] | None = None,
     **kw: Any,
 ) -> tuple[Params, GPT, Any]:
     """Trains under `mode` as train_ddp does; returns (full parameters, model, optimizer)."""
@@ -133,7 +141,9 @@ def train(
             else:
                 (model(x, y) / micro).backward()
         if clip_to is not None:
-            clip(model, opt, clip_to)
+            total = clip(model, opt, clip_to)
+            if norms is not None:
+                norms.append(total)
         opt.step()
         if each_step is not None:
             each_step(step, model, opt)

@@ -25,8 +25,8 @@ import torch
 from test_zero_common import CFG, build, fsdp_kw, local_batch
 
 import pycollectives as pc
-from strategies.ddp import DistributedDataParallel
-from strategies.models.gpt import GPT, GPTConfig
+from pycollectives.strategies.ddp import DistributedDataParallel
+from pycollectives.strategies.models.gpt import GPT, GPTConfig
 
 CASES = {  # label: (mode, kwargs, factor k in kP(N-1)/N)
     "ddp": ("ddp", {}, 2),

@@ -287,6 +287,8 @@ PYBIND11_MODULE(_C, m) {
              return d;
            })
       .def("close", &C::close, G())
+      .def("abort", &C::abort, py::arg("message"), G())
+      .def_property_readonly("aborted", &C::is_aborted)
       .def("set_any_thread", &C::set_any_thread, py::arg("any"))
       .def_property_readonly("rank", &C::rank)
       .def_property_readonly("world_size", &C::world_size)

@@ -123,6 +123,13 @@ class Communicator final : public Links, public NetHost {
   // <error>" for each pending operation that failed. In a forked child, releases this process's
   // copy without touching the parent's threads or shared state.
   std::vector<std::string> close();
+  // Aborts the communicator on every rank with `msg` (the first abort wins):
+  // their pending and later operations raise CommunicatorAborted carrying it.
+  // For a rank that stops for a reason of its own (an interrupt in Python
+  // code) so that its peers say why instead of waiting. No-op once closed.
+  void abort(const std::string& msg);
+  // Whether an abort (an error, a timeout, a dead peer, abort()) is set.
+  bool is_aborted() const { return aborted(); }
   // Whether operations may be issued by any thread: the caller serializes
   // them (the torch backend does, under its lock). Otherwise the first
   // thread to issue one is the only one that may (check_issue).

@@ -282,6 +282,11 @@ void Communicator::set_abort(AbortKind kind, const std::string& msg) {
   if (net_) net_->send_abort(static_cast<int>(kind), rank_, msg);
 }
 
+void Communicator::abort(const std::string& msg) {
+  if (closed_.load()) return;
+  set_abort(AbortKind::kError, msg);
+}
+
 void Communicator::throw_abort() const {
   const uint32_t word = hdr_->abort_rank.load(std::memory_order_acquire);
   PYC_ASSERT(word != 0 && word <= static_cast<uint32_t>(n_));

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pycollectives.bench.launch import launch_mpi, launch_ranks
+from pycollectives.bench.launch import MPI_INSTALL, launch_mpi, launch_ranks, mpi_missing
 from pycollectives.bench.rank import JOINT_ENV, rank_main
 from pycollectives.bench.report import check_matplotlib
 from pycollectives.bench.specs import BACKENDS, COLLECTIVES, DTYPES, OPS, parse_size
@@ -242,6 +242,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("nccl runs on CUDA tensors only: add --device cuda")
     if "mpi" in args.compare + [args.backend] and args.device == "cuda":
         parser.error("--device cuda: the mpi comparison runs on CPU buffers only")
+    if (
+        "mpi" in args.compare + [args.backend]
+        and not _under_mpirun()
+        and (missing := mpi_missing())
+    ):
+        parser.error(
+            f"--compare mpi needs {' and '.join(missing)}, not found: {MPI_INSTALL} "
+            "(or leave mpi out of --compare)"
+        )
     try:
         if args.backend == "mpi" and not _under_mpirun():
             _check_root(parser, args)

@@ -187,7 +187,10 @@ def _mpi_argv(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def _mpi_missing() -> list[str]:
+MPI_INSTALL = "apt-get install openmpi-bin libopenmpi-dev && pip install mpi4py"
+
+
+def mpi_missing() -> list[str]:
     """What running MPI needs and this machine lacks (empty: nothing)."""
     return [
         w
@@ -247,10 +250,9 @@ def _run_mpi(
     args: argparse.Namespace, nproc: int, deadline: float
 ) -> tuple[dict, list[Row]] | None:
     """Run the same benchmark under mpirun (--backend mpi) and return its metadata and rows."""
-    if missing := _mpi_missing():
+    if missing := mpi_missing():
         print(
-            f"# --compare mpi: {' and '.join(missing)} not found; skipping MPI "
-            "(apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py)",
+            f"# --compare mpi: {' and '.join(missing)} not found; skipping MPI ({MPI_INSTALL})",
             flush=True,
         )
         return None
@@ -276,7 +278,7 @@ def launch_ranks(args: argparse.Namespace, argv: Sequence[str]) -> int:
     nproc = args.nproc or 2
     deadline = time.monotonic() + args.timeout
     # --interleave 1 with MPI: one mpirun job whose ranks run every backend in turn.
-    joint = args.interleave and "mpi" in args.compare and not _mpi_missing()
+    joint = args.interleave and "mpi" in args.compare and not mpi_missing()
     cpus = _rank_cpus(args, nproc)
     trip = cpu_round_trip()
     if trip:

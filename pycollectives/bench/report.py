@@ -194,6 +194,7 @@ def plot(path: str, rows: Sequence[Row]) -> None:
                 ax.plot(xs, ys, marker="o", markersize=3, label=backend)
         any_row = next(r for r in rows if r.collective == coll)
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # small and large sizes differ by orders of magnitude
         ax.set_title(f"{coll} ({any_row.dtype}, {any_row.nranks} ranks)")
         ax.set_xlabel("size (bytes)")
         ax.set_ylabel("busbw (GB/s)")

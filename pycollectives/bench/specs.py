@@ -78,7 +78,9 @@ def parse_size(text: str) -> int:
 
 
 def size_list(minbytes: int, maxbytes: int, factor: int) -> list[int]:
-    """Byte sizes from minbytes to maxbytes (inclusive), multiplied by ``factor`` each step."""
+    """Byte sizes from minbytes, multiplied by ``factor`` each step, up to and
+    including maxbytes: the end size is the last one even when the steps skip
+    it (``-b 8 -e 64M -f 4``: 8, 32, ..., 32M, 64M)."""
     sizes, s = [], max(minbytes, 0)
     while s <= maxbytes:
         sizes.append(s)
@@ -86,6 +88,8 @@ def size_list(minbytes: int, maxbytes: int, factor: int) -> list[int]:
             s = 1
             continue
         s *= factor
+    if sizes and sizes[-1] < maxbytes:
+        sizes.append(maxbytes)
     return sizes
 
 

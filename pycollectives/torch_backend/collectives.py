@@ -10,16 +10,22 @@ import torch
 
 from ..communicator import Communicator
 from .args import Args
-from .launch import Launch
+from .launch import Launch, outside_autograd
 from .options import CallOptions, check_complex
+
+
+def _scale(ts: list[torch.Tensor], factor: Any) -> None:
+    """PREMUL_SUM's scaling of the caller's tensors, in place."""
+    with outside_autograd():
+        for t in ts:
+            t.mul_(factor)
 
 
 def allreduce(a: Args, ts: list[torch.Tensor], o: CallOptions, value: Any) -> Launch:
     """All-reduce of each tensor in place (SUM, AVG, PRODUCT, MIN, MAX, PREMUL_SUM)."""
     check_complex(a, "allreduce", o, ts)
     if o.factor is not None:  # PREMUL_SUM: scale, then sum (in place, as NCCL)
-        for t in ts:
-            t.mul_(o.factor)
+        _scale(ts, o.factor)
     copies: list = []
     bufs = [a.buf(t, copies) for t in ts]
 
@@ -33,8 +39,7 @@ def allreduce_coalesced(a: Args, ts: list[torch.Tensor], o: CallOptions) -> Laun
     """All-reduce of several tensors as one call: one flat buffer per dtype."""
     check_complex(a, "allreduce_coalesced", o, ts)
     if o.factor is not None:
-        for t in ts:
-            t.mul_(o.factor)
+        _scale(ts, o.factor)
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in ts:
         groups.setdefault(t.dtype, []).append(t)
@@ -198,7 +203,7 @@ def reduce(a: Args, t: torch.Tensor, o: CallOptions) -> Launch:
     buf = a.buf(t, copies)
     if o.factor is not None:
         if a.rank == o.root:
-            buf.mul_(o.factor)
+            _scale([buf], o.factor)
         else:  # other ranks' tensors stay unchanged
             buf = buf.mul(o.factor)
             copies = []

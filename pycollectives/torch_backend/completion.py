@@ -10,6 +10,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .launch import outside_autograd
+
 
 class Completer:
     """One thread, started by the first submit. `wake_every()` says how long
@@ -58,8 +60,10 @@ class Completer:
             try:
                 for w in works:
                     w._work.wait(-1.0)  # the core's own timeout bounds this
-                for dst, src in copies:
-                    dst.copy_(src)
+                if copies:
+                    with outside_autograd():
+                        for dst, src in copies:
+                            dst.copy_(src)
             except BaseException as e:  # noqa: BLE001 - handed to the Futures
                 for f in futs:
                     f.set_exception(e)

@@ -12,7 +12,7 @@ import torch
 
 from ..communicator import Communicator
 from .args import Args
-from .launch import Launch
+from .launch import Launch, outside_autograd
 from .options import CallOptions
 
 
@@ -69,7 +69,8 @@ def _exchange(
     def issue(c: Communicator, async_op: bool) -> list:
         if ins[me].numel() != outs[me].numel():
             raise ValueError(a.err(name, differ))
-        outs[me].copy_(ins[me])
+        with outside_autograd():
+            outs[me].copy_(ins[me])
         return batch(c, ops, async_op, o.timeout)
 
     return issue, ops
@@ -167,7 +168,8 @@ def rooted(
         if local is not None:
             if local[0].numel() != local[1].numel():
                 raise ValueError(a.err(name, "output and input tensors differ in size"))
-            local[0].copy_(local[1])
+            with outside_autograd():
+                local[0].copy_(local[1])
         return batch(c, ops, async_op, o.timeout)
 
     return Launch(name, issue, output_tensors, copies, (one, ops))

@@ -374,31 +374,13 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             self._p2p.flush()
 
     def _launch(self, launch: Launch, o: CallOptions) -> PycollWork:
-        """Issues the core operations of one torch call and returns its Work.
-
-        Where torch waits at once (o.async_op False: the synchronous
-        torch.distributed calls), the operations run synchronously (the core's
-        fast path on this thread, no hand-off to the progress and completion
-        threads) and the Work returned is complete. Otherwise they are
-        asynchronous and the completion thread completes the Work."""
+        """Issues one torch call (synchronously where torch waits at once:
+        Launch.start) and returns its Work."""
         if self._closed:
             raise RuntimeError(self._args.err(launch.name, "the process group was shut down"))
         if groups.any_deferred_p2p():
             groups.flush_all_p2p()
-        fut = torch.futures.Future()
-        if not o.async_op:
-            with self._lock:
-                launch.issue(self._comm, False)
-            for dst, src in launch.copies:
-                dst.copy_(src)
-            fut.set_result(launch.value)
-            return self._work(fut, launch)
-        with self._lock:
-            works = launch.issue(self._comm, True)
-        if not works and not launch.copies:
-            fut.set_result(launch.value)
-        else:
-            self._completer.submit(works, [fut], [launch.value], launch.copies, launch.keep)
+        fut = launch.start(self._comm, self._lock, self._completer, o.async_op)
         return self._work(fut, launch)
 
     # -- lifetime ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 
 from ..communicator import Communicator, ReduceOp
 from .args import Args
-from .launch import Launch
+from .launch import Launch, outside_autograd
 from .options import CallOptions
 
 
@@ -36,7 +36,9 @@ def sparse_allreduce(a: Args, ts: list[torch.Tensor], o: CallOptions) -> Launch:
         )
 
     def issue(c: Communicator, async_op: bool) -> list:
-        t.copy_(_sum(a, c, t.coalesce(), o.timeout))
+        summed = _sum(a, c, t.coalesce(), o.timeout)
+        with outside_autograd():
+            t.copy_(summed)
         return []
 
     return Launch(name, issue, [t])

@@ -3,7 +3,7 @@ tensor parallel, one process), on pycollectives.
 
     save("ckpt/step-100", comm, model, optimizer, extra={"step": 100})
     extra = load("ckpt/step-100", comm, model, optimizer)     # any other layout
-    python -m strategies.checkpoint consolidate ckpt/step-100 model.safetensors
+    python -m pycollectives.strategies.checkpoint consolidate ckpt/step-100 model.safetensors
 
     format.py       the on-disk format: one safetensors file per rank + index.json (why: there)
     pieces.py       Piece: a box of a global tensor, optionally narrowed to a flat range
@@ -11,8 +11,9 @@ tensor parallel, one process), on pycollectives.
     state.py        a model and optimizer (ZeRO, FSDP, plain) as named entries on this rank
     saving.py       save(): a model and optimizer in any layout -> pieces
     loading.py      load(): pieces -> a model and optimizer in any layout
-    consolidation.py  one safetensors file from a checkpoint, streaming, without torch
-    __main__.py     python -m strategies.checkpoint consolidate DIR OUT
+    validate.py     every check on a checkpoint's files before a byte of data is read
+    consolidation.py  one safetensors file from a checkpoint, streaming, tensor by tensor
+    __main__.py     python -m pycollectives.strategies.checkpoint consolidate DIR OUT
 """
 
 from importlib import import_module
@@ -24,12 +25,13 @@ if TYPE_CHECKING:
     from .loading import load
     from .pieces import Piece
     from .saving import save
-    from .sharded import CheckpointError, load_pieces, save_pieces
+    from .sharded import load_pieces, save_pieces
+    from .validate import CheckpointError
 
-# Imported on first use (PEP 562), so that `python -m strategies.checkpoint
-# consolidate` and consolidate.py run without torch or pycollectives.
+# Imported on first use (PEP 562): `python -m pycollectives.strategies.checkpoint consolidate`
+# loads consolidation.py and format.py alone, not the save and load machinery.
 _WHERE = {
-    "CheckpointError": "sharded",
+    "CheckpointError": "validate",
     "Piece": "pieces",
     "consolidate": "consolidation",
     "load": "loading",
@@ -54,5 +56,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
-        raise AttributeError(f"module 'strategies.checkpoint' has no attribute {name!r}")
+        raise AttributeError(
+            f"module 'pycollectives.strategies.checkpoint' has no attribute {name!r}"
+        )
     return getattr(import_module(f".{_WHERE[name]}", __name__), name)

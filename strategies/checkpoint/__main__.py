@@ -1,6 +1,6 @@
-"""python -m strategies.checkpoint consolidate DIR OUT [--model-only]: one
-safetensors file from a sharded checkpoint (see consolidate.py); without
-torch, in memory about the largest tensor."""
+"""python -m pycollectives.strategies.checkpoint consolidate DIR OUT [--model-only]: one
+safetensors file from a sharded checkpoint (see consolidation.py); in
+memory about the largest tensor."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import argparse
 import sys
 
 from .consolidation import consolidate
+from .validate import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m strategies.checkpoint")
+    parser = argparse.ArgumentParser(prog="python -m pycollectives.strategies.checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate", help="one safetensors file from a sharded checkpoint")
     c.add_argument("dir", help="the checkpoint directory (holds index.json)")
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         stats = consolidate(args.dir, args.out, model_only=args.model_only)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, CheckpointError) as e:
         print(f"consolidate: {e}", file=sys.stderr)
         return 1
     print(

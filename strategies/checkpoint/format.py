@@ -61,7 +61,6 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "file_name",
-    "read_header",
     "read_index",
     "read_range",
     "read_stats",
@@ -176,25 +175,6 @@ def _write_tensor(f: BinaryIO, name: str, t: torch.Tensor, done: int) -> int:
     return done
 
 
-def read_header(path: Path) -> tuple[int, dict[str, Any]]:
-    """(offset of the data, header) of a safetensors file. Raises ValueError
-    naming the file if it is not one (too short, bad header)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        n = int.from_bytes(raw, "little")
-        size = os.fstat(f.fileno()).st_size
-        if n > min(size - 8, 100 << 20):
-            raise ValueError(f"{path}: not a safetensors file (header of {n} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise ValueError(f"{path}: not a safetensors file (header: {e})") from None
-    _STATS["header_bytes"] += 8 + n
-    return 8 + n, header
-
-
 def read_range(fd: int, offset: int, nbytes: int, path: str) -> bytearray:
     """nbytes of an open file from offset (os.pread: nothing else is read).
     Raises ValueError naming `path` if the file ends before."""
@@ -221,28 +201,14 @@ def read_stats(reset: bool = False) -> dict[str, int]:
 
 
 def read_index(path: str | os.PathLike) -> dict[str, Any]:
-    """The index of the checkpoint directory `path`. Raises FileNotFoundError
-    (no such directory, or no index: not a complete checkpoint) or ValueError
-    (not this format)."""
-    d = Path(path)
-    if not d.is_dir():
-        hint = ""
-        siblings = sorted(d.parent.glob(d.name + ".tmp-*")) if d.parent.is_dir() else []
-        if siblings:
-            hint = f" ({siblings[0].name} beside it is an unfinished save, never a checkpoint)"
-        raise FileNotFoundError(f"checkpoint directory {str(d)!r} does not exist{hint}")
-    f = d / INDEX
-    if not f.is_file():
-        raise FileNotFoundError(
-            f"{str(d)!r} has no {INDEX}: not a checkpoint (or not a complete one)"
-        )
-    index = json.loads(f.read_text())
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise ValueError(
-            f"{str(f)!r}: format {index.get('format')!r} version {index.get('version')!r}, "
-            f"expected {FORMAT!r} version {VERSION}"
-        )
-    return index
+    """The index of the checkpoint directory `path`, checked (validate.py:
+    every field, the files it lists, their sizes). Raises FileNotFoundError
+    (no such directory, or no index: not a complete checkpoint) or
+    CheckpointError (not a well-formed checkpoint of this format)."""
+    from .validate import Checkpoint
+
+    with Checkpoint(path) as ck:
+        return ck.index
 
 
 def make_index(

@@ -22,11 +22,12 @@ from torch import nn
 
 from pycollectives import Communicator
 
-from .format import dtype_from_name, read_index
+from .format import dtype_from_name
 from .pieces import Piece
 from .saving import OPTIM
-from .sharded import load_pieces
+from .sharded import load_from, load_pieces
 from .state import Entry, Layout, collect
+from .validate import Checkpoint, CheckpointError
 
 __all__ = ["load"]
 
@@ -49,14 +50,29 @@ def load(
     Raises ValueError on every rank when any rank finds a problem: no
     checkpoint at `path`, another model (the missing, unexpected and
     differently shaped names listed), another optimizer class; the model and
-    optimizer are then unchanged. CheckpointError if reading fails on a rank.
+    optimizer are then unchanged. CheckpointError on every rank if the
+    checkpoint is not well formed (validate.py) or reading fails on a rank.
     """
     what = f"load(path={str(path)!r})"
     lay = collect(model, optimizer, comm, what)
     try:
-        index = read_index(path)
-    except (OSError, ValueError):
+        ck = Checkpoint(path)  # checked once, read by every load_from below
+    except (OSError, CheckpointError):
         return load_pieces(comm, path, [], what=what)  # raises the same error on every rank
+    with ck:
+        return _load(comm, path, ck, lay, strict, what)
+
+
+def _load(
+    comm: Communicator | None,
+    path: str | os.PathLike,
+    ck: Checkpoint,
+    lay: Layout,
+    strict: bool,
+    what: str,
+) -> Any:
+    """load(), from the opened checkpoint `ck`."""
+    index = ck.index
     saved = index["tensors"]
     problems = _model_problems(lay.entries, saved, strict)
     pieces = [
@@ -75,10 +91,10 @@ def load(
                 f"optimizer is a {cls}, the checkpoint's a {meta['optimizer']['class']}"
             )
         else:
-            problems += _flat_scalar_problems(comm, path, lay, saved, what)
+            problems += _flat_scalar_problems(comm, path, ck, lay, saved, what)
             pieces += [] if problems else _state_pieces(lay, saved, created)
     try:
-        load_pieces(comm, path, pieces, problems, what=what)
+        load_from(comm, path, ck, pieces, problems, what)
     except BaseException:
         for p, k in created:  # leave the optimizer as it was
             st = lay.optimizer.state[p]  # type: ignore[union-attr]
@@ -131,6 +147,7 @@ def _saved_state(saved: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def _flat_scalar_problems(
     comm: Communicator | None,
     path: str | os.PathLike,
+    ck: Checkpoint,
     lay: Layout,
     saved: dict[str, Any],
     what: str,
@@ -157,7 +174,7 @@ def _flat_scalar_problems(
     pieces = [Piece.whole(f"{OPTIM}{k}/{n}", t) for k, g in shared for n, t in g]
     if not pieces:
         return []
-    load_pieces(comm, path, pieces, what=what)
+    load_from(comm, path, ck, pieces, None, what)
     out = []
     for k, g in shared:
         values: dict[float, list[str]] = {}

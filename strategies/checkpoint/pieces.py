@@ -138,28 +138,50 @@ def runs(
     while j >= 0 and offsets[j] == 0 and sizes[j] == shape[j]:
         j -= 1
     if j < 0:
-        base, length, rows = [0], math.prod(shape), 1
+        start0, length, rows = 0, math.prod(shape), 1
     else:
         length = sizes[j] * strides[j]
         rows = math.prod(sizes[:j])
         start0 = sum(o * s for o, s in zip(offsets, strides, strict=True))
-        base = _row_starts(start0, sizes[:j], strides[:j])
     lo, hi = (0, rows * length) if flat is None else flat
+    first, last = lo // length, min(-(-hi // length), rows)
     out: list[Run] = []
-    first, last = lo // length, -(-hi // length)
-    for k in range(first, min(last, rows)):
+    if first >= last:
+        return out
+    base = _row_starts(start0, sizes[:j], strides[:j], first, last - first) if j > 0 else [start0]
+    for k in range(first, last):
         a, b = max(lo, k * length), min(hi, (k + 1) * length)
         if a < b:
-            out.append((base[k] + a - k * length, a - lo, b - a))
+            out.append((base[k - first] + a - k * length, a - lo, b - a))
     return out
 
 
-def _row_starts(start0: int, sizes: Sequence[int], strides: Sequence[int]) -> list[int]:
-    """Global starts of every row of the outer dimensions, row-major."""
-    starts = [start0]
-    for size, stride in zip(sizes, strides, strict=True):
-        starts = [s + i * stride for s in starts for i in range(size)]
-    return starts
+def _row_starts(
+    start0: int, sizes: Sequence[int], strides: Sequence[int], first: int, count: int
+) -> list[int]:
+    """Global starts of rows first..first+count-1 of the outer dimensions,
+    row-major (only those: a flat range of a huge box costs its own rows)."""
+    if len(sizes) == 1:
+        return list(
+            range(start0 + first * strides[0], start0 + (first + count) * strides[0], strides[0])
+        )
+    idx, k = [0] * len(sizes), first
+    for d in range(len(sizes) - 1, -1, -1):
+        k, idx[d] = divmod(k, sizes[d])
+    pos = start0 + sum(i * s for i, s in zip(idx, strides, strict=True))
+    out = []
+    for _ in range(count):
+        out.append(pos)
+        d = len(sizes) - 1
+        while d >= 0:  # the next row: an odometer over the outer dimensions
+            idx[d] += 1
+            pos += strides[d]
+            if idx[d] < sizes[d]:
+                break
+            pos -= sizes[d] * strides[d]
+            idx[d] = 0
+            d -= 1
+    return out
 
 
 def copy_plan(dst: list[Run], src: list[Run]) -> list[Copy]:

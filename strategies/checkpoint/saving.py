@@ -1,7 +1,7 @@
 """save(): a model and its optimizer, in whatever layout they are, as a
 sharded checkpoint that loads into any other layout (load.py).
 
-    from strategies.checkpoint import save, load
+    from pycollectives.strategies.checkpoint import save, load
     save("ckpt/step-100", comm, model, zero, extra={"step": 100})   # ZeRO-3 on 4 ranks
     ...
     extra = load("ckpt/step-100", comm, model, opt)                 # FSDP on 2 ranks

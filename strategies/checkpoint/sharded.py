@@ -1,7 +1,7 @@
 """The low-level entry points: every rank saves its pieces (save_pieces) or
 loads the pieces it wants (load_pieces), whatever layout wrote them.
 
-    from strategies.checkpoint import Piece, save_pieces, load_pieces
+    from pycollectives.strategies.checkpoint import Piece, save_pieces, load_pieces
     # a column-parallel weight [out, in] split along dim 0 over tp ranks:
     rows = out // tp
     mine = Piece("fc.weight", (out, inp), w.dtype, offsets=(r * rows, 0), sizes=(rows, inp), data=w)
@@ -21,13 +21,17 @@ pieces it overlaps (os.pread).
 
 Bad input raises ValueError on every rank (the ranks exchange what each
 found before anything is written or read), naming the operation, the path,
-the rank(s) and the tensor.
+the rank(s) and the tensor. A checkpoint that is not well formed (validate.py:
+its index, and the header of every file a rank needs, are checked before any
+data is read) raises CheckpointError on every rank, naming the file, the
+tensor and the field.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import shutil
 import uuid
@@ -49,19 +53,13 @@ from .format import (
     dtype_name,
     file_name,
     make_index,
-    read_header,
-    read_index,
     read_range,
     write_safetensors,
 )
 from .pieces import Piece, copy_plan, overlaps, runs
+from .validate import Checkpoint, CheckpointError
 
 __all__ = ["CheckpointError", "load_pieces", "save_pieces"]
-
-
-class CheckpointError(RuntimeError):
-    """A save or load failed on some rank (I/O error, a rank died); the
-    previous checkpoint at the path is untouched."""
 
 
 def _rank(comm: Communicator | None) -> tuple[int, int]:
@@ -220,6 +218,9 @@ def _global_problems(every: list[dict[str, Any]]) -> list[str]:
                 f"'{name}': pieces of ranks {ps[a][0]} and {ps[b][0]} overlap "
                 "(save a replicated tensor from one rank)"
             )
+        held, numel = sum(n for r in rs for _, _, n in r), math.prod(shape)
+        if held != numel and not out:
+            out.append(f"'{name}': the pieces hold {held} of its {numel} elements (save all of it)")
     return out
 
 
@@ -282,38 +283,81 @@ def load_pieces(
 
     Raises ValueError on every rank if any rank finds a problem: no
     checkpoint at `path`, a tensor it lacks, another shape, elements the
-    checkpoint does not hold; CheckpointError if reading fails on some rank.
+    checkpoint does not hold; CheckpointError on every rank if the
+    checkpoint is not well formed (its index, or the header of a file some
+    rank reads: validate.py) or if reading fails on some rank.
     """
-    rank, _ = _rank(comm)
     what = what or f"load_pieces(path={str(path)!r})"
-    local = list(problems or [])
+    return load_from(comm, path, None, pieces, problems, what)
+
+
+def load_from(
+    comm: Communicator | None,
+    path: str | os.PathLike,
+    opened: Checkpoint | None,
+    pieces: list[Piece],
+    problems: list[str] | None,
+    what: str,
+) -> Any:
+    """load_pieces, from the checkpoint `opened` at `path` if not None (its
+    index already checked: load() reads it first; the caller closes it)."""
+    rank, _ = _rank(comm)
+    local, corrupt = list(problems or []), []
     plan: list[tuple[Piece, dict[str, Any], list[tuple[int, int, int]]]] = []
+    ck = opened
     try:
-        index = read_index(path)
-    except (OSError, ValueError) as e:
-        local.append(str(e))
-        index = None
-    if index is not None:
-        local += _plan(index, pieces, plan)
-    _agree(comm, what, local)
-    assert index is not None
-    error = None
-    try:
-        _execute(Path(path), index, plan)
-    except Exception as e:  # noqa: BLE001 - reported to every rank
-        error = f"{type(e).__name__}: {e}"
-    failed = [f"rank {r}: {e}" for r, e in enumerate(_exchange(comm, what, error)) if e]
-    if failed:
-        raise CheckpointError(f"{what}: rank {rank}: reading failed on " + "; ".join(failed))
-    return index.get("extra")
+        try:
+            ck = ck or Checkpoint(path)
+            local += _plan(ck, pieces, plan)
+            for f in dict.fromkeys(s["file"] for _, s, _ in plan):
+                ck.file(f)  # every header this rank reads from, checked before any data
+        except CheckpointError as e:
+            corrupt.append(str(e))
+        except OSError as e:
+            local.append(str(e))
+        _verdict(comm, what, local, corrupt)
+        assert ck is not None
+        error = None
+        try:
+            _execute(ck, plan)
+        except Exception as e:  # noqa: BLE001 - reported to every rank
+            error = f"{type(e).__name__}: {e}"
+        failed = [f"rank {r}: {e}" for r, e in enumerate(_exchange(comm, what, error)) if e]
+        if failed:
+            raise CheckpointError(f"{what}: rank {rank}: reading failed on " + "; ".join(failed))
+        return ck.index.get("extra")
+    finally:
+        if ck is not None and opened is None:
+            ck.close()
 
 
-def _plan(index: dict[str, Any], pieces: list[Piece], plan: list) -> list[str]:
+def _verdict(comm: Communicator | None, what: str, local: list[str], corrupt: list[str]) -> None:
+    """Collective: every rank raises CheckpointError if any rank found the
+    checkpoint malformed, else ValueError if any rank found a problem."""
+    rank = 0 if comm is None else comm.rank
+    every = _exchange(comm, what, {"p": local, "c": corrupt})
+    for key, error in (("c", CheckpointError), ("p", ValueError)):
+        found: dict[str, list[int]] = {}
+        for r, e in enumerate(every):
+            for m in e[key]:
+                found.setdefault(m, []).append(r)
+        if found:
+            if comm is None or comm.world_size == 1:
+                raise error(f"{what}: rank 0: " + "; ".join(found))
+            msgs = [
+                f"on {'rank ' + str(rs[0]) if len(rs) == 1 else f'ranks {rs}'}: {m}"
+                for m, rs in found.items()
+            ]
+            raise error(f"{what}: rank {rank}: " + "; ".join(msgs))
+
+
+def _plan(ck: Checkpoint, pieces: list[Piece], plan: list) -> list[str]:
     """Appends (wanted piece, saved piece, copies) to `plan`; returns the problems."""
     out = []
-    saved: dict[str, list[dict[str, Any]]] = {}
-    for p in index["pieces"]:
-        saved.setdefault(p["tensor"], []).append(p)
+    index = ck.index
+    saved: dict[str, list[tuple[dict[str, Any], list]]] = {}
+    for p, rs in zip(index["pieces"], ck.runs, strict=True):
+        saved.setdefault(p["tensor"], []).append((p, rs))
     missing = []
     for p in pieces:
         bad = p.problems() + ([f"'{p.tensor}': no data to load into"] if p.data is None else [])
@@ -329,11 +373,9 @@ def _plan(index: dict[str, Any], pieces: list[Piece], plan: list) -> list[str]:
             out += bad
             continue
         want = runs(p.shape, p.offsets or (), p.sizes or (), p.flat)
-        covered = 0
-        for s in saved.get(p.tensor, []):
-            if "_runs" not in s:
-                s["_runs"] = runs(meta["shape"], s["offsets"], s["sizes"], s["flat"])
-            ops = copy_plan(want, s["_runs"])
+        covered = 0  # saved pieces never overlap (validate.py): no element counts twice
+        for s, rs in saved.get(p.tensor, []):
+            ops = copy_plan(want, rs)
             if ops:
                 plan.append((p, s, ops))
                 covered += sum(n for _, _, n in ops)
@@ -347,34 +389,20 @@ def _plan(index: dict[str, Any], pieces: list[Piece], plan: list) -> list[str]:
     return out
 
 
-def _execute(path: Path, index: dict[str, Any], plan: list) -> None:
-    """Reads, per (wanted, saved) pair, the saved piece's byte span the copies touch."""
-    headers: dict[str, tuple[int, dict[str, Any]]] = {}
-    fds: dict[str, int] = {}
-    try:
-        for p, s, ops in plan:
-            f = s["file"]
-            if f not in fds:
-                headers[f] = read_header(path / f)
-                fds[f] = os.open(path / f, os.O_RDONLY)
-            start, header = headers[f]
-            entry = header.get(s["key"])
-            dtype = dtype_from_name(index["tensors"][p.tensor]["dtype"], f"{path / f}")
-            if entry is None or entry["dtype"] != index["tensors"][p.tensor]["dtype"]:
-                raise ValueError(f"{path / f}: key {s['key']!r} missing or of another dtype")
-            lo = min(o[1] for o in ops)
-            hi = max(o[1] + o[2] for o in ops)
-            size = dtype.itemsize
-            begin = start + entry["data_offsets"][0] + lo * size
-            if entry["data_offsets"][0] + hi * size > entry["data_offsets"][1]:
-                raise ValueError(f"{path / f}: key {s['key']!r} holds fewer bytes than indexed")
-            src = torch.frombuffer(
-                read_range(fds[f], begin, (hi - lo) * size, str(path / f)), dtype=dtype
-            )
-            dst = p.data.view(-1)
-            with torch.no_grad():
-                for d, sp, n in ops:
-                    dst[d : d + n].copy_(src[sp - lo : sp - lo + n])
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+def _execute(ck: Checkpoint, plan: list) -> None:
+    """Reads, per (wanted, saved) pair, the saved piece's byte span the copies
+    touch (inside its entry: checked by validate.py)."""
+    for p, s, ops in plan:
+        fd, start, header = ck.file(s["file"])
+        where = str(ck.path / s["file"])
+        entry = header[s["key"]]
+        dtype = dtype_from_name(ck.index["tensors"][p.tensor]["dtype"], where)
+        lo = min(o[1] for o in ops)
+        hi = max(o[1] + o[2] for o in ops)
+        size = dtype.itemsize
+        begin = start + entry["data_offsets"][0] + lo * size
+        src = torch.frombuffer(read_range(fd, begin, (hi - lo) * size, where), dtype=dtype)
+        dst = p.data.view(-1)
+        with torch.no_grad():
+            for d, sp, n in ops:
+                dst[d : d + n].copy_(src[sp - lo : sp - lo + n])

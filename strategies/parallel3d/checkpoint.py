@@ -3,7 +3,7 @@ or ZeRO-1/2/3 on dp), resumed in any other, through strategies.checkpoint's
 layout-free `save_pieces` / `load_pieces`.
 
 Tensors, under global names and shapes (as strategies.checkpoint.save names
-them, so `python -m strategies.checkpoint consolidate` reads them too):
+them, so `python -m pycollectives.strategies.checkpoint consolidate` reads them too):
 
     <parameter name>                       the GPT's names (the tied weight once,
                                            as embed.tok.weight)
@@ -29,10 +29,9 @@ from pathlib import Path
 
 import torch
 
-from strategies.checkpoint import Piece, load_pieces, read_index, save_pieces
-from strategies.pipeline.communications import agree
-from strategies.pipeline.stage import TIED
-
+from ..checkpoint import CheckpointError, Piece, load_pieces, read_index, save_pieces
+from ..pipeline.communications import agree
+from ..pipeline.stage import TIED
 from .trainer import Trainer3D, full_shapes
 
 __all__ = ["load_trainer", "save_trainer"]
@@ -166,7 +165,7 @@ def load_trainer(trainer: Trainer3D, directory: str | os.PathLike) -> int:
         if not isinstance(saved, dict) or saved.get("config") != repr(trainer.config):
             was = saved.get("config") if isinstance(saved, dict) else saved
             problems.append(f"the checkpoint is of {was}, this run trains {trainer.config}")
-    except (OSError, ValueError):
+    except (OSError, ValueError, CheckpointError):
         pass  # load_pieces says what is wrong
     extra = load_pieces(trainer.dims.world, directory, pieces, problems, what=what)
     for h, step in zip(held, steps, strict=True):

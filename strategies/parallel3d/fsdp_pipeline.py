@@ -33,11 +33,12 @@ import torch
 from torch import nn
 
 from pycollectives import Communicator
-from strategies.fsdp import fully_shard
-from strategies.models.gpt import Block
-from strategies.pipeline import PipelineRuntime
-from strategies.pipeline.communications import sum_tied_gradients
-from strategies.pipeline.stage import TIED
+
+from ..fsdp import fully_shard
+from ..models.gpt import Block
+from ..pipeline import PipelineRuntime
+from ..pipeline.communications import sum_tied_gradients
+from ..pipeline.stage import TIED
 
 __all__ = ["reduce_after_step", "shard_stages", "unsynced"]
 

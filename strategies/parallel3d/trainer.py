@@ -56,19 +56,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pycollectives import ReduceOp
+from pycollectives import PyCollectivesError, ReduceOp
 from pycollectives._buffers import cuda_built
-from strategies.data import GlobalBatches, SyntheticSequences
-from strategies.fsdp import fully_shard
-from strategies.grad_average import StepGradAverager
-from strategies.mesh import ParallelDims
-from strategies.models.gpt import Block, Embedding, GPTConfig, LMHead
-from strategies.parallel3d.fsdp_pipeline import reduce_after_step, shard_stages, unsynced
-from strategies.pipeline import PipelineRuntime, build, deferred_parameters, gpt_stages
-from strategies.pipeline.communications import agree, digest
-from strategies.pipeline.stage import TIED
-from strategies.tensor_parallel import parallelize_gpt
-from strategies.zero import ZeroOptimizer
+
+from ..data import GlobalBatches, SyntheticSequences
+from ..fsdp import fully_shard
+from ..grad_average import StepGradAverager
+from ..mesh import ParallelDims
+from ..models.gpt import Block, Embedding, GPTConfig, LMHead
+from ..pipeline import PipelineError, PipelineRuntime, build, deferred_parameters, gpt_stages
+from ..pipeline.communications import agree, digest
+from ..pipeline.stage import TIED
+from ..tensor_parallel import parallelize_gpt
+from ..zero import ZeroOptimizer
+from .fsdp_pipeline import reduce_after_step, shard_stages, unsynced
 
 __all__ = [
     "DEVICES",
@@ -293,7 +294,22 @@ class Trainer3D:
         return list(zip(x.chunk(m), y.chunk(m), strict=True))
 
     def step(self) -> StepStats:
-        """Collective: one training step (step `step_index`, then incremented)."""
+        """Collective: one training step (step `step_index`, then incremented).
+
+        A communication error (a dead, stopped or interrupted peer, a timeout,
+        a mismatch), raised on every rank, names the ranks as world ranks with
+        their (dp, tp, pp) coordinates, whichever group communicator failed."""
+        try:
+            return self._step()
+        except (PyCollectivesError, PipelineError) as e:
+            # A pipeline error names pipeline ranks (unless tensor-parallel
+            # collectives inside a stage failed: then the aborted one decides).
+            axis = "pp" if isinstance(e, PipelineError) and self.dims.tp == 1 else None
+            e.args = (f"step {self.step_index} on {self.dims.where()}: "
+                      f"{self.dims.in_world_terms(str(e), axis)}",)  # fmt: skip
+            raise
+
+    def _step(self) -> StepStats:
         start = time.perf_counter()
         k = self.step_index
         if self.zero is not None:

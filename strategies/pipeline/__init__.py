@@ -1,7 +1,7 @@
 """Pipeline parallelism: schedules as data, their verifier, their simulator
 and a timeline drawing; and the runtime that executes them on pycollectives.
 
-    from strategies.pipeline import one_f_one_b, verify, simulate
+    from pycollectives.strategies.pipeline import one_f_one_b, verify, simulate
     s = one_f_one_b(p=4, m=8)  # per-rank action lists, sends and receives included
     print(s)  # step x rank table of torch's action strings (2F0, 1SEND_B3)
     verify(s)  # no deadlock, every dependency; else ScheduleError(rank, step)
@@ -14,8 +14,8 @@ and a timeline drawing; and the runtime that executes them on pycollectives.
 See docs/pipeline.md for the execution model and the runtime.
 """
 
-from strategies.pipeline.actions import Action, Kind, parse_action
-from strategies.pipeline.builders import (
+from .actions import Action, Kind, parse_action
+from .builders import (
     BUILDERS,
     build,
     gpipe,
@@ -25,26 +25,26 @@ from strategies.pipeline.builders import (
     with_comms,
     zb_h1,
 )
-from strategies.pipeline.engine import Record, execute
-from strategies.pipeline.executor import ActivationLedger, AutogradStage
-from strategies.pipeline.runtime import PipelineError, PipelineRuntime, StepResult, run_step
-from strategies.pipeline.schedule import Op, Schedule, ScheduleError, format_table
-from strategies.pipeline.simulate import SimResult, peak_activations, simulate, timed_table
-from strategies.pipeline.split_backward import (
+from .engine import Record, execute
+from .executor import ActivationLedger, AutogradStage
+from .runtime import PipelineError, PipelineRuntime, StepResult, run_step
+from .schedule import Op, Schedule, ScheduleError, format_table
+from .simulate import SimResult, peak_activations, simulate, timed_table
+from .split_backward import (
     SplitLinear,
     SplitLMHead,
     WeightGradStore,
     deferred_parameters,
     split_weight_gradients,
 )
-from strategies.pipeline.split_tensor_parallel import (
+from .split_tensor_parallel import (
     SplitColumnParallelLinear,
     SplitParallelLMHead,
     SplitRowParallelLinear,
 )
-from strategies.pipeline.stage import GPTStage, TensorSpec, balance, gpt_stages, layer_split
-from strategies.pipeline.timeline import draw_timeline, draw_timelines, missing_matplotlib
-from strategies.pipeline.trace import (
+from .stage import GPTStage, TensorSpec, balance, gpt_stages, layer_split
+from .timeline import draw_timeline, draw_timelines, missing_matplotlib
+from .trace import (
     Measured,
     chrome_trace,
     draw_measured_and_simulated,
@@ -52,7 +52,7 @@ from strategies.pipeline.trace import (
     normalized,
     save_chrome_trace,
 )
-from strategies.pipeline.verify import check_static, pair_messages, verify
+from .verify import check_static, pair_messages, verify
 
 __all__ = [
     "BUILDERS",

@@ -20,8 +20,8 @@ from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Callable
 
-from strategies.pipeline.actions import COUNTERPART, Action, Kind
-from strategies.pipeline.schedule import Schedule
+from .actions import COUNTERPART, Action, Kind
+from .schedule import Schedule
 
 __all__ = [
     "BUILDERS",

@@ -34,10 +34,11 @@ import torch
 from torch import nn
 
 from pycollectives import Communicator
-from strategies.pipeline.actions import Action, Kind
-from strategies.pipeline.engine import Record
-from strategies.pipeline.schedule import Schedule
-from strategies.pipeline.stage import TensorSpec
+
+from .actions import Action, Kind
+from .engine import Record
+from .schedule import Schedule
+from .stage import TensorSpec
 
 __all__ = [
     "MessageCodes",

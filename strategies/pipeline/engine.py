@@ -19,8 +19,8 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from strategies.pipeline.actions import COMPUTE, Action, Kind
-from strategies.pipeline.schedule import Schedule, ScheduleError
+from .actions import COMPUTE, Action, Kind
+from .schedule import Schedule, ScheduleError
 
 __all__ = ["Record", "execute"]
 

@@ -33,20 +33,21 @@ from typing import TYPE_CHECKING
 import torch
 
 from pycollectives import PyCollectivesError
-from strategies.pipeline.actions import Action, Kind
-from strategies.pipeline.communications import (
+
+from .actions import Action, Kind
+from .communications import (
     agree,
     exchange_end_marks,
     stop_peers,
     sum_tied_gradients,
 )
-from strategies.pipeline.engine import Record
-from strategies.pipeline.executor import ActivationLedger
-from strategies.pipeline.schedule import Op
-from strategies.pipeline.stage import TensorSpec
+from .engine import Record
+from .executor import ActivationLedger
+from .schedule import Op
+from .stage import TensorSpec
 
 if TYPE_CHECKING:
-    from strategies.pipeline.runtime import PipelineRuntime
+    from .runtime import PipelineRuntime
 
 __all__ = ["PipelineError", "StepExecution"]
 
@@ -127,7 +128,9 @@ class StepExecution:
                 )
             agree(rt.comm, f"pipeline iteration {self.it}", leak, timeout=rt.timeout)
         except KeyboardInterrupt:
-            stop_peers(rt.comm, rt.peers)
+            # Not the stop signal: a peer would report it as a failed step (or,
+            # waiting for an end mark, as a send/recv mismatch). The abort says why.
+            rt.comm.abort(f"rank {rt.comm.rank} was interrupted (SIGINT)")
             raise
         except Exception as e:
             raise self.fail(e) from e

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from strategies.pipeline.split_backward import WeightGradStore, split_weight_gradients
-from strategies.pipeline.stage import TensorSpec
+from .split_backward import WeightGradStore, split_weight_gradients
+from .stage import TensorSpec
 
 __all__ = ["ActivationLedger", "AutogradStage"]
 

@@ -42,21 +42,22 @@ import torch
 from torch import nn
 
 from pycollectives import Communicator
-from strategies.pipeline.actions import Action, Kind
-from strategies.pipeline.communications import (
+
+from .actions import Action, Kind
+from .communications import (
     MessageCodes,
     agree,
     digest,
     gather_specs,
     gather_tie_holders,
 )
-from strategies.pipeline.engine import Record
-from strategies.pipeline.execution import PipelineError, StepExecution
-from strategies.pipeline.executor import AutogradStage
-from strategies.pipeline.schedule import Schedule
-from strategies.pipeline.simulate import peak_activations
-from strategies.pipeline.stage import TensorSpec
-from strategies.pipeline.verify import verify
+from .engine import Record
+from .execution import PipelineError, StepExecution
+from .executor import AutogradStage
+from .schedule import Schedule
+from .simulate import peak_activations
+from .stage import TensorSpec
+from .verify import verify
 
 __all__ = ["PipelineError", "PipelineRuntime", "StepResult", "run_step"]
 

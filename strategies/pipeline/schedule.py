@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from strategies.pipeline.actions import COMPUTE, TORCH_BOOKKEEPING, Action, parse_action
+from .actions import COMPUTE, TORCH_BOOKKEEPING, Action, parse_action
 
 __all__ = ["Op", "Schedule", "ScheduleError", "format_table"]
 

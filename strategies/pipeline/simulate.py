@@ -30,10 +30,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from strategies.pipeline.actions import Action, Kind
-from strategies.pipeline.engine import Record, execute
-from strategies.pipeline.schedule import Schedule
-from strategies.pipeline.verify import check_static
+from .actions import Action, Kind
+from .engine import Record, execute
+from .schedule import Schedule
+from .verify import check_static
 
 __all__ = ["SimResult", "peak_activations", "simulate", "timed_table"]
 

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from strategies.models.gpt import LMHead
+from ..models.gpt import LMHead
 
 __all__ = [
     "SplitLMHead",
@@ -221,7 +221,7 @@ def split_weight_gradients(module: nn.Module, store: WeightGradStore) -> int:
     `store`; parameters and their names are unchanged. Returns how many
     layers were replaced."""
     # here, not at the top: split_tensor_parallel builds on this module
-    from strategies.pipeline.split_tensor_parallel import tensor_parallel_splits
+    from .split_tensor_parallel import tensor_parallel_splits
 
     splits = {nn.Linear: SplitLinear.from_linear, LMHead: SplitLMHead.from_head}
     splits.update(tensor_parallel_splits())

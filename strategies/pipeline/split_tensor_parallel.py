@@ -35,13 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.pipeline.split_backward import (
-    WeightGradStore,
-    _LinearFn,
-    _Pending,
-    bias_grad,
-)
-from strategies.tensor_parallel.communications import (
+from ..tensor_parallel.communications import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
     gather_from_tp_region,
@@ -49,13 +43,19 @@ from strategies.tensor_parallel.communications import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
-from strategies.tensor_parallel.layers import (
+from ..tensor_parallel.layers import (
     SEQUENCE_DIM,
     ColumnParallelLinear,
     RowParallelLinear,
     vocab_parallel_cross_entropy,
 )
-from strategies.tensor_parallel.parallelize import ParallelLMHead
+from ..tensor_parallel.parallelize import ParallelLMHead
+from .split_backward import (
+    WeightGradStore,
+    _LinearFn,
+    _Pending,
+    bias_grad,
+)
 
 __all__ = [
     "SplitColumnParallelLinear",

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from strategies.models.gpt import Block, Embedding, GPTConfig, LMHead, initial_value, materialize
+from ..models.gpt import Block, Embedding, GPTConfig, LMHead, initial_value, materialize
 
 __all__ = ["GPTStage", "TensorSpec", "balance", "gpt_stages", "layer_split"]
 

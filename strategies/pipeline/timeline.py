@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 
-from strategies.pipeline.actions import Action, Kind, parse_action
+from .actions import Action, Kind, parse_action
 
 __all__ = ["MATPLOTLIB_MISSING", "draw_timeline", "draw_timelines", "missing_matplotlib"]
 

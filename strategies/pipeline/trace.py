@@ -15,9 +15,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from strategies.pipeline.actions import Action
-from strategies.pipeline.engine import Record
-from strategies.pipeline.timeline import draw_timelines
+from .actions import Action
+from .engine import Record
+from .timeline import draw_timelines
 
 __all__ = [
     "Measured",

@@ -40,9 +40,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from strategies.pipeline.actions import COMPUTE, COUNTERPART, RECVS, SENDS, Kind
-from strategies.pipeline.engine import Slot, execute
-from strategies.pipeline.schedule import Schedule, ScheduleError
+from .actions import COMPUTE, COUNTERPART, RECVS, SENDS, Kind
+from .engine import Slot, execute
+from .schedule import Schedule, ScheduleError
 
 __all__ = ["ScheduleError", "check_static", "pair_messages", "verify"]
 

@@ -6,7 +6,8 @@ equal shard, gathered and reduce-scattered on pycollectives.
     unit.py            ShardedUnit: one module's flat parameters, gather / free, its hooks
     engine.py          ShardingEngine: forward / backward orchestration, prefetch, order checks
     meter.py           EngineMeter: exposed communication, copies, all-gathers in flight
-    gradients.py       GradReducer: gradients to averaged shards, no_sync, clip_grad_norm_
+    gradients.py       GradReducer: gradients to averaged shards, no_sync
+    clip.py            clip_grad_norm_ from the shards, bitwise as torch on the full gradients
     communications.py  the collectives as named functions; OrderGuard and ShardingMismatch
     checks.py          what every rank agrees on before communicating (clear errors, no hangs)
 """

@@ -22,7 +22,6 @@ sequence of collectives.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pycollectives import Communicator, ReduceOp, Work
+from pycollectives import Communicator, Work
 
+from .clip import clip_grad_norm
 from .communications import REDUCE, reduce_scatter_flat
 from .flat_param import FlatParam
 
@@ -265,32 +265,11 @@ class GradReducer:
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
-        """Collective: the norm of the whole model's gradient, computed from the
-        shards (each rank's partial sum, one all-reduce), then every shard scaled
-        by min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_ does.
-        Returns the total norm (float32). Raises RuntimeError on every rank for
+        """Collective: clips the gradient shards by the whole model's norm,
+        bitwise as torch.nn.utils.clip_grad_norm_ on the full gradients (see
+        clip.py); returns the total norm. Raises RuntimeError on every rank for
         a non-finite norm with error_if_nonfinite."""
-        grads = self.grad_shards()
-        device = next((f.device for u in self.order for f in u.trainable), torch.device("cpu"))
-        p = float(norm_type)
-        if math.isinf(p):
-            local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
-        else:
-            local = sum(
-                float(torch.linalg.vector_norm(g, p, dtype=torch.float32)) ** p for g in grads
-            )
-        t = torch.tensor([local], dtype=torch.float32, device=device)
-        self.comm.all_reduce(t, ReduceOp.MAX if math.isinf(p) else ReduceOp.SUM)
-        total = t[0] if math.isinf(p) else t[0] ** (1.0 / p)
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RuntimeError(
-                f"sharding: rank {self.comm.rank}: the total norm of order {p} of the gradients is "
-                f"{float(total)}; clip_grad_norm_(error_if_nonfinite=True)"
-            )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total
+        return clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite)
 
     def buffers(self) -> list[torch.Tensor]:
         """Every gradient buffer held (for storage accounting)."""

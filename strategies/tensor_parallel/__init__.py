@@ -13,7 +13,7 @@ from outside the model as torchtitan does):
     model = parallelize_gpt(GPT(GPTConfig()), dims, sequence_parallel=True)
 """
 
-from strategies.tensor_parallel.layers import (
+from .layers import (
     SEQUENCE_DIM,
     ColumnParallelLinear,
     RowParallelLinear,
@@ -22,7 +22,7 @@ from strategies.tensor_parallel.layers import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from strategies.tensor_parallel.parallelize import (
+from .parallelize import (
     ParallelEmbedding,
     ParallelLMHead,
     parallelize_gpt,

@@ -32,7 +32,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from pycollectives import Communicator, ReduceOp
-from strategies.tensor_parallel.communications import (
+
+from .communications import (
     column_parallel_linear,
     copy_to_tp_region,
     gather_from_tp_region,

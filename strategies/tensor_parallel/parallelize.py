@@ -29,14 +29,15 @@ import torch
 from torch import nn
 
 from pycollectives import Communicator
-from strategies.mesh import ParallelDims
-from strategies.models.gpt import GPT, Block
-from strategies.tensor_parallel.communications import (
+
+from ..mesh import ParallelDims
+from ..models.gpt import GPT, Block
+from .communications import (
     column_parallel_linear,
     gather_from_tp_region,
     scatter_to_sequence_parallel_region,
 )
-from strategies.tensor_parallel.layers import (
+from .layers import (
     SEQUENCE_DIM,
     ColumnParallelLinear,
     RowParallelLinear,
