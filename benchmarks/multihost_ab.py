@@ -6,7 +6,9 @@ multihost.py's job_sweep).
 The two builds' `_C*.so` (--old, --new; either left out: the installed one)
 are copied in turn into pycollectives/ before each round, in alternating
 order (old, new; new, old; ...), and the installed one is put back at the
-end. --old-env / --new-env (NAME=VALUE, repeatable) set environment variables
+end. Where the Python side changed too, --old-tree names a source tree built
+in place (`python setup.py build_ext --inplace`) whose pycollectives the old
+side's ranks import instead (e.g. `git archive main | tar -x -C /tmp/main`). --old-env / --new-env (NAME=VALUE, repeatable) set environment variables
 (PYCOLL_SOCKET_BUFFER, PYCOLL_NSLOTS, ...) for that side's ranks only, so one
 build's settings can be compared the same way. On a shared machine the time
 per call moves several-fold between rounds, so the table gives, beside the
@@ -28,24 +30,26 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import _doc  # noqa: E402
-import multihost  # noqa: E402
 import netns  # noqa: E402
 from multihost_jobs import run_on_hosts  # noqa: E402
 
+# (_doc and multihost import pycollectives: main() imports them, so that the
+# ranks, which import this script first, can take it from --old-tree.)
 SIZES = [2 << 20, 16 << 20]
 COLLS = ["all_reduce", "all_gather", "reduce_scatter"]
 
 
-def table(res: dict[tuple, list[float]]) -> list[str]:
+def table(res: dict[tuple, list[float]], colls: list[str], sizes: list[int]) -> list[str]:
     """Medians (ms), their ratio, the median of the rounds' ratios, the rounds won."""
+    import _doc
+
     out = [
         "| collective | size | old ms | new ms | new / old (medians) "
         "| new / old (median over rounds) | rounds new faster |",
         "|---|---|---|---|---|---|---|",
     ]
-    for coll in COLLS:
-        for size in SIZES:
+    for coll in colls:
+        for size in sizes:
             old, new = res[(coll, size, "old")], res[(coll, size, "new")]
             ratios = [b / a for a, b in zip(old, new, strict=True)]
             o, n = statistics.median(old), statistics.median(new)
@@ -72,6 +76,9 @@ def parse_env(items: list[str], option: str) -> dict[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--old", help="the baseline build's _C*.so (default: the installed one)")
+    ap.add_argument("--old-tree", help="a source tree built in place, for the baseline's ranks")
+    ap.add_argument("--sizes", help="comma-separated sizes in bytes (default: 2 MiB, 16 MiB)")
+    ap.add_argument("--colls", help=f"comma-separated collectives (default: {','.join(COLLS)})")
     ap.add_argument("--new", help="the candidate build's _C*.so (default: the installed one)")
     for side in ("old", "new"):
         ap.add_argument(
@@ -91,6 +98,12 @@ def main() -> None:
         "leaving earlier A/B records in place)",
     )
     args = ap.parse_args()
+    import _doc
+    import multihost
+
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else SIZES
+    colls = args.colls.split(",") if args.colls else COLLS
+    trees = {"old": args.old_tree, "new": None}
     envs = {
         side: parse_env(getattr(args, f"{side}_env"), f"--{side}-env") for side in ("old", "new")
     }
@@ -111,11 +124,12 @@ def main() -> None:
                         fabric,
                         [0, 1],
                         multihost.job_sweep,
-                        COLLS,
-                        SIZES,
+                        colls,
+                        sizes,
                         0,
                         env=envs[which],
                         timeout=300,
+                        tree=trees[which],
                     )[0]
                     for _, coll, size, sec in rows:
                         res.setdefault((coll, size, which), []).append(sec)
@@ -129,7 +143,7 @@ def main() -> None:
         "a round's time is the median of 3 repetitions (multihost.py's job_sweep)",
     ]
     for side in ("old", "new"):
-        build = getattr(args, side) or "the installed build"
+        build = getattr(args, side) or trees[side] or "the installed build"
         env = " ".join(f"{k}={v}" for k, v in envs[side].items()) or "default settings"
         notes.append(f"{side.capitalize()}: {Path(build).name}, {env}")
     if args.what:
@@ -140,7 +154,7 @@ def main() -> None:
         "Across hosts: A/B of two builds or settings (2 hosts x 1 rank)",
         "`sudo python benchmarks/multihost_ab.py " + shlex.join(sys.argv[1:]) + "`",
         notes,
-        table(res),
+        table(res, colls, sizes),
         not args.no_write,
     )
 

@@ -109,10 +109,15 @@ class Bootstrap:
             time.sleep(0.005)
         return self._store_call(self._store.get, f"{self._key}/{name}").decode()
 
-    def take(self, name: str, seconds: float, what: str) -> str:
-        """wait_for(name), for a value that must not outlive the set-up (the
-        job's secret): the last rank to read it deletes it from the store."""
-        value = self.wait_for(name, seconds, what)
+    def get(self, name: str) -> str:
+        """The value of `name`, which rank 0 set before a key this rank waited
+        for (one round trip to the store, not wait_for's two)."""
+        return self._store_call(self._store.get, f"{self._key}/{name}").decode()
+
+    def take(self, name: str) -> str:
+        """get(name), for a value that must not outlive the set-up (the job's
+        secret): the last rank to read it deletes it from the store."""
+        value = self.get(name)
         if self._store_call(self._store.add, f"{self._key}/{name}-read", 1) == self.n:
             self.delete(name)
         return value

@@ -189,10 +189,10 @@ def _connect(
     return core
 
 
-def _hex(boot: Bootstrap, name: str, nbytes: int, seconds: float, what: str, take: bool) -> bytes:
+def _hex(boot: Bootstrap, name: str, nbytes: int, take: bool) -> bytes:
     """The `nbytes` bytes that store key `name` holds in hexadecimal (taken:
     deleted once every rank read it); raises ValueError naming the key."""
-    text = (boot.take if take else boot.wait_for)(name, seconds, what)
+    text = boot.take(name) if take else boot.get(name)
     try:
         value = bytes.fromhex(text)
     except ValueError:
@@ -228,14 +228,21 @@ def _connect_hosts(
     hosts = [first[i] for i in ids]
     me = hosts[rank]
     creator = hosts.index(me) == rank
-    if rank == 0:
-        boot.set("config", ",".join(str(v) for v in _C.resolved_config(world_size)))
-        boot.set("auth", "env" if secret is not None else "store")
+    if rank == 0:  # "config" last: the others read the rest once it is there
         if secret is None:
             boot.set("authkey", os.urandom(STORE_BYTES).hex())
         boot.set("commid", os.urandom(16).hex())
-    config = tuple(int(v) for v in boot.wait_for("config", seconds, "rank 0's settings").split(","))
-    mode = boot.wait_for("auth", seconds, "rank 0's choice of secret")
+        values = ",".join(str(v) for v in _C.resolved_config(world_size))
+        boot.set("config", f"{values};{'env' if secret is not None else 'store'}")
+    values, _, mode = boot.wait_for("config", seconds, "rank 0's settings").partition(";")
+    try:
+        config = tuple(int(v) for v in values.split(","))
+    except ValueError:
+        config = ()
+    if len(config) != 4 or mode not in ("env", "store"):
+        raise ValueError(
+            f"pycollectives: rank {rank}: init: the store's {boot._key}/config is malformed"
+        )
     if (mode == "env") != (secret is not None):
         raise ValueError(
             f"pycollectives: rank {rank}: init: {ENV_KEY} (or {ENV_FILE}) is set on "
@@ -243,8 +250,8 @@ def _connect_hosts(
             " set it on every rank or on none"
         )
     if secret is None:
-        secret = _hex(boot, "authkey", STORE_BYTES, seconds, "rank 0's secret", take=True)
-    comm_id = _hex(boot, "commid", 16, seconds, "rank 0's communicator id", take=False)
+        secret = _hex(boot, "authkey", STORE_BYTES, take=True)
+    comm_id = _hex(boot, "commid", 16, take=False)
     if creator:
         name = boot.segment = _C.unique_segment_name()
         boot.set(f"segment/{me}", name)

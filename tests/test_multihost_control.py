@@ -45,8 +45,8 @@ def _fake_rank1(port: int, d: str, scenario: str) -> str:
     k = "pycoll/0/"
     store.set(k + "id/1", "fake:1:0:fake")  # another host's process: not checked
     store.set(k + "host/1", "fake-host")
+    assert store.get(k + "config").decode().endswith(";env")  # PYCOLL_AUTH_KEY's secret
     comm_id = bytes.fromhex(store.get(k + "commid").decode())
-    assert store.get(k + "auth") == b"env"
     srv = socket.create_server((netns.addr(1), 0))
     mine = srv.getsockname()
     store.set(k + "addr/1", f"{mine[0]}:{mine[1]}")
@@ -106,7 +106,10 @@ def _pair(rank: int, world: int, hosts: list[str], d: str, scenario: str):
             while not Path(d, "streamed").exists():
                 time.sleep(0.01)
             time.sleep(0.5)  # the last bytes are read
-            return comm.net_info()["control_buffer_peak" if scenario == "stream" else "rejected"]
+            if scenario == "duplicate":
+                comm.close()  # the count stays readable after close
+                return comm.net_info()["rejected"]
+            return comm.net_info()["control_buffer_peak"]
         try:
             comm.all_reduce(torch.ones(4), timeout=1.0)
         except pc.PyCollectivesError as e:

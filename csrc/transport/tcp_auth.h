@@ -24,7 +24,6 @@
 #include <cstdint>
 #include <string>
 
-#include "core/function_ref.h"
 #include "core/sha256.h"
 #include "transport/tcp_socket.h"
 

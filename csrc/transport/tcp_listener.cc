@@ -217,7 +217,7 @@ void TcpListener::on_accept() {
   }
 }
 
-void TcpListener::answer(Pending& p) {
+bool TcpListener::answer(Pending& p) {
   random_bytes(p.nonce, sizeof(p.nonce));
   Challenge ch{};
   ch.magic = kNetMagic;
@@ -227,7 +227,7 @@ void TcpListener::answer(Pending& p) {
   std::memcpy(ch.mac, mac.data(), mac.size());
   p.challenged = true;
   p.got = 0;
-  if (!send_all_nb(p.fd, &ch, sizeof(ch))) p.got = SIZE_MAX;  // refused by the caller
+  return send_all_nb(p.fd, &ch, sizeof(ch));
 }
 
 void TcpListener::on_pending(size_t slot) {
@@ -256,8 +256,7 @@ void TcpListener::on_pending(size_t slot) {
       std::string why;
       const Refusal r = host_.vet(p.hello, &why);
       if (r != Refusal::kNone) return refuse(slot, r, why);
-      answer(p);
-      if (p.got == SIZE_MAX)
+      if (!answer(p))
         return refuse(slot, Refusal::kNone, "the challenge to its handshake could not be sent");
       continue;
     }

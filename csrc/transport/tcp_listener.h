@@ -78,8 +78,8 @@ class TcpListener {
   void refuse(size_t slot, Refusal status, const std::string& why);
   void evict_for(const std::string& source);
   void log(const std::string& from, const std::string& why);
-  void flush_log();  // the count of lines left out, if any
-  void answer(Pending& p);
+  void flush_log();         // the count of lines left out, if any
+  bool answer(Pending& p);  // sends the Challenge: false if it could not
   void finish(size_t slot);
 
   int rank_;

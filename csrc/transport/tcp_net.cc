@@ -580,7 +580,7 @@ void TcpNet::close() {
       close_quietly(c->fd);
       c->fd = -1;
     }
-  listener_.reset();  // its socket and the pending handshakes
+  listener_->stop();  // its socket and the pending handshakes (the counts stay)
   listening_.store(false);
   close_quietly(epoll_fd_);
   close_quietly(wake_fd_);
