@@ -277,7 +277,7 @@ def test_slow_peer_on_another_host_is_named(fabric):
 
 def _stopped_rank_of_another_host(comm: pc.Communicator, d: str) -> str:
     """Rank 2 stops rank 3 (its host's other rank; SIGSTOP) once every rank
-    is past a barrier; the others all-reduce with a 2 s timeout."""
+    is past a barrier; the others all-reduce, rank 1 with a 2 s timeout."""
     x = torch.ones(10)
     comm.all_reduce(x)
     with open(f"{d}/pid{comm.rank}", "w") as f:
@@ -291,7 +291,9 @@ def _stopped_rank_of_another_host(comm: pc.Communicator, d: str) -> str:
     if comm.rank == 3:
         time.sleep(1.0)  # stopped in here, before the all-reduce
     try:
-        comm.all_reduce(x, timeout=2.0)
+        # Rank 1 times out first (the others wait longer): its own verdict is the
+        # one under test, and the first error reported wins on every rank.
+        comm.all_reduce(x, timeout=2.0 if comm.rank == 1 else 5.0)
         msg = "none"
     except pc.PyCollectivesError as e:
         msg = str(e)
