@@ -11,6 +11,7 @@ through the store and answers rank 0's control handshake, then
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
 import time
@@ -127,7 +128,8 @@ def test_a_streaming_peer_cannot_grow_the_control_buffer(fabric, tmp_path):
 def test_an_idle_time_that_would_overflow_is_clamped(fabric, tmp_path):
     msg, _ = spawn.run(_pair, 2, fabric.hosts, str(tmp_path), "status", timeout=90)
     assert "Timed out" in msg and "for rank 1 (it reached this operation but has not waited" in msg
-    assert "for 86400000 ms" in msg, msg  # clamped to a day
+    # clamped to a day (plus the milliseconds the answer took to be read, under load)
+    assert re.search(r"for 864000\d\d ms", msg), msg
 
 
 def test_a_second_connection_for_the_same_stripe_is_refused(fabric, tmp_path):
