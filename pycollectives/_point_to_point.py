@@ -37,7 +37,7 @@ class PointToPoint:
             if self._across_hosts:
                 call = lambda h, a: self.send(h[0], dst, async_op=a, timeout=timeout)  # noqa: E731
                 return stage(self, [Staged(tensor, "tensor", True, False)], call, async_op)
-            w = _C.cuda_send(self._c, ptr, n, dt, dst, dev, stream(), to_seconds(timeout))
+            w = _C.cuda_send(self._c, ptr, n, dt, dst, dev, stream(), async_op, to_seconds(timeout))
             return cuda_ret(self, w, async_op, stream, tensor)
         ptr, n, dt = describe(tensor, self.rank, "send", "tensor", writable=False)
         dst = self._root(dst, "dst", "send")
@@ -65,7 +65,7 @@ class PointToPoint:
             if self._across_hosts:
                 call = lambda h, a: self.recv(h[0], src, async_op=a, timeout=timeout)  # noqa: E731
                 return stage(self, [Staged(tensor, "tensor", False, True)], call, async_op)
-            w = _C.cuda_recv(self._c, ptr, n, dt, src, dev, stream(), to_seconds(timeout))
+            w = _C.cuda_recv(self._c, ptr, n, dt, src, dev, stream(), async_op, to_seconds(timeout))
             w = cuda_ret(self, w, async_op, stream, tensor)
             return src if w is None else w
         ptr, n, dt = describe(tensor, self.rank, "recv", "tensor")

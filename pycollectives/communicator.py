@@ -129,7 +129,9 @@ class Communicator(PointToPoint):
             if self._across_hosts:
                 call = lambda h, a: self.all_reduce(h[0], op, async_op=a, timeout=timeout)  # noqa: E731
                 return stage(self, [Staged(tensor, "tensor", True, True)], call, async_op)
-            w = _C.cuda_all_reduce(self._c, ptr, n, dt, code, dev, stream(), to_seconds(timeout))
+            w = _C.cuda_all_reduce(
+                self._c, ptr, n, dt, code, dev, stream(), async_op, to_seconds(timeout)
+            )
             return cuda_ret(self, w, async_op, stream, tensor)
         ptr, n, dt = describe(tensor, self.rank, "all_reduce", "tensor")
         code = _op_code(op, self.rank, "all_reduce")
@@ -165,7 +167,7 @@ class Communicator(PointToPoint):
         if cuda:
             dev, stream = cuda
             w = _C.cuda_reduce_scatter(
-                self._c, po, pi, no, di, code, dev, stream(), to_seconds(timeout)
+                self._c, po, pi, no, di, code, dev, stream(), async_op, to_seconds(timeout)
             )
             return cuda_ret(self, w, async_op, stream, output, input)
         w = self._c.reduce_scatter(po, pi, no, di, code, async_op, to_seconds(timeout))
@@ -196,7 +198,9 @@ class Communicator(PointToPoint):
             return stage_pair(self, output, input, call, async_op)
         if cuda:
             dev, stream = cuda
-            w = _C.cuda_all_gather(self._c, po, pi, ni, di, dev, stream(), to_seconds(timeout))
+            w = _C.cuda_all_gather(
+                self._c, po, pi, ni, di, dev, stream(), async_op, to_seconds(timeout)
+            )
             return cuda_ret(self, w, async_op, stream, output, input)
         w = self._c.all_gather(po, pi, ni, di, async_op, to_seconds(timeout))
         return self._ret(w, output, input)
@@ -214,7 +218,9 @@ class Communicator(PointToPoint):
                 call = lambda h, a: self.broadcast(h[0], src, async_op=a, timeout=timeout)  # noqa: E731
                 bufs = [Staged(tensor, "tensor", self.rank == src, self.rank != src)]
                 return stage(self, bufs, call, async_op)
-            w = _C.cuda_broadcast(self._c, ptr, n, dt, src, dev, stream(), to_seconds(timeout))
+            w = _C.cuda_broadcast(
+                self._c, ptr, n, dt, src, dev, stream(), async_op, to_seconds(timeout)
+            )
             return cuda_ret(self, w, async_op, stream, tensor)
         ptr, n, dt = describe(tensor, self.rank, "broadcast", "tensor")
         src = self._root(src, "src", "broadcast")
@@ -241,7 +247,7 @@ class Communicator(PointToPoint):
                 bufs = [Staged(tensor, "tensor", True, self.rank == dst)]
                 return stage(self, bufs, call, async_op)
             to = to_seconds(timeout)
-            w = _C.cuda_reduce(self._c, ptr, n, dt, code, dst, dev, stream(), to)
+            w = _C.cuda_reduce(self._c, ptr, n, dt, code, dst, dev, stream(), async_op, to)
             return cuda_ret(self, w, async_op, stream, tensor)
         ptr, n, dt = describe(tensor, self.rank, "reduce", "tensor")
         dst = self._root(dst, "dst", "reduce")
@@ -279,7 +285,7 @@ class Communicator(PointToPoint):
             return stage_pair(self, output, input, call, async_op)
         if cuda:
             (dev, stream), count, to = cuda, ni // self.world_size, to_seconds(timeout)
-            w = _C.cuda_all_to_all(self._c, po, pi, count, di, dev, stream(), to)
+            w = _C.cuda_all_to_all(self._c, po, pi, count, di, dev, stream(), async_op, to)
             return cuda_ret(self, w, async_op, stream, output, input)
         w = self._c.all_to_all(po, pi, ni // self.world_size, di, async_op, to_seconds(timeout))
         return self._ret(w, output, input)

@@ -256,13 +256,47 @@ def job_overlaps_other_stream(comm: pc.Communicator) -> list[str]:
     return bad
 
 
+def job_sync_after_async(comm: pc.Communicator) -> list[str]:
+    """A synchronous call issued while asynchronous ones are pending runs after
+    them (queued, not on the caller's thread ahead of them), and the caller's
+    current device is unchanged by a synchronous call."""
+    dev = _device(comm)
+    torch.cuda.set_device(dev)
+    n = comm.world_size
+    xs = [torch.full((4097,), float(comm.rank + k), device=dev) for k in range(3)]
+    works = [comm.all_reduce(x, async_op=True) for x in xs]
+    y = torch.ones(4097, device=dev)
+    comm.all_reduce(y)  # queued behind the three
+    z = torch.ones(1, device=dev)
+    comm.all_reduce(z)  # nothing pending now (y has completed): on this thread
+    bad = []
+    if torch.cuda.current_device() != dev.index:
+        bad.append(f"current device changed to {torch.cuda.current_device()}")
+    if not all(w.is_completed() for w in works):
+        bad.append("a synchronous call returned before the asynchronous ones issued before it")
+    for w in works:
+        w.wait()
+    for k, x in enumerate(xs):
+        want = float(sum(r + k for r in range(n)))
+        if not bool((x == want).all().item()):
+            bad.append(f"async all_reduce {k}: wrong")
+    if not bool((y == n).all().item()) or not bool((z == n).all().item()):
+        bad.append("synchronous all_reduce: wrong")
+    return bad
+
+
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("world_size", CUDA_WORLD_SIZES)
 @pytest.mark.parametrize(
     "job",
-    [job_issue_waits_for_caller_stream, job_wait_orders_current_stream, job_overlaps_other_stream],
+    [
+        job_issue_waits_for_caller_stream,
+        job_wait_orders_current_stream,
+        job_overlaps_other_stream,
+        job_sync_after_async,
+    ],
     ids=lambda j: j.__name__[4:],
 )
 def test_cuda_stream_semantics(pool, job, world_size, path):

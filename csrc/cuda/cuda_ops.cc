@@ -40,7 +40,7 @@ bool CudaWork::wait_stream(uintptr_t stream, double timeout_s) {
     // The operation may also fail before its body runs (an abort, a peer's
     // error, the lead check): then only the core Work completes, so look at
     // it too, every millisecond; and for Ctrl-C, as Work::wait does.
-    for (int polls = 1; !recorded_ && !failed_ && !work->is_completed(); ++polls) {
+    for (int polls = 1; work && !recorded_ && !failed_ && !work->is_completed(); ++polls) {
       if (Clock::now() >= deadline) return false;
       cv_.wait_for(lk, std::chrono::milliseconds(1));
       if (polls % 5 != 0) continue;
@@ -54,7 +54,7 @@ bool CudaWork::wait_stream(uintptr_t stream, double timeout_s) {
   // Failed before its last kernel was enqueued: Work::wait rethrows (the
   // engine finishes the Work right after the body throws). An error found
   // later (while draining) is rethrown once the Work has completed.
-  if (!recorded || work->is_completed()) work->wait(-1);
+  if (work && (!recorded || work->is_completed())) work->wait(-1);
   if (!recorded || host_only) return true;  // host_only: complete, nothing to wait for
   DeviceGuard g(device);
   PYC_CUDA_CHECK(
@@ -62,9 +62,9 @@ bool CudaWork::wait_stream(uintptr_t stream, double timeout_s) {
   return true;
 }
 
-bool CudaWork::wait_host(double timeout_s) { return work->wait(timeout_s); }
+bool CudaWork::wait_host(double timeout_s) { return !work || work->wait(timeout_s); }
 
-bool CudaWork::is_completed() { return work->is_completed(); }
+bool CudaWork::is_completed() { return !work || work->is_completed(); }
 
 // ---- operations ----
 

@@ -5,7 +5,9 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 
 #include "cuda/check.h"
 #include "cuda/cuda_path_impl.h"
@@ -116,23 +118,30 @@ std::shared_ptr<CudaWork> CudaPath::issue(const OpSig& sig, const CudaCall& call
     }
   }
   auto self = shared_from_this();  // queued operations keep the path alive
-  Communicator::Body body = [self, w, collective = p2p_peer < 0, fn = std::move(fn)](OpCtx& c) {
-    self->run(c, *w, collective, fn);
+  Communicator::Body body = [self, w, collective = p2p_peer < 0, fn = std::move(fn),
+                             caller = std::this_thread::get_id()](OpCtx& c) {
+    self->run(c, *w, collective, fn, std::this_thread::get_id() == caller);
   };
+  const bool async = !call.sync;
   if (p2p_peer >= 0) {
-    w->work = comm_.point_to_point(sig, p2p_peer, call.timeout_s, true, std::move(body));
+    w->work = comm_.point_to_point(sig, p2p_peer, call.timeout_s, async, std::move(body));
   } else {
     collective_issued_.store(true);
-    w->work = comm_.collective(sig, call.timeout_s, true, std::move(body));
+    w->work = comm_.collective(sig, call.timeout_s, async, std::move(body));
   }
   return w;
 }
 
-void CudaPath::run(OpCtx& c, CudaWork& w, bool collective, const OpFn& fn) {
+void CudaPath::run(OpCtx& c, CudaWork& w, bool collective, const OpFn& fn, bool on_caller) {
+  // The caller's thread gets its current device back. The engine's own thread
+  // keeps ours (restoring device 0 there would create a context on it in a
+  // process that does not use it).
+  std::optional<DeviceGuard> guard;
   try {
-    // The engine's own thread: set, never restored (restoring device 0 would
-    // create a context there in a process that does not use it).
-    PYC_CUDA_CHECK(cudaSetDevice(device_));
+    if (on_caller)
+      guard.emplace(device_);
+    else
+      PYC_CUDA_CHECK(cudaSetDevice(device_));
     if (!links_) {
       // Only a collective may set up (every rank runs it); a send/recv was
       // admitted after a CUDA collective was issued, so that one failed.

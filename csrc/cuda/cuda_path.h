@@ -36,10 +36,15 @@ struct CudaCall {
   int device = -1;        // the device of every buffer of the call
   uintptr_t stream = 0;   // the caller's current cudaStream_t (0: legacy default stream)
   double timeout_s = -1;  // < 0: the communicator's default
+  // The caller waits for the operation at once (a synchronous call): with
+  // nothing pending on the communicator it runs on the caller's thread, as a
+  // synchronous CPU operation does, instead of a hand-off to the progress
+  // engine and back (two thread wake-ups per operation).
+  bool sync = false;
 };
 
-// Completion handle of one CUDA operation (every CUDA operation is run by the
-// progress engine, so every call returns one).
+// Completion handle of one CUDA operation. `work` is null for a synchronous
+// operation (CudaCall::sync), which has run by the time the call returns.
 class CudaWork {
  public:
   // Blocks until the operation's final event is recorded (its last kernel is
@@ -57,7 +62,7 @@ class CudaWork {
   // finished): wait_stream needs no stream wait.
   void set_recorded(bool host_only);
   void set_failed();
-  std::shared_ptr<Work> work;
+  std::shared_ptr<Work> work;  // null: the operation ran synchronously
   // Recorded on the caller's stream at issue; null when that stream was idle.
   std::shared_ptr<CudaEvent> issue_event;
   // Recorded after the operation's last kernel (staging path only; null for

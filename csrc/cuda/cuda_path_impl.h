@@ -44,7 +44,9 @@ class CudaPath : public std::enable_shared_from_this<CudaPath> {
   void check_rank(int r, const char* what, OpKind kind) const { comm_.check_rank(r, what, kind); }
   void check_peer(int peer, const char* what, OpKind kind) const;
   // Records the issue event on the caller's stream and queues the operation
-  // (a collective, or point-to-point with p2p_peer >= 0).
+  // (a collective, or point-to-point with p2p_peer >= 0); a synchronous one
+  // (call.sync) has run when this returns, on the caller's thread if nothing
+  // was pending, and rethrows its error.
   std::shared_ptr<CudaWork> issue(const OpSig& sig, const CudaCall& call, int p2p_peer, OpFn fn);
   int rank() const { return comm_.rank_; }
   int nranks() const { return comm_.n_; }
@@ -60,7 +62,9 @@ class CudaPath : public std::enable_shared_from_this<CudaPath> {
   void after_issue();
 
  private:
-  void run(OpCtx& c, CudaWork& w, bool collective, const OpFn& fn);
+  // Runs one issued operation; `on_caller` when it runs on the thread that
+  // issued it (the caller's current device is then restored afterwards).
+  void run(OpCtx& c, CudaWork& w, bool collective, const OpFn& fn, bool on_caller);
   // Allocates the staging memory, exchanges the IPC handles with a CPU
   // all-gather inside the first CUDA collective (every rank reaches it at the
   // same sequence number) and maps the peers' buffers.

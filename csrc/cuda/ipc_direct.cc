@@ -15,22 +15,24 @@ namespace {
 // Peer allocations kept mapped per peer before the cache is emptied (after
 // the stream is synchronised, so that no queued kernel still uses them).
 constexpr size_t kMaxMapped = 256;
+// Own allocations whose handles are kept (a training step reuses a few).
+constexpr size_t kMaxExported = 64;
 
-using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+using GetAttributes = CUresult (*)(unsigned, CUpointer_attribute*, void**, CUdeviceptr);
 
-// cuMemGetAddressRange, looked up once through the runtime (the extension
+// cuPointerGetAttributes, looked up once through the runtime (the extension
 // links no libcuda); null if the driver does not provide it.
-GetAddressRange address_range_fn() {
-  static const GetAddressRange fn = [] {
+GetAttributes attributes_fn() {
+  static const GetAttributes fn = [] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault,
+    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttributes", &p, 12000, cudaEnableDefault,
                                          &q) != cudaSuccess ||
         q != cudaDriverEntryPointSuccess) {
       (void)cudaGetLastError();
       p = nullptr;
     }
-    return reinterpret_cast<GetAddressRange>(p);
+    return reinterpret_cast<GetAttributes>(p);
   }();
   return fn;
 }
@@ -54,18 +56,31 @@ IpcDirect::~IpcDirect() {
 }
 
 bool IpcDirect::export_buffer(const void* p, cudaIpcMemHandle_t* h, uint64_t* off) {
-  const GetAddressRange range = address_range_fn();
+  const GetAttributes get = attributes_fn();
   CUdeviceptr base = 0;
-  size_t size = 0;
-  if (range == nullptr || range(&base, &size, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS)
+  unsigned long long id = 0;
+  CUpointer_attribute attrs[] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                                 CU_POINTER_ATTRIBUTE_BUFFER_ID};
+  void* data[] = {&base, &id};
+  if (get == nullptr || get(2, attrs, data, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS ||
+      base == 0)
     return false;
-  // Not cached: a freed and reallocated allocation at the same address gets a
-  // new handle, and a stale one would map the old memory.
+  const auto b = static_cast<uintptr_t>(base);
+  *off = reinterpret_cast<uintptr_t>(p) - b;
+  // Cached by (base, id): a freed and reallocated allocation at the same
+  // address has a new id, so a stale handle (the old memory) is never sent.
+  for (auto it = exported_.rbegin(); it != exported_.rend(); ++it) {
+    if (it->base == b && it->id == id) {
+      *h = it->handle;
+      return true;
+    }
+  }
   if (cudaIpcGetMemHandle(h, reinterpret_cast<void*>(base)) != cudaSuccess) {
     (void)cudaGetLastError();  // e.g. memory of a stream-ordered pool
     return false;
   }
-  *off = reinterpret_cast<uintptr_t>(p) - static_cast<uintptr_t>(base);
+  if (exported_.size() >= kMaxExported) exported_.erase(exported_.begin());
+  exported_.push_back({b, id, *h});
   return true;
 }
 

@@ -87,6 +87,15 @@ class IpcDirect {
   // Rank `peer`'s allocation behind `h`, mapped here (opened once, then cached).
   char* map(int peer, const cudaIpcMemHandle_t& h);
 
+  // An allocation exported before: its base address, its process-wide unique
+  // id (CU_POINTER_ATTRIBUTE_BUFFER_ID: a freed and reallocated allocation at
+  // the same address gets a new one) and its handle.
+  struct Exported {
+    uintptr_t base;
+    unsigned long long id;
+    cudaIpcMemHandle_t handle;
+  };
+
   int rank_, n_;
   cudaStream_t stream_;
   bool one_worker_;
@@ -95,6 +104,9 @@ class IpcDirect {
   uint32_t seq_ = 0;
   // Per peer: the allocations mapped so far, by handle bytes.
   std::vector<std::unordered_map<std::string, char*>> mapped_;
+  // Our allocations exported so far, the most recent last (cudaIpcGetMemHandle
+  // costs a driver call per buffer per operation otherwise).
+  std::vector<Exported> exported_;
 };
 
 }  // namespace pyc
