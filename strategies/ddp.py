@@ -25,6 +25,8 @@ from pycollectives.bucketing import (
     BucketSet,
 )
 
+from .autograd_threads import autograd_comm
+
 __all__ = ["CompressionHook", "DistributedDataParallel"]
 
 
@@ -115,7 +117,7 @@ class DistributedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         self.module = module
-        self.comm = comm
+        self.comm = autograd_comm(comm)
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view

@@ -22,6 +22,8 @@ import torch
 
 from pycollectives import Communicator
 
+from .autograd_threads import autograd_comm
+
 __all__ = ["AXES", "ParallelDims"]
 
 AXES: tuple[str, ...] = ("pp", "dp", "tp")  # the rank layout, outermost first
@@ -70,7 +72,7 @@ class ParallelDims:
             color = self.rank_of(**others, **{axis: 0})
             sub = comm.split(color, key=self.coords[axis])
             assert sub is not None and sub.rank == self.coords[axis], (axis, sub)
-            self._comms[axis] = sub
+            self._comms[axis] = autograd_comm(sub)
 
     # -- sizes, coordinates, communicators ----------------------------------------
     @property

@@ -75,7 +75,10 @@ def job_timeouts(comm: pc.Communicator) -> list[tuple]:
     return out
 
 
-def job_second_thread(comm: pc.Communicator) -> tuple:
+def job_second_thread(pool_comm: pc.Communicator) -> tuple:
+    # A communicator of its own: a strategy given the pool's one lets any thread issue
+    # (pycollectives.strategies.autograd_threads).
+    comm = pool_comm.split(0, key=pool_comm.rank)
     comm.all_reduce(torch.ones(4))  # this thread issues first
     result: list = []
     th = threading.Thread(target=lambda: result.append(caught(comm.all_reduce, torch.ones(4))))
@@ -83,6 +86,7 @@ def job_second_thread(comm: pc.Communicator) -> tuple:
     th.join()
     t = torch.ones(4)
     comm.all_reduce(t)  # the refused call communicated nothing
+    comm.close()
     return result[0], t[0].item()
 
 

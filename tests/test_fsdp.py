@@ -364,6 +364,66 @@ def job_cuda(comm: pc.Communicator) -> list[str]:
     return bad
 
 
+def job_backward_on_another_thread(comm: pc.Communicator) -> list[str]:
+    """On CUDA, autograd runs backward on its own device thread, which issues
+    the gradient collectives while the caller waits in backward(): here the
+    backward of every step runs on a second thread, after this thread issued
+    the communicator's first operation. The results equal those of the same
+    training with backward on this thread, bit for bit."""
+    import threading
+
+    comm.all_reduce(torch.zeros(1))  # this thread issues first
+
+    def trained(mode: str, elsewhere: bool, **kw: Any) -> dict[str, torch.Tensor]:
+        if mode == "ddp":
+            model = DistributedDataParallel(GPT(CFG), comm)
+            opt = torch.optim.AdamW(model.parameters(), **OPT)
+        else:
+            model, opt = build(comm, mode, GPT(CFG), **kw)
+        for step in range(3):
+            opt.zero_grad()
+            x, y = local_batch(comm, step)
+            loss = model(x, y)
+            errors: list[BaseException] = []
+
+            def backward(loss: torch.Tensor = loss, errors: list = errors) -> None:
+                try:
+                    loss.backward()
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+
+            if elsewhere:
+                t = threading.Thread(target=backward)
+                t.start()
+                t.join()
+            else:
+                backward()
+            if errors:
+                raise errors[0]
+            opt.step()
+        if mode == "ddp":
+            return {k: v.detach().clone() for k, v in named(model.module).items()}
+        full = opt.full_parameters() if mode.startswith("zero") else model.full_parameters()
+        return {k: v.detach().clone() for k, v in full.items()}
+
+    bad = []
+    for mode, kw in (("ddp", {}), ("zero2", {}), ("zero3", {}), ("fsdp", fsdp_kw(True, 2))):
+        try:
+            got = trained(mode, True, **kw)
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            bad.append(f"{mode}: backward on a second thread raised {type(e).__name__}: {e}")
+            continue
+        err = differ(got, trained(mode, False, **kw), 0.0, 0.0)
+        if err:
+            bad.append(f"{mode}: backward on a second thread vs this thread: {err}")
+    return bad
+
+
+def test_backward_on_another_thread(pool):
+    for r, bad in enumerate(pool(2).run(job_backward_on_another_thread, timeout=240)):
+        assert not bad, f"rank {r}: {bad}"
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA_OK, reason="needs a CUDA build of pycollectives and a GPU")
 def test_cuda_tensors(pool):

@@ -20,6 +20,7 @@ from torch import nn
 
 from pycollectives import Communicator, Work
 
+from ..autograd_threads import autograd_comm
 from .checks import agree, describe_params, device_problems
 from .communications import OrderGuard, all_gather_flat
 from .flat_param import FlatLayout, FlatParam
@@ -72,7 +73,7 @@ class ShardedUnit:
         settings: dict[str, Any] | None = None,
         problems: list[str] | None = None,
     ) -> None:
-        self.module, self.comm = module, comm
+        self.module, self.comm = module, autograd_comm(comm)
         self.kind = type(module).__name__  # the module's class, before fully_shard extends it
         self.name = self.kind  # the engine renames it to its path in the model
         self.index = -1

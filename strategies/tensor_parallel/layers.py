@@ -33,6 +33,7 @@ from torch.autograd.function import once_differentiable
 
 from pycollectives import Communicator, ReduceOp
 
+from ..autograd_threads import autograd_comm
 from .communications import (
     column_parallel_linear,
     copy_to_tp_region,
@@ -113,7 +114,8 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(
                 "ColumnParallelLinear: gather_output and sequence_parallel exclude each other"
             )
-        self.in_features, self.out_features, self.comm = in_features, out_features, comm
+        self.in_features, self.out_features = in_features, out_features
+        self.comm = autograd_comm(comm)
         self.gather_output, self.sequence_parallel, self.overlap = (
             gather_output,
             sequence_parallel,
@@ -171,7 +173,8 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         check_divisible("RowParallelLinear", "in_features", in_features, comm)
-        self.in_features, self.out_features, self.comm = in_features, out_features, comm
+        self.in_features, self.out_features = in_features, out_features
+        self.comm = autograd_comm(comm)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         if full is None:
             full = _seeded(seed, lambda: nn.Linear(in_features, out_features, bias, dtype=dtype))
@@ -229,7 +232,8 @@ class VocabParallelEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         per_rank = check_divisible("VocabParallelEmbedding", "vocab size", num_embeddings, comm)
-        self.num_embeddings, self.embedding_dim, self.comm = num_embeddings, embedding_dim, comm
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.comm = autograd_comm(comm)
         self.sequence_parallel = sequence_parallel
         self.vocab_start = comm.rank * per_rank
         if full is None:
@@ -350,7 +354,7 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
         super().__init__(
             normalized_shape, eps, elementwise_affine, bias, dtype=dtype, device=device
         )
-        self.comm = comm
+        self.comm = autograd_comm(comm)
 
     @classmethod
     def from_layer_norm(cls, ln: nn.LayerNorm, comm: Communicator) -> SequenceParallelLayerNorm:
@@ -383,7 +387,7 @@ class SequenceParallelDropout(nn.Module):
 
     def __init__(self, p: float, comm: Communicator) -> None:
         super().__init__()
-        self.p, self.comm = p, comm
+        self.p, self.comm = p, autograd_comm(comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:

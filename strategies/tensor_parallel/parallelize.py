@@ -30,6 +30,7 @@ from torch import nn
 
 from pycollectives import Communicator
 
+from ..autograd_threads import autograd_comm
 from ..mesh import ParallelDims
 from ..models.gpt import GPT, Block
 from .communications import (
@@ -63,7 +64,8 @@ class ParallelEmbedding(nn.Module):
         self, tok: VocabParallelEmbedding, pos: nn.Embedding, drop: nn.Module, comm: Communicator
     ) -> None:
         super().__init__()
-        self.tok, self.pos, self.drop, self.comm = tok, pos, drop, comm
+        self.tok, self.pos, self.drop = tok, pos, drop
+        self.comm = autograd_comm(comm)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
@@ -97,7 +99,8 @@ class ParallelLMHead(nn.Module):
         overlap: bool,
     ) -> None:
         super().__init__()
-        self.ln_f, self.weight, self.vocab_start, self.comm = ln_f, weight, vocab_start, comm
+        self.ln_f, self.weight, self.vocab_start = ln_f, weight, vocab_start
+        self.comm = autograd_comm(comm)
         self.sequence_parallel, self.overlap = sequence_parallel, overlap
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
