@@ -241,6 +241,9 @@ def main() -> int:
     )
     p.add_argument("--render", metavar="FILE", help="only rewrite the section from a saved file")
     p.add_argument(
+        "--no-ring", action="store_true", help="skip the staging ring (PYCOLL_ALGO=ring) runs"
+    )
+    p.add_argument(
         "--append",
         action="store_true",
         help="keep the runs of other world sizes already saved in --save (one world size per "
@@ -286,7 +289,8 @@ def main() -> int:
     prefix = "compared, " if nccl_env else "not compared: "
     for n in ranks:
         saved["runs"].append(bench(n, "pycoll", {}, "pycoll"))
-        saved["runs"].append(bench(n, "pycoll", {"PYCOLL_ALGO": "ring"}, "ring"))
+        if not args.no_ring:
+            saved["runs"].append(bench(n, "pycoll", {"PYCOLL_ALGO": "ring"}, "ring"))
         saved["runs"].append(bench(n, "gloo", {}, "gloo"))
         if nccl_env is not None:
             saved["runs"].append(bench(n, "nccl", nccl_env, "nccl"))
