@@ -70,9 +70,12 @@ def test_a_cell_past_its_timeout_is_reported_not_waited_for():
 def test_options():
     """--preset h100's defaults (an explicit flag wins), the device's cells by default, and
     the refusals: --device cuda without a GPU, fsdp2-nccl on the CPU in shared ranks."""
-    a = zero_step.parse(["--preset", "h100", "--device", "cpu", "--batch", "4"])
+    a = zero_step.parse(["--preset", "h100", "--device", "cpu", "--isolate", "--batch", "4"])
     assert (a.device, a.batch, a.rounds, a.warmup, a.steps) == ("cpu", 4, 1, 2, 5)
-    assert a.cells == zero_step.CPU_CELLS.split(",") and "fsdp2-nccl" not in a.cells
+    assert a.cells == zero_step.PRESETS["h100"]["cells"].split(",")
+    a = zero_step.parse([])
+    assert a.device == "cpu" and a.cells == zero_step.CPU_CELLS.split(",")
+    assert "fsdp2-nccl" not in a.cells
     assert zero_step.parse(["--cells", "zero3,fsdp"]).cells == ["zero3", "fsdp"]
     p = run(*TINY, "--cells", "compute,fsdp2-nccl", timeout=60)
     assert p.returncode == 2 and "needs --device cuda" in p.stderr, p.stderr
