@@ -27,9 +27,10 @@ as "not run: <its error>" and the others still run. Written between
 <!-- zero_step_cuda:begin --> and <!-- zero_step_cuda:end -->, with the GPU and
 the torch, CUDA and NCCL versions, and a compact table printed at the end.
 --preset h100 sizes it for one H100 shared by two ranks (batch 16 x 128
-tokens per rank, 1 round, 2 warm-up and 5 timed steps; the cells compute,
-ZeRO-3, fully_shard and torch FSDP2 over "pycoll", gloo and NCCL; --cells adds
-strategies.DDP and ZeRO-1/2, the default with --device cuda alone).
+tokens per rank, 1 round, 2 warm-up and 5 timed steps, 60 s per cell; the
+cells compute, ZeRO-3, fully_shard and torch FSDP2 over "pycoll", gloo and
+NCCL; --cells adds strategies.DDP and ZeRO-1/2, the default with --device
+cuda alone).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ PRESETS = {  # --preset NAME: defaults an explicit flag still overrides
         "rounds": 1,
         "warmup": 2,
         "steps": 5,
+        "cell_timeout": 60.0,  # a cell takes ~10 s; a hung one (NCCL) costs no more than this
     },
 }
 

@@ -72,6 +72,7 @@ def test_options():
     the refusals: --device cuda without a GPU, fsdp2-nccl on the CPU in shared ranks."""
     a = zero_step.parse(["--preset", "h100", "--device", "cpu", "--isolate", "--batch", "4"])
     assert (a.device, a.batch, a.rounds, a.warmup, a.steps) == ("cpu", 4, 1, 2, 5)
+    assert a.cell_timeout == 60
     assert a.cells == zero_step.PRESETS["h100"]["cells"].split(",")
     a = zero_step.parse([])
     assert a.device == "cpu" and a.cells == zero_step.CPU_CELLS.split(",")
