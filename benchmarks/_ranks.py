@@ -72,7 +72,7 @@ def run(
                 if dead:
                     raise RuntimeError(f"ranks {dead} exited without a result") from None
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{fn.__name__}: no result after {timeout:.0f} s") from None
+                    raise RuntimeError(f"{fn.__name__}: no result after {timeout:g} s") from None
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{value}")

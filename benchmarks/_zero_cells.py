@@ -5,14 +5,17 @@ step and drop, and the loop that times them in interleaved rounds.
 Each rank holds three communication stacks side by side: a pycollectives
 communicator (strategies.DDP, ZeroOptimizer, fully_shard), the default
 torch.distributed group over gloo (torch FSDP2, DeepSpeed) and a second group
-over the "pycoll" torch.distributed backend (torch FSDP2). Cells:
+over the "pycoll" torch.distributed backend (torch FSDP2), and with a cell
+fsdp2-nccl a third over NCCL. With args.device "cuda", rank r works on
+cuda:(r % GPUs): model, batch and optimizer state there, the clocks read
+after torch.cuda.synchronize(). Cells:
 
     compute        one process's step on the same per-rank batch, no communication
     dp             strategies.DDP (defaults) + torch AdamW
     zero1..zero3   ZeroOptimizer(AdamW, stage), prefetch 2
     fsdp           fully_shard per block and root (reshard_after_forward) + AdamW
     zero3-pK, fsdp-pK   the same with prefetch K
-    fsdp2-gloo, fsdp2-pycoll   torch.distributed.fsdp.fully_shard per block and root
+    fsdp2-gloo, fsdp2-pycoll, fsdp2-nccl   torch.distributed.fsdp.fully_shard per block and root
     ds2, ds3       DeepSpeed ZeRO-2 / ZeRO-3 on the gloo group (where it imports)
 """
 
@@ -31,17 +34,20 @@ Step = Callable[[], None]
 Cell = tuple[Step, Step, Any, list]  # backward (with zero_grad, forward), update, setup, keep
 
 
-def _ours(mode: str, cfg: Any, comm: Any, batch: tuple, prefetch: int) -> Cell:
-    from _zero_setups import build
+CELL_FAILED = "cell failed: "  # rank_isolated's mark before the one-line error
 
-    setup = build(mode, cfg, comm, prefetch=prefetch)
+
+def _ours(mode: str, cfg: Any, comm: Any, batch: tuple, prefetch: int, dev: torch.device) -> Cell:
+    from _zero_setups import build, fresh_gpt
+
+    setup = build(mode, cfg, comm, prefetch=prefetch, model=fresh_gpt(cfg).to(dev))
     return (lambda: setup.backward(*batch)), setup.update, setup, [setup]
 
 
-def _compute(cfg: Any, batch: tuple) -> Cell:
+def _compute(cfg: Any, batch: tuple, dev: torch.device) -> Cell:
     from _zero_setups import fresh_gpt
 
-    model = fresh_gpt(cfg)
+    model = fresh_gpt(cfg).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def backward() -> None:
@@ -51,13 +57,13 @@ def _compute(cfg: Any, batch: tuple) -> Cell:
     return backward, opt.step, None, [model, opt]
 
 
-def _fsdp2(cfg: Any, pg: Any, batch: tuple) -> Cell:
+def _fsdp2(cfg: Any, pg: Any, batch: tuple, dev: torch.device) -> Cell:
     from _zero_setups import fresh_gpt
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = DeviceMesh.from_group(pg, "cpu")
-    model = fresh_gpt(cfg)
+    mesh = DeviceMesh.from_group(pg, dev.type)
+    model = fresh_gpt(cfg).to(dev)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -118,46 +124,59 @@ def rank_main(
     file `init`), runs `args.warmup` untimed and
     `args.steps` timed steps, and drops it. Returns per cell the list of
     per-step records: seconds (in all, forward + backward, update), and for pycollectives cells the engine meter
-    and the communicator's collective seconds and bytes in that step."""
+    and the communicator's collective seconds and bytes in that step.
+    args.device "cuda" (else the CPU): everything on cuda:(rank % GPUs)."""
     import torch.distributed as dist
 
     import pycollectives as pc
 
+    if getattr(args, "device", "cpu") == "cuda":
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        sync: Step = torch.cuda.synchronize
+    else:
+        dev, sync = torch.device("cpu"), (lambda: None)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(300))
     comm = pc.init(rank=rank, world_size=world, store=dist.PrefixStore("ours", store))
+    if dev.type == "cuda":
+        comm.all_reduce(torch.zeros(1, device=dev))  # sets up the CUDA transport
     dist.init_process_group(
         "gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world
     )
     pycoll_pg = dist.new_group(backend="pycoll")
+    nccl_pg = dist.new_group(backend="nccl") if "fsdp2-nccl" in cells else None
     g = torch.Generator().manual_seed(rank)
-    x = torch.randint(cfg.vocab_size, (args.batch, cfg.seq_len), generator=g)
+    x = torch.randint(cfg.vocab_size, (args.batch, cfg.seq_len), generator=g).to(dev)
     batch = (x, torch.roll(x, -1, 1))
     records: dict[str, list[dict]] = {c: [] for c in cells}
     from _zero_setups import preload_initial
 
     preload_initial(cfg, init)
+    groups = {"fsdp2-gloo": dist.group.WORLD, "fsdp2-pycoll": pycoll_pg, "fsdp2-nccl": nccl_pg}
     for _ in (rnd,):
         for cell in cells if rnd % 2 == 0 else list(reversed(cells)):
             if cell == "compute":
-                backward, update, setup, keep = _compute(cfg, batch)
-            elif cell.startswith("fsdp2-"):
-                pg = pycoll_pg if cell.endswith("pycoll") else dist.group.WORLD
-                backward, update, setup, keep = _fsdp2(cfg, pg, batch)
+                backward, update, setup, keep = _compute(cfg, batch, dev)
+            elif cell in groups:
+                backward, update, setup, keep = _fsdp2(cfg, groups[cell], batch, dev)
             elif cell.startswith("ds"):
                 backward, update, setup, keep = _deepspeed(int(cell[2]), cfg, batch)
             else:
                 mode, _, pf = cell.partition("-p")
-                backward, update, setup, keep = _ours(mode, cfg, comm, batch, int(pf or 2))
+                backward, update, setup, keep = _ours(mode, cfg, comm, batch, int(pf or 2), dev)
             for i in range(args.warmup + args.steps):
                 comm.barrier()
                 dist.barrier()
+                sync()
                 s0 = _stats_total(comm)
                 if setup is not None and setup.meter is not None:
                     setup.meter.reset()
                 t0 = time.perf_counter()
                 backward()
+                sync()
                 t1 = time.perf_counter()
                 update()
+                sync()
                 t2 = time.perf_counter()
                 s1 = _stats_total(comm)
                 if i < args.warmup:
@@ -172,6 +191,40 @@ def rank_main(
     dist.destroy_process_group()
     comm.close()
     return records
+
+
+def one_line(e: BaseException) -> str:
+    """`Type: first line` of an exception's message, and ` [...] last line`
+    where it has more (NCCL's errors say what went wrong on their last line)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    if len(lines) > 1:
+        text += f" [...] {lines[-1]}"
+    return text
+
+
+def rank_isolated(
+    rank: int, world: int, port: int, cells: list[str], cfg: Any, args: Any, rnd: int, init: str
+) -> dict[str, Any]:
+    """rank_main for cells run in ranks of their own (zero_step.py --device
+    cuda, --isolate): an error is raised again as one line after CELL_FAILED
+    (without its chain), which failure_line finds in the traceback the parent
+    gets. Raises RuntimeError."""
+    try:
+        return rank_main(rank, world, port, cells, cfg, args, rnd, init)
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        raise RuntimeError(f"{CELL_FAILED}rank {rank}: {one_line(e)}") from None
+
+
+def failure_line(err: str) -> str:
+    """What the table says of a cell whose ranks failed, from the text of
+    _ranks.run's RuntimeError: rank_isolated's one line where a rank raised,
+    else the first line (a timeout, a rank that exited)."""
+    lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if CELL_FAILED in ln:
+            return ln.split(CELL_FAILED, 1)[1]
+    return lines[0] if lines else "no error text"
 
 
 def medians(per_rank: list[dict[str, list[dict]]], rounds: int) -> dict[str, dict[str, Any]]:

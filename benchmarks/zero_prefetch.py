@@ -77,7 +77,7 @@ def render(m: dict) -> list[str]:
 
 def main() -> int:
     args = common_args(__doc__, CELLS).parse_args()
-    m, notes = measure(args, args.cells.split(","))
+    m, notes, _ = measure(args, args.cells.split(","))
     argv = " ".join(sys.argv[1:])
     emit_section(
         BEGIN,
