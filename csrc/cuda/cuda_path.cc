@@ -122,7 +122,10 @@ std::shared_ptr<CudaWork> CudaPath::issue(const OpSig& sig, const CudaCall& call
                              caller = std::this_thread::get_id()](OpCtx& c) {
     self->run(c, *w, collective, fn, std::this_thread::get_id() == caller);
   };
-  const bool async = !call.sync;
+  // A synchronous collective runs on the caller's thread (when nothing is
+  // pending) once the direct path is set up: what was measured and tested on a
+  // GPU. The staging ring and point-to-point still go through the engine.
+  const bool async = !(call.sync && p2p_peer < 0 && direct_ready_.load());
   if (p2p_peer >= 0) {
     w->work = comm_.point_to_point(sig, p2p_peer, call.timeout_s, async, std::move(body));
   } else {

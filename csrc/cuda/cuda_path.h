@@ -36,10 +36,11 @@ struct CudaCall {
   int device = -1;        // the device of every buffer of the call
   uintptr_t stream = 0;   // the caller's current cudaStream_t (0: legacy default stream)
   double timeout_s = -1;  // < 0: the communicator's default
-  // The caller waits for the operation at once (a synchronous call): with
-  // nothing pending on the communicator it runs on the caller's thread, as a
-  // synchronous CPU operation does, instead of a hand-off to the progress
-  // engine and back (two thread wake-ups per operation).
+  // The caller waits for the operation at once (a synchronous call): a
+  // collective on the direct path, with nothing pending on the communicator,
+  // then runs on the caller's thread, as a synchronous CPU operation does,
+  // instead of a hand-off to the progress engine and back (two thread
+  // wake-ups per operation).
   bool sync = false;
 };
 

@@ -77,9 +77,13 @@ class CudaPath : public std::enable_shared_from_this<CudaPath> {
   std::unique_ptr<CudaExec> exec_;
   std::unique_ptr<CudaLinks> links_;   // set by setup(), on the engine's thread
   std::unique_ptr<IpcDirect> direct_;  // set by setup() when every rank may take it
-  // Of the operation being run (engine thread): the caller's issue event not
-  // yet waited for (null: none, or done), and whether the operation completed
-  // on the host (the direct path), so that no stream has to wait for it.
+  // direct_ is set (read by the issuing thread: synchronous collectives then
+  // run on it, see issue()).
+  std::atomic<bool> direct_ready_{false};
+  // Of the operation being run (on the engine's thread, or on the caller's
+  // for a synchronous one): the caller's issue event not yet waited for (null:
+  // none, or done), and whether the operation completed on the host (the
+  // direct path), so that no stream has to wait for it.
   cudaEvent_t issue_ = nullptr;
   bool host_only_ = false;
   std::atomic<bool> collective_issued_{false};

@@ -181,6 +181,7 @@ void CudaPath::setup(OpCtx& c) {
   if (every_rank_direct) {
     direct_ = std::make_unique<IpcDirect>(r, n, stream_, one_device);
     direct_->connect(reinterpret_cast<DirectCtl*>(hdrs + static_cast<size_t>(n) * (n - 1) * ns));
+    direct_ready_.store(true);
   }
 }
 
