@@ -44,13 +44,20 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    """Imports the module of a public name that needs torch on its first use."""
-    if name in _LAZY:
-        import importlib
+    """Imports the module of a public name that needs torch on its first use; a submodule's
+    name (`pycollectives.communicator`, which the package imported itself before) imports it."""
+    import importlib
 
+    if name in _LAZY:
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value  # later lookups skip this function
         return value
+    if not name.startswith("__"):
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -79,13 +79,22 @@ def test_import_pycollectives_leaves_torch_and_keeps_every_name():
         before = "torch" in sys.modules
         names = {n: type(getattr(pc, n)).__name__ for n in pc.__all__}
         from pycollectives import Communicator, ReduceOp, init  # noqa: F401
+        submodule = pc.rendezvous.init is pc.init  # imported by the package before
+        try:
+            pc.no_such_name
+            missing = "no error"
+        except AttributeError as e:
+            missing = str(e)
         print(json.dumps({"before": before, "names": names, "dir": sorted(set(pc.__all__) - set(dir(pc))),
-                          "reduce_op": pc.ReduceOp.SUM.name, "simd": pc.simd_level()}))
+                          "reduce_op": pc.ReduceOp.SUM.name, "simd": pc.simd_level(),
+                          "submodule": submodule, "missing": missing}))
     """)
     assert r["before"] is False, "import pycollectives imported torch"
     assert r["names"]["Communicator"] == "type" and r["names"]["init"] == "function", r
     assert r["names"]["PeerFailure"] == "type" and r["dir"] == [], r
     assert r["reduce_op"] == "SUM" and r["simd"] in ("avx512", "avx2", "generic"), r
+    assert r["submodule"] is True, r
+    assert r["missing"] == "module 'pycollectives' has no attribute 'no_such_name'", r
 
 
 @pytest.mark.parametrize(
