@@ -101,7 +101,10 @@ def test_import_pycollectives_leaves_torch_and_keeps_every_name():
     "first",
     ["import pycollectives\nimport torch.distributed as dist",
      "import torch.distributed as dist\nimport pycollectives",
-     "import pycollectives\nimport torch\ndist = torch.distributed"],
+     "import pycollectives\nimport torch\ndist = torch.distributed",
+     # transformers and others ask whether torch is there before importing it
+     "import pycollectives, importlib.util\nassert importlib.util.find_spec('torch')\n"
+     "import torch.distributed as dist"],
 )  # fmt: skip
 def test_backend_is_registered_whichever_is_imported_first(first):
     """`import pycollectives` before or after torch: "pycoll" is registered once torch is there,

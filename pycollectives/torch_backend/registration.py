@@ -53,26 +53,32 @@ def register_when_torch_is_imported() -> None:
 class _AfterTorchImport(importlib.abc.MetaPathFinder):
     """Finds torch with the other finders and runs :func:`register` after
     torch's module has been executed (the post-import hook of wrapt and
-    OpenTelemetry, for one module). It takes itself off sys.meta_path on first
-    use."""
+    OpenTelemetry, for one module). It leaves sys.meta_path once torch is
+    imported; a mere `importlib.util.find_spec("torch")` (how transformers
+    and others ask whether torch is installed) does not use it up."""
+
+    def __init__(self) -> None:
+        self._finding = False  # our own find_spec below asks the other finders
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != "torch":
+        if fullname != "torch" or self._finding:
             return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)  # the other finders
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding = False
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _RegisterAfter(spec.loader)
+        spec.loader = _RegisterAfter(spec.loader, self)
         return spec
 
 
 class _RegisterAfter(importlib.abc.Loader):
     """Executes a module with its own loader, then registers the backend."""
 
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
+    def __init__(self, loader: Any, finder: _AfterTorchImport) -> None:
+        self.loader, self.finder = loader, finder
 
     def create_module(self, spec: Any) -> ModuleType | None:
         return self.loader.create_module(spec)
@@ -83,6 +89,8 @@ class _RegisterAfter(importlib.abc.Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self.loader
         self.loader.exec_module(module)
+        if self.finder in sys.meta_path:
+            sys.meta_path.remove(self.finder)
         try:
             register()
         except Exception as e:  # never break the import of torch itself
