@@ -3,13 +3,19 @@
 import pycollectives as pc
 comm = pc.init()            # under torchrun
 comm.all_reduce(tensor)     # in place, SUM
+
+`import pycollectives` loads the compiled extension but not torch: the names
+that need torch (Communicator, init, ...) are imported on first use (PEP 562),
+and the torch.distributed backend "pycoll" is registered now if torch is
+imported, else as soon as it is (docs/backend.md).
 """
+
+from typing import TYPE_CHECKING, Any  # noqa: I001
 
 # First: a clone that was never built (`pip install .` put the build in
 # site-packages) loads that build's modules, or says in one line what to do.
-from . import _source_tree  # noqa: F401, I001
+from . import _source_tree  # noqa: F401
 from . import _C
-from .communicator import Communicator, ReduceOp, Work
 from .errors import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -17,14 +23,46 @@ from .errors import (
     PeerFailure,
     PyCollectivesError,
 )
-from .rendezvous import init
+from .torch_backend.registration import register_when_torch_is_imported
+
+if TYPE_CHECKING:
+    from .communicator import Communicator, ReduceOp, Work
+    from .rendezvous import init
 
 __version__ = "0.1.0"
 
 # The torch.distributed backend "pycoll" (pycollectives/torch_backend/, docs/backend.md).
-from .torch_backend import register as _register_torch_backend  # noqa: E402
+register_when_torch_is_imported()
 
-_register_torch_backend()
+# Public names whose modules import torch (pycollectives._buffers): name -> module.
+_LAZY = {
+    "Communicator": "communicator",
+    "ReduceOp": "communicator",
+    "Work": "communicator",
+    "init": "rendezvous",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Imports the module of a public name that needs torch on its first use; a submodule's
+    name (`pycollectives.communicator`, which the package imported itself before) imports it."""
+    import importlib
+
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    if not name.startswith("__"):
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 def simd_level() -> str:

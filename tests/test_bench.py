@@ -414,3 +414,60 @@ def test_cuda_collectives_renders_saved_runs(tmp_path):
             assert f"### {coll}, {n} ranks ({n} per GPU)" in text, text
     assert text.count("of the roofline (") == 6, text
     assert "| 256 MiB | 527.0 |" in text, text  # the 2-rank all-reduce row as measured
+
+
+_NO_MATPLOTLIB = "matplotlib is not installed (pip install 'pycollectives[test]')"
+
+
+def test_plot_busbw_on_log_axes(tmp_path):
+    """--plot's figure, from a small results JSON: one panel per collective, one line per
+    backend, busbw on a log axis (the sizes span orders of magnitude of busbw), size on a log2
+    axis, rows without busbw or of size 0 left out; the PNG is written."""
+    pytest.importorskip("matplotlib", reason=_NO_MATPLOTLIB)
+    import matplotlib.image
+
+    from pycollectives.bench.report import Row, plot, read_json, write_json
+
+    def row(backend: str, coll: str, size: int, busbw: float | None) -> Row:
+        t = size / busbw / 1e3 if busbw else None
+        return Row(backend, coll, 2, size, size // 4, "float32", "sum", 0, t, busbw, busbw, 0)
+
+    busbw = {8: 0.002, 1024: 0.25, 1 << 20: 6.5, 64 << 20: 11.0}
+    rows = [row(b, c, s, bw * (1.0 if b == "pycoll" else 0.5)) for c in ("all_reduce", "all_gather")
+            for b in ("pycoll", "gloo") for s, bw in busbw.items()]  # fmt: skip
+    rows += [row("gloo", "all_reduce", 4 << 20, None), row("pycoll", "all_reduce", 0, 0.0)]
+    results = tmp_path / "results.json"
+    write_json(str(results), {"hostname": "test"}, rows)
+    _, back = read_json(str(results))
+    png = tmp_path / "busbw.png"
+    fig = plot(str(png), back)
+
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == [
+        "all_reduce (float32, 2 ranks)",
+        "all_gather (float32, 2 ranks)",
+    ]
+    for ax in panels:
+        assert ax.get_yscale() == "log" and ax.get_ylabel() == "busbw (GB/s)"
+        assert ax.get_xscale() == "log" and ax.xaxis.get_transform().base == 2
+        lines = {ln.get_label(): ln for ln in ax.get_lines()}
+        assert sorted(lines) == ["gloo", "pycoll"], lines
+        for backend, factor in (("pycoll", 1.0), ("gloo", 0.5)):
+            assert list(lines[backend].get_xdata()) == list(busbw), backend
+            assert list(lines[backend].get_ydata()) == [v * factor for v in busbw.values()]
+        lo, hi = ax.get_ylim()
+        assert lo <= 0.001 and hi >= 11.0  # every point inside, orders of magnitude apart
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width = matplotlib.image.imread(str(png)).shape[:2]
+    assert (width, height) == (10 * 120, round(3.8 * 120))  # 2 panels of 5 x 3.8 in, 120 dpi
+
+
+def test_bench_plot_flag_writes_the_plot(tmp_path):
+    """`pycollectives-bench --plot FILE.png --compare gloo`: the run writes the PNG."""
+    pytest.importorskip("matplotlib", reason=_NO_MATPLOTLIB)
+    png = tmp_path / "busbw.png"
+    p = run_bench("--nproc", "2", "-b", "8", "-e", "64K", "-f", "32", "-n", "2", "-w", "1",
+                  "--trials", "1", "--compare", "gloo", "--plot", str(png))  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"# wrote plot to {png}" in p.stdout, p.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -36,11 +36,37 @@ The modules, from the bottom up (each imports only modules above it in this list
 - :mod:`~pycollectives.bench.cli`: the flags and :func:`main`; ``__main__`` runs it.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from pycollectives.bench.cli import build_parser, main
-from pycollectives.bench.report import Row
-from pycollectives.bench.runners import Runner
 from pycollectives.bench.specs import COLLECTIVES, SPECS, CollSpec, parse_size
-from pycollectives.bench.sweep import bench_collective
+
+if TYPE_CHECKING:
+    from pycollectives.bench.report import Row
+    from pycollectives.bench.runners import Runner
+    from pycollectives.bench.sweep import bench_collective
+
+# Names whose modules import torch, imported on first use (PEP 562): `python -m
+# pycollectives.bench --help` imports this package and must not wait for torch.
+_LAZY = {"Row": "report", "Runner": "runners", "bench_collective": "sweep"}
+
+
+def __getattr__(name: str) -> Any:
+    """Imports the module of a public name on its first use."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "COLLECTIVES",

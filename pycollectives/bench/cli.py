@@ -1,6 +1,9 @@
 """The command line: :func:`build_parser` (nccl-tests' flags, the launcher's and the comparisons')
 and :func:`main`, which checks the flags and runs a rank (under torchrun or mpirun) or the
-launcher (:mod:`pycollectives.bench.launch`)."""
+launcher (:mod:`pycollectives.bench.launch`).
+
+This module imports neither torch nor the modules that do until the flags have been checked:
+``--help`` and a bad flag answer at once (torch takes seconds to import, more on a cold disk)."""
 
 from __future__ import annotations
 
@@ -10,12 +13,8 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-import torch
-
-from pycollectives.bench.launch import MPI_INSTALL, launch_mpi, launch_ranks, mpi_missing
-from pycollectives.bench.rank import JOINT_ENV, rank_main
 from pycollectives.bench.report import check_matplotlib
-from pycollectives.bench.specs import BACKENDS, COLLECTIVES, DTYPES, OPS, parse_size
+from pycollectives.bench.specs import BACKENDS, COLLECTIVES, DTYPES, JOINT_ENV, OPS, parse_size
 
 
 def _size_arg(text: str) -> int:
@@ -212,6 +211,8 @@ def _under_mpirun() -> bool:
 
 def _cuda_unavailable() -> str | None:
     """Why --device cuda cannot run here, or None."""
+    import torch
+
     from pycollectives import _C
 
     if not getattr(_C, "cuda_built", lambda: False)():
@@ -235,38 +236,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("-R 1: registered buffers are shared-memory windows, CPU only")
     if args.plot and (msg := check_matplotlib()):
         parser.error(msg)
-    if args.device == "cuda" and (msg := _cuda_unavailable()):
-        print(f"pycollectives-bench: --device cuda: {msg}", file=sys.stderr)
-        return 2
     if "nccl" in args.compare + [args.backend] and args.device != "cuda":
         parser.error("nccl runs on CUDA tensors only: add --device cuda")
     if "mpi" in args.compare + [args.backend] and args.device == "cuda":
         parser.error("--device cuda: the mpi comparison runs on CPU buffers only")
+    # A rank of a job (torchrun's, the launcher's or mpirun's), or the launcher of one.
+    in_job = bool(os.environ.get(JOINT_ENV)) or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    )
+    runs_a_rank = in_job if args.backend != "mpi" else _under_mpirun()
+    if not runs_a_rank:
+        _check_root(parser, args)
+    # The flags are good: now the modules that run (a rank imports torch; the launcher does not).
+    from pycollectives.bench import launch
+
+    if args.device == "cuda" and (msg := _cuda_unavailable()):
+        print(f"pycollectives-bench: --device cuda: {msg}", file=sys.stderr)
+        return 2
     if (
         "mpi" in args.compare + [args.backend]
         and not _under_mpirun()
-        and (missing := mpi_missing())
+        and (missing := launch.mpi_missing())
     ):
         parser.error(
-            f"--compare mpi needs {' and '.join(missing)}, not found: {MPI_INSTALL} "
+            f"--compare mpi needs {' and '.join(missing)}, not found: {launch.MPI_INSTALL} "
             "(or leave mpi out of --compare)"
         )
     try:
-        if args.backend == "mpi" and not _under_mpirun():
-            _check_root(parser, args)
-            return launch_mpi(args)
-        in_job = os.environ.get(JOINT_ENV) or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-        if args.backend == "mpi" or in_job:
+        if runs_a_rank:
+            from pycollectives.bench.rank import rank_main
+
             return rank_main(args)
-        _check_root(parser, args)
-        return launch_ranks(args, argv)
+        if args.backend == "mpi":
+            return launch.launch_mpi(args)
+        return launch.launch_ranks(args, argv)
     except KeyboardInterrupt:
         return 130
     except Exception as e:
-        rank = os.environ.get("RANK", "?")
         traceback.print_exc()
         print(
-            f"pycollectives-bench: rank {rank}: {type(e).__name__}: {e}",
+            f"pycollectives-bench: rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}",
             file=sys.stderr,
             flush=True,
         )

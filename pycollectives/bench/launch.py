@@ -22,8 +22,8 @@ from importlib.util import find_spec
 
 import pycollectives
 from pycollectives.bench.meta import command_line, cpu_round_trip
-from pycollectives.bench.rank import CPU_ENV, JOINT_ENV, RESULT_ENV
 from pycollectives.bench.report import Row, finalize, read_json
+from pycollectives.bench.specs import CPU_ENV, JOINT_ENV, RESULT_ENV
 
 # The directory holding the pycollectives the launcher runs (site-packages, or a source checkout,
 # which then goes first on the ranks' PYTHONPATH, so that they import the same one).

@@ -12,8 +12,6 @@ import socket
 import sys
 from collections.abc import Sequence
 
-import torch
-
 
 def cpu_model() -> str:
     """CPU model name from /proc/cpuinfo (or platform.processor())."""
@@ -60,6 +58,7 @@ def algo_env() -> dict[str, str]:
 def base_metadata(argv: Sequence[str] | None = None) -> dict:
     """Command line, host, CPU, date, versions common to every backend."""
     import numpy
+    import torch
 
     return {
         "command": shlex.join(list(argv if argv is not None else sys.argv)),

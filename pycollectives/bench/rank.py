@@ -3,7 +3,8 @@
 world), starts each backend's :class:`~pycollectives.bench.runners.Runner`, runs the sweeps, and
 on rank 0 hands the rows to the launcher (``PYCOLL_BENCH_RESULT``) or reports them itself.
 
-The launcher talks to its ranks through the environment variables defined here."""
+The launcher talks to its ranks through the environment variables of
+:mod:`~pycollectives.bench.specs` (``RESULT_ENV``, ``JOINT_ENV``, ``CPU_ENV``)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,8 @@ import torch
 from pycollectives.bench.meta import base_metadata, command_line, mpi_version, pycoll_version
 from pycollectives.bench.report import Row, finalize, write_json
 from pycollectives.bench.runners import GlooRunner, MpiRunner, NcclRunner, PycollRunner, Runner
-from pycollectives.bench.specs import DTYPES, SPECS
+from pycollectives.bench.specs import CPU_ENV, DTYPES, JOINT_ENV, RESULT_ENV, SPECS
 from pycollectives.bench.sweep import bench_collective
-
-RESULT_ENV = "PYCOLL_BENCH_RESULT"  # set by the launcher: rank 0 writes its rows there
-# Set by the launcher of --interleave 1 --compare ...,mpi: the ranks run under mpirun and take
-# MPI's ranks, and MPI takes its turns in them beside pycollectives and gloo.
-JOINT_ENV = "PYCOLL_BENCH_JOINT_MPI"
-CPU_ENV = "PYCOLL_BENCH_CPU"  # set by the launcher under --bind: the CPU this rank pins itself to
 
 
 def _make_store(rank: int, world_size: int, timeout: float) -> object:
@@ -50,7 +45,7 @@ def _make_store(rank: int, world_size: int, timeout: float) -> object:
 def _run_header(runner: Runner, args: argparse.Namespace, ranks_info: list[str]) -> str:
     """The header of one backend's run: the flags, how times are taken, the backend's own lines
     and one line per rank (pid, CPUs, device)."""
-    dname, _, tname = DTYPES[args.datatype]
+    dname, tname = DTYPES[args.datatype]
     lines = [
         f"# pycollectives-bench  backend: {runner.name}  nranks: {runner.world_size}  "
         f"collectives: {','.join(args.coll)}",

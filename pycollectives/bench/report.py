@@ -10,8 +10,12 @@ import math
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from pycollectives.bench.specs import SPECS, CollSpec
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass
@@ -168,8 +172,10 @@ def check_matplotlib() -> str | None:
     return None
 
 
-def plot(path: str, rows: Sequence[Row]) -> None:
-    """busbw against size (log2 x axis), one panel per collective, one line per backend."""
+def plot(path: str, rows: Sequence[Row]) -> Figure:
+    """Writes to `path` busbw against size (log2 x axis, log busbw axis), one panel per
+    collective, one line per backend; rows without busbw (n/a) or of size 0 are left out.
+    Returns the figure (closed). Raises ImportError without matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -205,6 +211,7 @@ def plot(path: str, rows: Sequence[Row]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return fig
 
 
 def finalize(args: argparse.Namespace, meta: dict, rows: list[Row], backends: Sequence[str]) -> int:

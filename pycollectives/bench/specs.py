@@ -1,13 +1,17 @@
 """What the benchmark knows about its inputs: the collectives (:class:`CollSpec`, ``SPECS``), the
-data types, reduction ops and backends the flags accept, and the sizes of a sweep (``-b``, ``-e``,
-``-f``) with the element count of each, as nccl-tests computes them."""
+data types, reduction ops and backends the flags accept, the environment variables the launcher
+sets for its ranks, and the sizes of a sweep (``-b``, ``-e``, ``-f``) with the element count of
+each, as nccl-tests computes them. It does not import torch (the command line checks its flags
+with it before anything imports torch)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -45,24 +49,39 @@ SPECS: dict[str, CollSpec] = {
 }
 COLLECTIVES: tuple[str, ...] = tuple(SPECS)
 
-#: accepted -d names -> (canonical name, torch dtype, nccl-tests type name)
-DTYPES: dict[str, tuple[str, torch.dtype, str]] = {
-    "float32": ("float32", torch.float32, "float"),
-    "float": ("float32", torch.float32, "float"),
-    "float64": ("float64", torch.float64, "double"),
-    "double": ("float64", torch.float64, "double"),
-    "float16": ("float16", torch.float16, "half"),
-    "half": ("float16", torch.float16, "half"),
-    "bfloat16": ("bfloat16", torch.bfloat16, "bfloat16"),
-    "int8": ("int8", torch.int8, "int8"),
-    "uint8": ("uint8", torch.uint8, "uint8"),
-    "int32": ("int32", torch.int32, "int32"),
-    "int64": ("int64", torch.int64, "int64"),
+#: accepted -d names -> (canonical name, which is torch's, nccl-tests type name); torch is imported
+#: only by the ranks (:func:`torch_dtype`), so that ``--help`` and bad flags answer at once.
+DTYPES: dict[str, tuple[str, str]] = {
+    "float32": ("float32", "float"),
+    "float": ("float32", "float"),
+    "float64": ("float64", "double"),
+    "double": ("float64", "double"),
+    "float16": ("float16", "half"),
+    "half": ("float16", "half"),
+    "bfloat16": ("bfloat16", "bfloat16"),
+    "int8": ("int8", "int8"),
+    "uint8": ("uint8", "uint8"),
+    "int32": ("int32", "int32"),
+    "int64": ("int64", "int64"),
 }
 OPS: tuple[str, ...] = ("sum", "prod", "min", "max", "avg")
 BACKENDS: tuple[str, ...] = ("pycoll", "gloo", "mpi", "nccl")  # nccl: --device cuda only
 
+# The environment variables through which the launcher talks to its ranks.
+RESULT_ENV = "PYCOLL_BENCH_RESULT"  # set by the launcher: rank 0 writes its rows there
+# Set by the launcher of --interleave 1 --compare ...,mpi: the ranks run under mpirun and take
+# MPI's ranks, and MPI takes its turns in them beside pycollectives and gloo.
+JOINT_ENV = "PYCOLL_BENCH_JOINT_MPI"
+CPU_ENV = "PYCOLL_BENCH_CPU"  # set by the launcher under --bind: the CPU this rank pins itself to
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a -d name (a key of ``DTYPES``); raises KeyError for another name."""
+    import torch
+
+    return getattr(torch, DTYPES[name][0])
 
 
 def parse_size(text: str) -> int:

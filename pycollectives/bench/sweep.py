@@ -16,7 +16,7 @@ import torch
 from pycollectives.bench.check import count_wrong, expected_result, fill_check_inputs
 from pycollectives.bench.report import Row, column_header, footer, format_row
 from pycollectives.bench.runners import Runner
-from pycollectives.bench.specs import DTYPES, CollSpec, counts_for, size_list
+from pycollectives.bench.specs import DTYPES, CollSpec, counts_for, size_list, torch_dtype
 
 
 def time_trial(
@@ -58,7 +58,8 @@ class _Sweep:
     ) -> None:
         self.runner, self.spec, self.args = runner, spec, args
         self.rewarm = rewarm  # warmup calls before each trial of a size after its first
-        self.dname, self.tdtype, self.tname = DTYPES[args.datatype]
+        self.dname, self.tname = DTYPES[args.datatype]
+        self.tdtype = torch_dtype(args.datatype)
         self.device = getattr(args, "cuda_device", None)  # "cuda:i", set by rank_main
         self.sync = torch.cuda.synchronize if self.device is not None else None
         self.reason = runner.unsupported(spec, self.dname, args.op)

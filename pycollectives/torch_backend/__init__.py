@@ -4,9 +4,11 @@ on a pycollectives Communicator (docs/backend.md).
     import pycollectives  # registers "pycoll"
     torch.distributed.init_process_group("pycoll")  # or "cpu:pycoll,cuda:pycoll"
 
-Modules, each importing only those listed after it:
+Modules, each importing only those listed after it (and registration's BACKEND_NAME):
 
-- registration: registers the backend with torch.distributed (torch optional);
+- registration: the name "pycoll" and its registration with torch.distributed
+  (torch optional; without torch imported, once torch is; it imports
+  process_group only when torch creates a group);
 - process_group: ProcessGroupPycoll, torch's call forms, issue and lifetime;
 - monitored_barrier: gloo's debugging barrier, on this backend;
 - p2p: deferred sends and receives, issued as batches;
@@ -20,15 +22,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .registration import register
+from .registration import BACKEND_NAME, register, register_when_torch_is_imported
 
-__all__ = ["BACKEND_NAME", "ProcessGroupPycoll", "register"]
+__all__ = ["BACKEND_NAME", "ProcessGroupPycoll", "register", "register_when_torch_is_imported"]
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: importing the ProcessGroup imports torch.distributed.
-    if name in ("BACKEND_NAME", "ProcessGroupPycoll"):
+    if name == "ProcessGroupPycoll":
         from . import process_group
 
-        return getattr(process_group, name)
+        return process_group.ProcessGroupPycoll
     raise AttributeError(name)

@@ -31,10 +31,9 @@ from .launch import Launch
 from .monitored_barrier import monitored_barrier as run_monitored_barrier
 from .options import CallOptions, call_options
 from .p2p import P2P_FLUSH_DELAY_S, DeferredP2P
+from .registration import BACKEND_NAME
 from .sparse import is_sparse, sparse_allreduce
 from .work import PycollWork
-
-BACKEND_NAME = "pycoll"
 
 
 class ProcessGroupPycoll(dist.ProcessGroup):
