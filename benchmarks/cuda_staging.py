@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from _doc import cpu_model, free_port, write_section
+from _doc import cpu_model, free_port, size_label, write_section
 
 BEGIN, END = "<!-- cuda_staging:begin -->", "<!-- cuda_staging:end -->"
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,7 +116,7 @@ def render(data: dict) -> str:
     for r in data["rows"]:
         share = r["copy_ms"] / r["staged_ms"] if r["staged_ms"] else float("nan")
         lines.append(
-            f"| {r['bytes'] >> 20} MiB | {r['copy_ms']:.3f} | {r['cpu_ms']:.3f} | "
+            f"| {size_label(r['bytes'])} | {r['copy_ms']:.3f} | {r['cpu_ms']:.3f} | "
             f"{r['staged_ms']:.3f} | {share:.2f} |"
         )
     lines += ["", END]
