@@ -12,8 +12,10 @@
 #   test   python -m pytest -q -m cuda tests/ (every CUDA test, part 2's included),
 #          then the unmarked tests of tests/test_cuda_kernels.py (device queries,
 #          the clear error without a visible device).
-#   bench  every benchmarks/cuda_*.py (cuda_collectives, cuda_kernels, cuda_staging: what host
-#          staging across hosts costs), each under `timeout`; a script whose --help
+#   bench  every benchmarks/cuda_*.py (cuda_collectives, cuda_kernels, cuda_profile: where a
+#          collective's time goes, cuda_staging: what host staging across hosts costs), each
+#          under `timeout` (cuda_collectives' sweep takes minutes: its first 2-rank run, checked
+#          with -c 1 up to 1 GiB, had not ended after 55 s on 2026-11-27); a script whose --help
 #          mentions --json is given --json $OUT/<name>.json. docs/benchmarks.md
 #          (whose sections the scripts rewrite) is copied to $OUT.
 #   sanitize  (optional) compute-sanitizer memcheck over a subset of
@@ -106,14 +108,25 @@ assert _C.cuda_built(), "the build has no CUDA kernels"
 }
 
 ensure_built() {
-  cuda_ready && return 0
-  echo "== the extension is missing or has no CUDA here: building first"
-  do_build
+  if ! cuda_ready; then
+    echo "== the extension is missing or has no CUDA here: building first"
+    do_build || return
+  fi
+  # A carried build (no pip install) imports pycollectives from this tree, where the strategies
+  # live beside the package: a link gives them the name an install gives (pycollectives.strategies).
+  if ! "$PY" -c 'import pycollectives.strategies' 2>/dev/null && [ ! -e pycollectives/strategies ]; then
+    ln -s ../strategies pycollectives/strategies && echo "== linked pycollectives/strategies"
+  fi
 }
 
 do_test() {
   ensure_built || return
-  run test_cuda "$TEST_TIMEOUT" "$PY" -m pytest -q -m cuda -rs tests/
+  # 4 at a time where pytest-xdist is there (about 140 s on an H100 on 2026-11-27, 300+ s one by
+  # one); -v names each test as it ends, so a run cut by its timeout still says what failed.
+  local par=()
+  "$PY" -c 'import xdist' 2>/dev/null && par=(-n 4)
+  run test_cuda "$TEST_TIMEOUT" "$PY" -m pytest -v -m cuda -rfEs --tb=short "${par[@]}" \
+    --continue-on-collection-errors tests/
   run test_cuda_kernels_nodevice 90 "$PY" -m pytest -q -m "not cuda" tests/test_cuda_kernels.py
 }
 
