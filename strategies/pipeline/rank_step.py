@@ -35,16 +35,16 @@ import torch
 from pycollectives import PyCollectivesError
 
 from .actions import Action, Kind
+from .autograd_stage import ActivationLedger
 from .communications import (
     agree,
     exchange_end_marks,
     stop_peers,
     sum_tied_gradients,
 )
-from .engine import Record
-from .executor import ActivationLedger
+from .execution_model import Record
+from .gpt_stage import TensorSpec
 from .schedule import Op
-from .stage import TensorSpec
 
 if TYPE_CHECKING:
     from .runtime import PipelineRuntime

@@ -44,6 +44,7 @@ from torch import nn
 from pycollectives import Communicator
 
 from .actions import Action, Kind
+from .autograd_stage import AutogradStage
 from .communications import (
     MessageCodes,
     agree,
@@ -51,12 +52,11 @@ from .communications import (
     gather_specs,
     gather_tie_holders,
 )
-from .engine import Record
-from .execution import PipelineError, StepExecution
-from .executor import AutogradStage
+from .execution_model import Record
+from .gpt_stage import TensorSpec
+from .rank_step import PipelineError, StepExecution
 from .schedule import Schedule
 from .simulate import peak_activations
-from .stage import TensorSpec
 from .verify import verify
 
 __all__ = ["PipelineError", "PipelineRuntime", "StepResult", "run_step"]
@@ -94,7 +94,7 @@ class PipelineRuntime:
     place. `timeout` (seconds) bounds each communication (default: the
     communicator's). `device`: where received activations go, the device of
     the module stages' parameters (CPU without any); messages travel
-    through the host (execution.py). `sum_tied=False`: the step leaves the
+    through the host (rank_step.py). `sum_tied=False`: the step leaves the
     tied parameters' gradients alone (`tie_holders` still says who holds
     each): the caller sums them, e.g. FSDP's, which are in its accumulation
     buffers, not in .grad.

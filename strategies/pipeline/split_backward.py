@@ -26,7 +26,7 @@ Other parameters get their gradients in I, from autograd, as before:
   no input gradient to hurry for;
 - any other layer: unchanged, full backward in I.
 
-Tensor-parallel layers split too (split_tensor_parallel.py): their
+Tensor-parallel layers split too (split_layers.py): their
 communications stay the named autograd functions they are, around the same
 split linear Function, so every collective runs in I and W computes
 without communicating.
@@ -221,7 +221,7 @@ def split_weight_gradients(module: nn.Module, store: WeightGradStore) -> int:
     `store`; parameters and their names are unchanged. Returns how many
     layers were replaced."""
     # here, not at the top: split_tensor_parallel builds on this module
-    from .split_tensor_parallel import tensor_parallel_splits
+    from .split_layers import tensor_parallel_splits
 
     splits = {nn.Linear: SplitLinear.from_linear, LMHead: SplitLMHead.from_head}
     splits.update(tensor_parallel_splits())

@@ -2,7 +2,7 @@
 Chrome trace, as bubble figures comparable with `simulate`, and drawn beside
 the simulated timeline.
 
-Records are `(rank, start, end, action)` (engine.Record), from
+Records are `(rank, start, end, action)` (execution_model.Record), from
 `StepResult.records` gathered over the ranks (communications.gather_records)
 or from `simulate(...).records`. Times are seconds (perf_counter, one clock
 for every process of a host) or simulation units.
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .actions import Action
-from .engine import Record
+from .execution_model import Record
 from .timeline import draw_timelines
 
 __all__ = [

@@ -1,7 +1,7 @@
 """`verify(schedule)`: proves that a schedule runs to the end and computes what
 it should, or names the rank and step where it does not.
 
-The execution model (engine.py runs it with `overlap=False`; docs/pipeline.md
+The execution model (execution_model.py runs it with `overlap=False`; docs/pipeline.md
 says what a runtime must do):
 
 - A rank runs its list in order. A compute action runs when reached; each
@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .actions import COMPUTE, COUNTERPART, RECVS, SENDS, Kind
-from .engine import Slot, execute
+from .execution_model import Slot, execute
 from .schedule import Schedule, ScheduleError
 
 __all__ = ["ScheduleError", "check_static", "pair_messages", "verify"]
