@@ -26,7 +26,7 @@ from .builders import (
     with_comms,
     zb_h1,
 )
-from .execution_model import Record, execute
+from .execution_model import Record, check_static, execute, pair_messages, verify
 from .gpt_stage import GPTStage, TensorSpec, balance, gpt_stages, layer_split
 from .runtime import PipelineError, PipelineRuntime, StepResult, run_step
 from .schedule import Op, Schedule, ScheduleError, format_table
@@ -52,7 +52,6 @@ from .trace import (
     normalized,
     save_chrome_trace,
 )
-from .verify import check_static, pair_messages, verify
 
 __all__ = [
     "BUILDERS",

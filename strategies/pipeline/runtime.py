@@ -52,12 +52,11 @@ from .communications import (
     gather_specs,
     gather_tie_holders,
 )
-from .execution_model import Record
+from .execution_model import Record, verify
 from .gpt_stage import TensorSpec
 from .rank_step import PipelineError, StepExecution
 from .schedule import Schedule
 from .simulate import peak_activations
-from .verify import verify
 
 __all__ = ["PipelineError", "PipelineRuntime", "StepResult", "run_step"]
 

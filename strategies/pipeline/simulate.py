@@ -31,9 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .actions import Action, Kind
-from .execution_model import Record, execute
+from .execution_model import Record, check_static, execute
 from .schedule import Schedule
-from .verify import check_static
 
 __all__ = ["SimResult", "peak_activations", "simulate", "timed_table"]
 
