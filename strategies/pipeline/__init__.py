@@ -43,12 +43,14 @@ from .split_layers import (
     SplitParallelLMHead,
     SplitRowParallelLinear,
 )
-from .timeline import draw_timeline, draw_timelines, missing_matplotlib
-from .trace import (
+from .timeline import (
     Measured,
     chrome_trace,
     draw_measured_and_simulated,
+    draw_timeline,
+    draw_timelines,
     measure,
+    missing_matplotlib,
     normalized,
     save_chrome_trace,
 )
