@@ -31,17 +31,15 @@ from .gpt_stage import GPTStage, TensorSpec, balance, gpt_stages, layer_split
 from .runtime import PipelineError, PipelineRuntime, StepResult, run_step
 from .schedule import Op, Schedule, ScheduleError, format_table
 from .simulate import SimResult, peak_activations, simulate, timed_table
-from .split_backward import (
-    SplitLinear,
-    SplitLMHead,
-    WeightGradStore,
-    deferred_parameters,
-    split_weight_gradients,
-)
+from .split_backward import WeightGradStore
 from .split_layers import (
     SplitColumnParallelLinear,
+    SplitLinear,
+    SplitLMHead,
     SplitParallelLMHead,
     SplitRowParallelLinear,
+    deferred_parameters,
+    split_weight_gradients,
 )
 from .timeline import (
     Measured,

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from .gpt_stage import TensorSpec
-from .split_backward import WeightGradStore, split_weight_gradients
+from .split_backward import WeightGradStore
+from .split_layers import split_weight_gradients
 
 __all__ = ["ActivationLedger", "AutogradStage"]
 
