@@ -54,7 +54,7 @@ from .communications import (
 )
 from .execution_model import Record, verify
 from .gpt_stage import TensorSpec
-from .rank_step import PipelineError, StepExecution
+from .rank_step import PipelineError, RankPlan, RankStep
 from .schedule import Schedule
 from .simulate import peak_activations
 
@@ -252,7 +252,22 @@ class PipelineRuntime:
         )
         specs = self._recv_specs(key, mine)
         self.iteration += 1
-        run = StepExecution(self, microbatches, specs, it)
+        plan = RankPlan(
+            schedule=self.schedule,
+            comm=self.comm,
+            rank=self.rank,
+            stages=self.stages,
+            ops=self.ops,
+            codes=self.codes,
+            peers=self.peers,
+            tied=self.tied if self.sum_tied else {},
+            tie_holders=self.tie_holders,
+            predicted_held=self.predicted_held,
+            device=self.device,
+            timeout=self.timeout,
+            issue=self._issue,
+        )
+        run = RankStep(plan, microbatches, specs, it)
         run.run()
         return StepResult(
             it,
@@ -264,8 +279,8 @@ class PipelineRuntime:
         )
 
     def _issue(self, actions: Sequence[Action], ops: list) -> object:
-        """One batch on the progress thread (the actions are for tests that
-        plant faults)."""
+        """One batch on the progress thread (RankPlan.issue; the actions are
+        for tests that plant faults)."""
         return self.comm.batch_p2p(ops, async_op=True, timeout=self.timeout)
 
 
