@@ -287,8 +287,7 @@ def replay(schedule, records: list, t_p2p: float):  # noqa: ANN001, ANN201
     """The schedule simulated with each compute's measured duration and
     messages taking t_p2p: what the step would take if the runtime added
     nothing but the hops."""
-    from pycollectives.strategies.pipeline import Record, execute, measure
-    from pycollectives.strategies.pipeline.verify import check_static
+    from pycollectives.strategies.pipeline import Record, check_static, execute, measure
 
     took = {
         (r.action.kind, r.action.stage, r.action.microbatch): r.end - r.start

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pycollectives.strategies.models import GPT, GPTConfig
-from pycollectives.strategies.pipeline.stage import TIED
+from pycollectives.strategies.pipeline.gpt_stage import TIED
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2))
 B, T = 2, 8

@@ -42,7 +42,7 @@ from pycollectives.strategies.pipeline import (
     simulate,
 )
 from pycollectives.strategies.pipeline.communications import gather_records
-from pycollectives.strategies.pipeline.stage import TIED
+from pycollectives.strategies.pipeline.gpt_stage import TIED
 
 
 def run_case(comm: pc.Communicator, name: str, v: int, m: int, steps: int = 1) -> dict:

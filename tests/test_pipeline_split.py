@@ -27,7 +27,7 @@ from pycollectives.strategies.pipeline import (
     gpt_stages,
     layer_split,
 )
-from pycollectives.strategies.pipeline.stage import TIED
+from pycollectives.strategies.pipeline.gpt_stage import TIED
 from pycollectives.strategies.tensor_parallel import parallelize_gpt
 
 

@@ -31,7 +31,7 @@ import torch
 
 from ..checkpoint import CheckpointError, Piece, load_pieces, read_index, save_pieces
 from ..pipeline.communications import agree
-from ..pipeline.stage import TIED
+from ..pipeline.gpt_stage import TIED
 from .trainer import Trainer3D, full_shapes
 
 __all__ = ["load_trainer", "save_trainer"]

@@ -38,7 +38,7 @@ from ..fsdp import fully_shard
 from ..models.gpt import Block
 from ..pipeline import PipelineRuntime
 from ..pipeline.communications import sum_tied_gradients
-from ..pipeline.stage import TIED
+from ..pipeline.gpt_stage import TIED
 
 __all__ = ["reduce_after_step", "shard_stages", "unsynced"]
 

@@ -66,7 +66,7 @@ from ..mesh import ParallelDims
 from ..models.gpt import Block, Embedding, GPTConfig, LMHead
 from ..pipeline import PipelineError, PipelineRuntime, build, deferred_parameters, gpt_stages
 from ..pipeline.communications import agree, digest
-from ..pipeline.stage import TIED
+from ..pipeline.gpt_stage import TIED
 from ..tensor_parallel import parallelize_gpt
 from ..zero import ZeroOptimizer
 from .fsdp_pipeline import reduce_after_step, shard_stages, unsynced

@@ -15,6 +15,7 @@ See docs/pipeline.md for the execution model and the runtime.
 """
 
 from .actions import Action, Kind, parse_action
+from .autograd_stage import ActivationLedger, AutogradStage
 from .builders import (
     BUILDERS,
     build,
@@ -25,34 +26,32 @@ from .builders import (
     with_comms,
     zb_h1,
 )
-from .engine import Record, execute
-from .executor import ActivationLedger, AutogradStage
+from .execution_model import Record, check_static, execute, pair_messages, verify
+from .gpt_stage import GPTStage, TensorSpec, balance, gpt_stages, layer_split
 from .runtime import PipelineError, PipelineRuntime, StepResult, run_step
 from .schedule import Op, Schedule, ScheduleError, format_table
 from .simulate import SimResult, peak_activations, simulate, timed_table
-from .split_backward import (
+from .split_backward import WeightGradStore
+from .split_layers import (
+    SplitColumnParallelLinear,
     SplitLinear,
     SplitLMHead,
-    WeightGradStore,
+    SplitParallelLMHead,
+    SplitRowParallelLinear,
     deferred_parameters,
     split_weight_gradients,
 )
-from .split_tensor_parallel import (
-    SplitColumnParallelLinear,
-    SplitParallelLMHead,
-    SplitRowParallelLinear,
-)
-from .stage import GPTStage, TensorSpec, balance, gpt_stages, layer_split
-from .timeline import draw_timeline, draw_timelines, missing_matplotlib
-from .trace import (
+from .timeline import (
     Measured,
     chrome_trace,
     draw_measured_and_simulated,
+    draw_timeline,
+    draw_timelines,
     measure,
+    missing_matplotlib,
     normalized,
     save_chrome_trace,
 )
-from .verify import check_static, pair_messages, verify
 
 __all__ = [
     "BUILDERS",

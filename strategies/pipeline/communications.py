@@ -36,9 +36,9 @@ from torch import nn
 from pycollectives import Communicator
 
 from .actions import Action, Kind
-from .engine import Record
+from .execution_model import Record
+from .gpt_stage import TensorSpec
 from .schedule import Schedule
-from .stage import TensorSpec
 
 __all__ = [
     "MessageCodes",

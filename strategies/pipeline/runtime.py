@@ -44,6 +44,7 @@ from torch import nn
 from pycollectives import Communicator
 
 from .actions import Action, Kind
+from .autograd_stage import AutogradStage
 from .communications import (
     MessageCodes,
     agree,
@@ -51,13 +52,11 @@ from .communications import (
     gather_specs,
     gather_tie_holders,
 )
-from .engine import Record
-from .execution import PipelineError, StepExecution
-from .executor import AutogradStage
+from .execution_model import Record, verify
+from .gpt_stage import TensorSpec
+from .rank_step import PipelineError, RankPlan, RankStep
 from .schedule import Schedule
 from .simulate import peak_activations
-from .stage import TensorSpec
-from .verify import verify
 
 __all__ = ["PipelineError", "PipelineRuntime", "StepResult", "run_step"]
 
@@ -94,7 +93,7 @@ class PipelineRuntime:
     place. `timeout` (seconds) bounds each communication (default: the
     communicator's). `device`: where received activations go, the device of
     the module stages' parameters (CPU without any); messages travel
-    through the host (execution.py). `sum_tied=False`: the step leaves the
+    through the host (rank_step.py). `sum_tied=False`: the step leaves the
     tied parameters' gradients alone (`tie_holders` still says who holds
     each): the caller sums them, e.g. FSDP's, which are in its accumulation
     buffers, not in .grad.
@@ -253,7 +252,22 @@ class PipelineRuntime:
         )
         specs = self._recv_specs(key, mine)
         self.iteration += 1
-        run = StepExecution(self, microbatches, specs, it)
+        plan = RankPlan(
+            schedule=self.schedule,
+            comm=self.comm,
+            rank=self.rank,
+            stages=self.stages,
+            ops=self.ops,
+            codes=self.codes,
+            peers=self.peers,
+            tied=self.tied if self.sum_tied else {},
+            tie_holders=self.tie_holders,
+            predicted_held=self.predicted_held,
+            device=self.device,
+            timeout=self.timeout,
+            issue=self._issue,
+        )
+        run = RankStep(plan, microbatches, specs, it)
         run.run()
         return StepResult(
             it,
@@ -265,8 +279,8 @@ class PipelineRuntime:
         )
 
     def _issue(self, actions: Sequence[Action], ops: list) -> object:
-        """One batch on the progress thread (the actions are for tests that
-        plant faults)."""
+        """One batch on the progress thread (RankPlan.issue; the actions are
+        for tests that plant faults)."""
         return self.comm.batch_p2p(ops, async_op=True, timeout=self.timeout)
 
 

@@ -1,6 +1,6 @@
 """`simulate(schedule, t_F, t_B, t_W, t_p2p)`: what a schedule costs.
 
-Runs the execution model of engine.py with times: F costs t_F, I (input
+Runs the execution model of execution_model.py with times: F costs t_F, I (input
 gradient) t_B, W t_W, and the full backward B t_B + t_W; a batch of sends
 and receives ends t_p2p after its last operation has met its peer's. Compute
 costs are per stage: with v stages per rank, a stage is 1/v of what the rank
@@ -31,9 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .actions import Action, Kind
-from .engine import Record, execute
+from .execution_model import Record, check_static, execute
 from .schedule import Schedule
-from .verify import check_static
 
 __all__ = ["SimResult", "peak_activations", "simulate", "timed_table"]
 

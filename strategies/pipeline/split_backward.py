@@ -1,15 +1,16 @@
-"""The backward split into I (input gradient) and W (weight gradient), layer
-by layer, for zero-bubble schedules.
+"""The backward split into I (input gradient) and W (weight gradient), for
+zero-bubble schedules: the autograd Functions that leave the weight
+gradients for W, and the store W takes them from. The layers that run them
+are in split_layers.py.
 
 A linear layer y = x W^T + b has three gradients. I needs only one of them,
 dX = dY W, to send to the previous stage; dW = dY^T X and db = sum(dY) wait
-for W, off the critical path. `SplitLinear` (an nn.Linear, same parameters
-and names) does exactly that with an explicit autograd Function: its
-backward computes dX and appends (layer, X, dY) to the pending list of the
-micro-batch that ran its forward; `WeightGradStore.backward_weight(j)` later
-computes dW and db for each entry and accumulates them into `.grad`. The
-LM head's output projection (F.linear by the tied weight) is split the same
-way (`SplitLMHead`).
+for W, off the critical path. `LinearFn`, an explicit autograd Function,
+does exactly that: its backward computes dX and appends (layer, X, dY) to
+the pending list of the micro-batch that ran its forward;
+`WeightGradStore.backward_weight(j)` later computes dW and db for each entry
+and accumulates them into `.grad`. `BiasFn` does the same for a bias added
+apart (after a tensor-parallel all-reduce).
 
 The arithmetic is torch's own: for contiguous inputs nn.Linear's autograd
 computes dX = dY.mm(W), dW = dY^T.mm(X) and db = dY.sum(0) on the flattened
@@ -26,40 +27,27 @@ Other parameters get their gradients in I, from autograd, as before:
   no input gradient to hurry for;
 - any other layer: unchanged, full backward in I.
 
-Tensor-parallel layers split too (split_tensor_parallel.py): their
-communications stay the named autograd functions they are, around the same
-split linear Function, so every collective runs in I and W computes
-without communicating.
-
-Outside a pipeline step (no micro-batch open) a SplitLinear computes every
-gradient in its backward, as nn.Linear does.
+Outside a pipeline step (no micro-batch open in the store) these Functions
+compute every gradient in their backward, as nn.Linear does.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from ..models.gpt import LMHead
-
-__all__ = [
-    "SplitLMHead",
-    "SplitLinear",
-    "WeightGradStore",
-    "deferred_parameters",
-    "split_weight_gradients",
-]
+__all__ = ["BiasFn", "LinearFn", "WeightGradStore"]
 
 
 class _Pending(NamedTuple):
     """What W needs of one linear layer for one micro-batch."""
 
-    weight: nn.Parameter | None  # None: a bias alone (split_tensor_parallel's bias add)
+    weight: nn.Parameter | None  # None: a bias alone (BiasFn)
     bias: nn.Parameter | None
     x: torch.Tensor | None  # [tokens, in]; None with weight None
     dy: torch.Tensor  # [tokens, out]
@@ -88,7 +76,7 @@ def accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
         p.grad += g
 
 
-class _LinearFn(torch.autograd.Function):
+class LinearFn(torch.autograd.Function):
     """y = F.linear(x, weight, bias). Backward: dX = dY W; with a pending list
     (a micro-batch open in the store at forward), dW and db are left for W;
     without, computed now."""
@@ -115,6 +103,27 @@ class _LinearFn(torch.autograd.Function):
             return dx, None, None, None
         db = bias_grad(dy2) if ctx.params[1] is not None else None
         return dx, weight_grad(dy2, x2), db, None
+
+
+class BiasFn(torch.autograd.Function):
+    """Forward: y + b; backward: dY passes to y; with a pending list, db = sum(dY)
+    is left for W; without, computed now."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, y: torch.Tensor, bias: torch.Tensor, pending: list | None
+    ) -> torch.Tensor:
+        ctx.bias, ctx.pending = bias, pending
+        return y + bias
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if ctx.pending is not None:
+            ctx.pending.append(_Pending(None, ctx.bias, None, dy2.detach()))
+            ctx.pending = None
+            return dy, None, None
+        return dy, bias_grad(dy2), None
 
 
 class WeightGradStore:
@@ -166,83 +175,3 @@ class WeightGradStore:
 
     def __len__(self) -> int:
         return len(self._pending)
-
-
-class SplitLinear(nn.Linear):
-    """nn.Linear whose weight gradient waits for W (see the module docstring).
-    Built from an nn.Linear, sharing its parameters."""
-
-    store: WeightGradStore
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, store: WeightGradStore) -> SplitLinear:
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.in_features, layer.out_features = linear.in_features, linear.out_features
-        layer.weight, layer.bias = linear.weight, linear.bias
-        layer.store = store
-        return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LinearFn.apply(x, self.weight, self.bias, self.store.open)
-
-    def deferred_parameters(self) -> list[nn.Parameter]:
-        """The parameters whose gradients W computes."""
-        return [p for p in (self.weight, self.bias) if p is not None]
-
-
-class SplitLMHead(LMHead):
-    """LMHead whose output projection's weight gradient waits for W."""
-
-    store: WeightGradStore
-
-    @classmethod
-    def from_head(cls, head: LMHead, store: WeightGradStore) -> SplitLMHead:
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.ln_f, layer.weight, layer.store = head.ln_f, head.weight, store
-        return layer
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        logits = _LinearFn.apply(self.ln_f(x), self.weight, None, self.store.open)
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-    def deferred_parameters(self) -> list[nn.Parameter]:
-        """The parameters whose gradients W computes."""
-        return [self.weight]
-
-
-def split_weight_gradients(module: nn.Module, store: WeightGradStore) -> int:
-    """Replaces, in place, every nn.Linear and LMHead inside `module`, and
-    every ColumnParallelLinear, RowParallelLinear and ParallelLMHead (exactly
-    those classes, not subclasses), by its split version recording into
-    `store`; parameters and their names are unchanged. Returns how many
-    layers were replaced."""
-    # here, not at the top: split_tensor_parallel builds on this module
-    from .split_tensor_parallel import tensor_parallel_splits
-
-    splits = {nn.Linear: SplitLinear.from_linear, LMHead: SplitLMHead.from_head}
-    splits.update(tensor_parallel_splits())
-    count = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            split = splits.get(type(child))
-            if split is not None:
-                setattr(parent, name, split(child, store))
-                count += 1
-    return count
-
-
-def deferred_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
-    """The parameters whose gradients W computes (those of the split layers
-    inside `modules`), each once: their post-accumulate-grad hooks fire in I
-    without a gradient, so a gradient averager must send them after W."""
-    out: dict[int, nn.Parameter] = {}
-    for root in modules:
-        for mod in root.modules():
-            fn = getattr(mod, "deferred_parameters", None)
-            if fn is not None and isinstance(mod, nn.Module):
-                out.update((id(p), p) for p in fn())
-    return list(out.values())

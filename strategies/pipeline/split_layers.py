@@ -1,12 +1,17 @@
-"""The backward split into I and W for tensor-parallel layers (see
-split_backward.py for the plain ones).
+"""The layers whose weight gradients wait for W, and `split_weight_gradients`,
+which swaps them in for the plain ones (split_backward.py holds the autograd
+Functions they run and the WeightGradStore).
 
-Each split layer runs the same named communications as the layer it
-replaces (communications.py: copy_to_tp_region, reduce_from_tp_region, ...)
-around split_backward's linear Function, which computes dX = dY W in I and
-leaves dW = dY^T X (and db = sum(dY)) for W. So every collective runs in I,
-where autograd runs the communications' backwards, and W only multiplies
-what I stashed:
+`SplitLinear` (an nn.Linear, same parameters and names) runs LinearFn; so
+does `SplitLMHead` for the LM head's output projection (F.linear by the tied
+weight).
+
+Tensor-parallel layers split too. Each runs the same named communications
+as the layer it replaces (tensor_parallel/communications.py:
+copy_to_tp_region, reduce_from_tp_region, ...) around LinearFn, which
+computes dX = dY W in I and leaves dW = dY^T X (and db = sum(dY)) for W. So
+every collective runs in I, where autograd runs the communications'
+backwards, and W only multiplies what I stashed:
 
 - ColumnParallelLinear: copy_to_tp_region (sequence parallel:
   gather_from_sequence_parallel_region), then the split linear. I: the
@@ -16,7 +21,7 @@ what I stashed:
   sequence parallelism the gathered input (not its shard) waits for W.
 - RowParallelLinear: the split linear without bias, reduce_from_tp_region
   (sequence parallel: reduce_scatter_to_sequence_parallel_region), then the
-  bias by a split add whose W computes db = sum(dY). With sequence
+  bias by a split add (BiasFn) whose W computes db = sum(dY). With sequence
   parallelism the bias sees only this rank's tokens and its gradient is
   summed across tp, a communication: that bias keeps its gradient in I
   (copy_to_tp_region, as unsplit).
@@ -29,12 +34,14 @@ computed in the backward, as the unsplit layers do.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from ..models.gpt import LMHead
 from ..tensor_parallel.communications import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
@@ -50,40 +57,63 @@ from ..tensor_parallel.layers import (
     vocab_parallel_cross_entropy,
 )
 from ..tensor_parallel.parallelize import ParallelLMHead
-from .split_backward import (
-    WeightGradStore,
-    _LinearFn,
-    _Pending,
-    bias_grad,
-)
+from .split_backward import BiasFn, LinearFn, WeightGradStore
 
 __all__ = [
     "SplitColumnParallelLinear",
+    "SplitLMHead",
+    "SplitLinear",
     "SplitParallelLMHead",
     "SplitRowParallelLinear",
-    "tensor_parallel_splits",
+    "deferred_parameters",
+    "split_weight_gradients",
 ]
 
 
-class _BiasFn(torch.autograd.Function):
-    """Forward: y + b; backward: dY passes to y; with a pending list, db = sum(dY)
-    is left for W; without, computed now."""
+class SplitLinear(nn.Linear):
+    """nn.Linear whose weight gradient waits for W (see the module docstring).
+    Built from an nn.Linear, sharing its parameters."""
 
-    @staticmethod
-    def forward(
-        ctx: Any, y: torch.Tensor, bias: torch.Tensor, pending: list | None
-    ) -> torch.Tensor:
-        ctx.bias, ctx.pending = bias, pending
-        return y + bias
+    store: WeightGradStore
 
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        if ctx.pending is not None:
-            ctx.pending.append(_Pending(None, ctx.bias, None, dy2.detach()))
-            ctx.pending = None
-            return dy, None, None
-        return dy, bias_grad(dy2), None
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, store: WeightGradStore) -> SplitLinear:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.weight, layer.bias = linear.weight, linear.bias
+        layer.store = store
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return LinearFn.apply(x, self.weight, self.bias, self.store.open)
+
+    def deferred_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients W computes."""
+        return [p for p in (self.weight, self.bias) if p is not None]
+
+
+class SplitLMHead(LMHead):
+    """LMHead whose output projection's weight gradient waits for W."""
+
+    store: WeightGradStore
+
+    @classmethod
+    def from_head(cls, head: LMHead, store: WeightGradStore) -> SplitLMHead:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.ln_f, layer.weight, layer.store = head.ln_f, head.weight, store
+        return layer
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = LinearFn.apply(self.ln_f(x), self.weight, None, self.store.open)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def deferred_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients W computes."""
+        return [self.weight]
 
 
 def _column(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -93,7 +123,7 @@ def _column(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> tor
         total = gather_from_sequence_parallel_region(x, comm, SEQUENCE_DIM)
     else:
         total = copy_to_tp_region(x, comm)
-    return _LinearFn.apply(total, layer.weight, bias, layer.store.open)
+    return LinearFn.apply(total, layer.weight, bias, layer.store.open)
 
 
 def _share(cls: type, layer: nn.Module, store: WeightGradStore) -> Any:
@@ -140,15 +170,15 @@ class SplitRowParallelLinear(RowParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pending = self.store.open
         if self.comm.world_size == 1:
-            return _LinearFn.apply(x, self.weight, self.bias, pending)
+            return LinearFn.apply(x, self.weight, self.bias, pending)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.comm)
-        y = _LinearFn.apply(x, self.weight, None, pending)
+        y = LinearFn.apply(x, self.weight, None, pending)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.comm, SEQUENCE_DIM)
             return y if self.bias is None else y + copy_to_tp_region(self.bias, self.comm)
         y = reduce_from_tp_region(y, self.comm)
-        return y if self.bias is None else _BiasFn.apply(y, self.bias, pending)
+        return y if self.bias is None else BiasFn.apply(y, self.bias, pending)
 
     def deferred_parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradients W computes."""
@@ -178,11 +208,37 @@ class SplitParallelLMHead(ParallelLMHead):
         return [self.weight]
 
 
-def tensor_parallel_splits() -> dict[type, Callable[[Any, WeightGradStore], nn.Module]]:
-    """Each tensor-parallel layer class and the function making its split
-    version (for split_weight_gradients)."""
-    return {
+def split_weight_gradients(module: nn.Module, store: WeightGradStore) -> int:
+    """Replaces, in place, every nn.Linear and LMHead inside `module`, and
+    every ColumnParallelLinear, RowParallelLinear and ParallelLMHead (exactly
+    those classes, not subclasses), by its split version recording into
+    `store`; parameters and their names are unchanged. Returns how many
+    layers were replaced."""
+    splits = {
+        nn.Linear: SplitLinear.from_linear,
+        LMHead: SplitLMHead.from_head,
         ColumnParallelLinear: SplitColumnParallelLinear.from_layer,
         RowParallelLinear: SplitRowParallelLinear.from_layer,
         ParallelLMHead: SplitParallelLMHead.from_layer,
     }
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            split = splits.get(type(child))
+            if split is not None:
+                setattr(parent, name, split(child, store))
+                count += 1
+    return count
+
+
+def deferred_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """The parameters whose gradients W computes (those of the split layers
+    inside `modules`), each once: their post-accumulate-grad hooks fire in I
+    without a gradient, so a gradient averager must send them after W."""
+    out: dict[int, nn.Parameter] = {}
+    for root in modules:
+        for mod in root.modules():
+            fn = getattr(mod, "deferred_parameters", None)
+            if fn is not None and isinstance(mod, nn.Module):
+                out.update((id(p), p) for p in fn())
+    return list(out.values())

@@ -14,7 +14,7 @@ micro-batches, the same division a single process does before each
   returns the input gradient. Weight gradients accumulate into .grad.
 - I(j): the same backward with the linear layers' weight gradients (plain
   and tensor-parallel) left in the WeightGradStore (split_backward.py,
-  split_tensor_parallel.py); W(j) computes them.
+  split_layers.py); W(j) computes them.
 
 Bytes held are counted exactly: during F, a saved-tensor hook sees every
 tensor autograd saves for backward and records its storage (once, and not
@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .split_backward import WeightGradStore, split_weight_gradients
-from .stage import TensorSpec
+from .gpt_stage import TensorSpec
+from .split_backward import WeightGradStore
+from .split_layers import split_weight_gradients
 
 __all__ = ["ActivationLedger", "AutogradStage"]
 
