@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .inputs import DTYPES
+from .inputs import DTYPES, ModelSpec
 from .units import PlanInputError
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "activation_bytes_per_layer",
     "model_states",
     "reduce_window_bytes",
+    "storage_per_rank",
 ]
 
 REDUCE_WINDOWS = 3  # ZeroOptimizer's and fully_shard's reduce_buffers default
@@ -134,3 +135,14 @@ def activation_bytes_per_layer(
     if sequence_parallel:
         return sbh * (34 / t + attention)
     return sbh * (10 + 24 / t + attention)
+
+
+def storage_per_rank(spec: ModelSpec, n: int, sharding: str, dtype: str) -> dict[str, float]:
+    """Bytes of tensor storage one of `n` data-parallel ranks holds between steps for the
+    whole `spec` model, as this project's strategies count it (the roles of
+    benchmarks/_zero_setups.py: parameters, master copies / shards, gradients, optimizer
+    state, reduce-scatter windows). Sharding units are the blocks and the root
+    (embeddings, final LN, tied head), as ZeroOptimizer and fully_shard group them."""
+    states = model_states(spec.params(), n, sharding, dtype, "pycollectives")
+    units = [spec.block_params(), spec.embed_params() + spec.head_params()]
+    return {**states.as_dict(), "reduce_buffers": reduce_window_bytes(units, n, sharding, dtype)}
