@@ -124,6 +124,8 @@ def test_rejections_say_why():
         FREE,
     )
     assert isinstance(odd, Rejected) and odd.reason == "heads=2 not divisible by tp=4"
+    z3 = price(req, Layout(2, 1, 4, "zero3", "1f1b", 4, "none"), FREE)
+    assert isinstance(z3, Rejected) and "pipeline refuses it" in z3.reason
     small = parse_request({**REQ, "memory_per_device": "100MB"})
     got = price(small, Layout(8, 1, 1, "none", "none", 1, "none"), FREE)
     assert isinstance(got, Rejected) and got.reason.startswith("does not fit")

@@ -95,6 +95,12 @@ def _check(req: Request, lo: Layout) -> str | None:
         return f"ffn={m.ffn_size} or vocab={m.vocab} not divisible by tp={lo.tp}"
     if lo.tp > c.devices_per_host or c.devices_per_host % lo.tp:
         return f"tp={lo.tp} crosses hosts ({c.devices_per_host} devices per host)"
+    if lo.pp > 1 and lo.sharding in ("zero2", "zero3"):
+        return (
+            f"{lo.sharding} with pp={lo.pp}: this project's pipeline refuses it (use fsdp or zero1)"
+        )
+    if lo.pp > 1 and lo.sharding == "fsdp" and lo.schedule == "zb-h1":
+        return "fsdp with the zb-h1 schedule: this project's pipeline refuses it"
     if m.layers < lo.pp * v:
         return f"layers={m.layers} fewer than pp={lo.pp} x {v} stage(s) per rank"
     if req.global_batch % (lo.dp * lo.microbatches):
