@@ -14,6 +14,7 @@ from pycollectives.strategies.plan.costs import (
     hierarchical_time,
     load_bench_json,
     ring_time,
+    ring_vs_hierarchical,
 )
 from pycollectives.strategies.plan.inputs import PlanInputError
 from pycollectives.strategies.plan.layout import Layout, Priced, Rejected, price
@@ -51,6 +52,13 @@ def test_hierarchical_across_hosts():
     assert hierarchical_time("all_gather", 8, 8, s, intra, inter) == ring_time(
         "all_gather", 8, s, intra
     )
+    rows = ring_vs_hierarchical("all_reduce", s, 8, intra, inter)
+    assert [r["ranks"] for r in rows] == [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert rows[0]["ring_s"] == rows[0]["hierarchical_s"]  # one host: the same ring
+    assert all(r["faster"] == "hierarchical" for r in rows[1:])
+    assert rows[-1]["ring_s"] == ring_time("all_reduce", 4096, s, inter)
+    with pytest.raises(PlanInputError, match="not a multiple of per_host=8"):
+        ring_vs_hierarchical("all_reduce", s, 8, intra, inter, (12,))
 
 
 def _rows(alpha: float, beta: float) -> list[dict]:

@@ -16,7 +16,14 @@ published figures, and the model states against what this project's strategies s
 """
 
 from .cli import plan
-from .costs import LinkCost, fit, hierarchical_time, load_bench_json, ring_time
+from .costs import (
+    LinkCost,
+    fit,
+    hierarchical_time,
+    load_bench_json,
+    ring_time,
+    ring_vs_hierarchical,
+)
 from .inputs import Allowed, Cluster, Link, ModelSpec, Request, parse_request
 from .layout import Layout, Priced, Rejected, price
 from .memory import activation_bytes_per_layer, model_states, storage_per_rank
@@ -46,5 +53,6 @@ __all__ = [
     "plan",
     "price",
     "ring_time",
+    "ring_vs_hierarchical",
     "storage_per_rank",
 ]

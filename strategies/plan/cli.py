@@ -17,7 +17,7 @@ import json
 import sys
 from typing import Any
 
-from .costs import LinkCost, fit, load_bench_json
+from .costs import LinkCost, fit, load_bench_json, ring_vs_hierarchical
 from .inputs import Request, parse_request
 from .layout import Layout, Priced, Rejected, price
 from .units import PlanInputError
@@ -77,6 +77,17 @@ def report(
         f"#   link {k}: alpha {v.alpha * 1e6:.2f} us, {v.bandwidth / 1e9:.2f} GB/s ({v.source})"
         for k, v in links.items()
     ]
+    size = req.model.params() * 2.0  # a 16-bit gradient all-reduce of the whole model
+    per_host = req.cluster.devices_per_host
+    alg = ring_vs_hierarchical("all_reduce", size, per_host, links["intra"], links["inter"],
+                               tuple(per_host * k for k in (1, 2, 8, 64, 512)))  # fmt: skip
+    lines.append(
+        f"#   all-reduce of {size / 1e9:.2f} GB, ring vs hierarchical: "
+        + ", ".join(
+            f"{a['ranks']} ranks {a['ring_s'] * 1e3:.1f} / {a['hierarchical_s'] * 1e3:.1f} ms"
+            for a in alg
+        )
+    )
     lines.append(
         f"{'layout':42} {'mem GB':>8} {'states':>8} {'activ':>8} {'buffers':>8} {'step ms':>9} "
         f"{'compute':>9} {'tp comm':>9} {'bubble':>9} {'dp expo':>9} {'dp ovlp':>9}"

@@ -23,7 +23,15 @@ from typing import Any
 
 from .units import PlanInputError
 
-__all__ = ["COLLECTIVES", "LinkCost", "fit", "hierarchical_time", "load_bench_json", "ring_time"]
+__all__ = [
+    "COLLECTIVES",
+    "LinkCost",
+    "fit",
+    "hierarchical_time",
+    "load_bench_json",
+    "ring_time",
+    "ring_vs_hierarchical",
+]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -132,3 +140,33 @@ def fit(rows: list[dict[str, Any]], min_bytes: int = 64 * 1024, source: str = "b
     if alpha < 0 or beta <= 0:  # no latency resolvable: bandwidth alone
         alpha, beta = 0.0, sy / syy
     return LinkCost(alpha, beta, f"{source}: fitted to {len(pts)} rows >= {min_bytes} B")
+
+
+def ring_vs_hierarchical(
+    collective: str,
+    size: float,
+    per_host: int,
+    intra: LinkCost,
+    inter: LinkCost,
+    ranks: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+) -> list[dict[str, Any]]:
+    """Per rank count (a multiple of per_host), the seconds of a flat ring over every rank
+    (its slowest link: inter-host as soon as it spans hosts; PYCOLL_ALGO=ring) and of the
+    hierarchical algorithm the communicator runs across hosts, and which is faster."""
+    out = []
+    for n in ranks:
+        if n % per_host:
+            raise PlanInputError(
+                f"ring_vs_hierarchical: {n} ranks not a multiple of per_host={per_host}"
+            )
+        ring = ring_time(collective, n, size, inter if n > per_host else intra)
+        hier = hierarchical_time(collective, n, per_host, size, intra, inter)
+        out.append(
+            {
+                "ranks": n,
+                "ring_s": ring,
+                "hierarchical_s": hier,
+                "faster": "ring" if ring < hier else "hierarchical",
+            }
+        )
+    return out
