@@ -1,0 +1,218 @@
+"""One layout (dp x tp x pp, sharding, schedule, micro-batches, recomputation) priced:
+memory per rank itemized, step time itemized, or the reason it is rejected.
+
+Ranks are numbered tp fastest, then dp, then pp (Megatron's order): a tp group is tp
+consecutive ranks, a dp group has stride tp, a pp group stride tp * dp. A group that
+spans hosts runs hierarchically (costs.hierarchical_time) with the inter-host link.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pycollectives.strategies.pipeline import build, simulate
+
+from .costs import LinkCost, hierarchical_time, ring_time
+from .inputs import DTYPES, Request
+from .memory import activation_bytes_per_layer, model_states, reduce_window_bytes
+
+__all__ = ["SLOT_BYTES", "Layout", "Priced", "Rejected", "price"]
+
+SLOT_BYTES = 4 * 256 * 1024  # the communicator's shared slots per connection (4 x 256 KiB)
+PREFETCH = 2  # ZeroOptimizer's and fully_shard's default: units gathered ahead
+INTERLEAVE = 2  # stages per rank of the interleaved schedule
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What is chosen for one candidate."""
+
+    dp: int
+    tp: int
+    pp: int
+    sharding: str
+    schedule: str
+    microbatches: int
+    recompute: str
+
+    def name(self) -> str:
+        sched = f" {self.schedule}" if self.pp > 1 else ""
+        return (
+            f"dp{self.dp} tp{self.tp} pp{self.pp} {self.sharding}{sched} m{self.microbatches} "
+            f"rc-{self.recompute}"
+        )
+
+
+@dataclass
+class Priced:
+    """A layout that fits: bytes per rank by item, seconds per step by item."""
+
+    layout: Layout
+    memory: dict[str, float]
+    time: dict[str, float]
+    step_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+
+@dataclass
+class Rejected:
+    """A layout that cannot run, and why."""
+
+    layout: Layout
+    reason: str
+    over_bytes: float = 0.0  # for "does not fit": by how much
+
+
+def _crosses(size: int, stride: int, per_host: int) -> bool:
+    """Whether ranks 0, stride, ..., (size-1)*stride sit on more than one host."""
+    return size > 1 and (size - 1) * stride >= per_host
+
+
+def _collective(req: Request, coll: str, n: int, stride: int, size: float, links: dict) -> float:
+    """Seconds of `coll` over a group of n ranks of the given stride."""
+    if n <= 1:
+        return 0.0
+    dph = req.cluster.devices_per_host
+    if not _crosses(n, stride, dph):
+        return ring_time(coll, n, size, links["intra"])
+    per_host = max(1, dph // stride) if stride < dph else 1
+    if n % per_host:
+        return ring_time(coll, n, size, links["inter"])
+    return hierarchical_time(coll, n, per_host, size, links["intra"], links["inter"])
+
+
+def _check(req: Request, lo: Layout) -> str | None:
+    m, c = req.model, req.cluster
+    v = INTERLEAVE if lo.schedule == "interleaved" and lo.pp > 1 else 1
+    if m.heads % lo.tp:
+        return f"heads={m.heads} not divisible by tp={lo.tp}"
+    if m.ffn_size % lo.tp or m.vocab % lo.tp:
+        return f"ffn={m.ffn_size} or vocab={m.vocab} not divisible by tp={lo.tp}"
+    if lo.tp > c.devices_per_host or c.devices_per_host % lo.tp:
+        return f"tp={lo.tp} crosses hosts ({c.devices_per_host} devices per host)"
+    if lo.pp > 1 and lo.sharding in ("zero2", "zero3"):
+        return (
+            f"{lo.sharding} with pp={lo.pp}: this project's pipeline refuses it (use fsdp or zero1)"
+        )
+    if lo.pp > 1 and lo.sharding == "fsdp" and lo.schedule == "zb-h1":
+        return "fsdp with the zb-h1 schedule: this project's pipeline refuses it"
+    if m.layers < lo.pp * v:
+        return f"layers={m.layers} fewer than pp={lo.pp} x {v} stage(s) per rank"
+    if req.global_batch % (lo.dp * lo.microbatches):
+        return (
+            f"global_batch={req.global_batch} not divisible by dp={lo.dp} x "
+            f"microbatches={lo.microbatches}"
+        )
+    return None
+
+
+def price(req: Request, lo: Layout, links: dict[str, LinkCost]) -> Priced | Rejected:
+    """Memory and step time of `lo` under `req`, or why it is rejected (see the module
+    docstring for the rank order; links: {"intra": LinkCost, "inter": LinkCost})."""
+    why = _check(req, lo)
+    if why:
+        return Rejected(lo, why)
+    m, c = req.model, req.cluster
+    width, mixed = DTYPES[req.allowed.dtype]
+    v = INTERLEAVE if lo.schedule == "interleaved" and lo.pp > 1 else 1
+    layers = math.ceil(m.layers / (lo.pp * v)) * v  # the busiest rank's blocks
+    b = req.global_batch // (lo.dp * lo.microbatches)  # micro-batch size
+    # The busiest rank: its blocks and the embeddings (first stage), or with pp = 1 the head
+    # too (the last stage's tied copy of the embedding is no larger than the first's).
+    ends = m.embed_params() + (m.head_params() if lo.pp == 1 else 0)
+    p_rank = (layers * m.block_params() + ends) / lo.tp
+    if lo.pp > 1:
+        sched = build(lo.schedule, lo.pp, lo.microbatches, v)
+        in_flight = max(simulate(sched).peak_activations)
+    else:
+        sched, in_flight = None, v
+    # Memory per rank.
+    states = model_states(p_rank, lo.dp, lo.sharding, req.allowed.dtype, "pycollectives")
+    act_layer = activation_bytes_per_layer(
+        m.seq, b, m.hidden, m.heads, lo.tp, recompute=lo.recompute
+    )
+    act_layer *= width / 2  # Table 2 counts 16-bit activations
+    units = [m.block_params() // lo.tp, (m.embed_params() + m.head_params()) // lo.tp]
+    memory = {
+        **states.as_dict(),
+        "activations": act_layer * layers / v * in_flight,
+        "logits": 4.0 * m.seq * b * m.vocab / lo.tp,  # fp32 logits for the loss, one micro-batch
+        "reduce_windows": float(reduce_window_bytes(units, lo.dp, lo.sharding, req.allowed.dtype)),
+        "gathered_units": (
+            float((PREFETCH + 1) * max(units) * width)
+            if lo.sharding in ("zero3", "fsdp") and lo.dp > 1
+            else 0.0
+        ),
+        "library_pools": float(SLOT_BYTES * (min(c.devices, c.devices_per_host) - 1)),
+    }
+    if lo.recompute == "full":  # one layer's activations live while it is recomputed
+        memory["activations"] += (
+            activation_bytes_per_layer(m.seq, b, m.hidden, m.heads, lo.tp) * width / 2
+        )
+    if sum(memory.values()) > c.memory:
+        over = sum(memory.values()) - c.memory
+        return Rejected(
+            lo,
+            f"does not fit: needs {sum(memory.values()) / 1e9:.2f} GB of {c.memory_text} "
+            f"({c.memory / 1e9:.2f} GB), over by {over / 1e9:.2f} GB",
+            over,
+        )
+    # Step time: compute per micro-batch per stage, tp collectives in the critical path.
+    tokens_mb = b * m.seq
+    flops_fwd = (2 * p_rank * lo.tp + 4 * layers * m.hidden * m.seq) * tokens_mb / lo.tp
+    recompute = {
+        "none": 0.0,
+        "selective": 4 * layers * m.hidden * m.seq * tokens_mb / lo.tp,
+        "full": flops_fwd,
+    }
+    t_f = flops_fwd / c.flops
+    t_b = (2 * flops_fwd + recompute[lo.recompute]) / c.flops
+    act_bytes = tokens_mb * m.hidden * width
+    tp_ar = _collective(req, "all_reduce", lo.tp, 1, act_bytes, links)
+    t_f += 2 * layers * tp_ar
+    t_b += 2 * layers * tp_ar
+    p2p = 0.0
+    if lo.pp > 1:
+        link = (
+            links["inter"] if _crosses(lo.pp, lo.tp * lo.dp, c.devices_per_host) else links["intra"]
+        )
+        p2p = link.alpha + act_bytes * link.beta
+        split = lo.schedule == "zb-h1"
+        res = simulate(
+            sched, t_f / v, t_b / v / (2 if split else 1), t_b / v / 2 if split else 0.0, p2p
+        )
+        pipeline = res.makespan
+        bubble = res.bubble_fraction * pipeline
+    else:
+        pipeline, bubble = lo.microbatches * (t_f + t_b), 0.0
+    # Data parallelism: what each sharding sends, and what of it the backward hides.
+    g = p_rank * (width if not mixed or lo.sharding != "fsdp" else 4)
+    coll = lambda kind, size: _collective(req, kind, lo.dp, lo.tp, size, links)  # noqa: E731
+    if lo.sharding == "none":
+        sync, after, gathers = coll("all_reduce", g), 0.0, 0.0
+    elif lo.sharding in ("zero1", "zero2"):
+        kind = "all_reduce" if lo.sharding == "zero1" else "reduce_scatter"
+        sync, after, gathers = coll(kind, g), coll("all_gather", p_rank * width), 0.0
+    else:
+        sync = coll("reduce_scatter", g) * lo.microbatches
+        after, gathers = 0.0, 2 * lo.microbatches * coll("all_gather", p_rank * width)
+    compute_total = lo.microbatches * (t_f + t_b)
+    hidden_sync = min(sync, t_b * (lo.microbatches if lo.sharding in ("zero3", "fsdp") else 1))
+    hidden_gathers = min(gathers, compute_total - hidden_sync)
+    time = {
+        "compute": lo.microbatches * (t_f + t_b - 4 * layers * tp_ar),
+        "tp_collectives": lo.microbatches * 4 * layers * tp_ar,
+        "pipeline_bubble": bubble,
+        "dp_exposed": (sync - hidden_sync) + (gathers - hidden_gathers) + after,
+        "dp_overlapped": hidden_sync + hidden_gathers,
+    }
+    step = pipeline + time["dp_exposed"]
+    notes = [f"micro-batch {b}", f"in flight {in_flight}"] + (
+        [f"p2p {p2p * 1e6:.1f} us"] if p2p else []
+    )
+    return Priced(lo, memory, time, step, notes)
