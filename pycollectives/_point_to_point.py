@@ -9,7 +9,7 @@ from typing import Any
 
 from . import _C
 from ._buffers import describe, is_cuda_buffer
-from ._cuda_args import cuda_args, cuda_ret, stage, stage_batch_p2p
+from ._args import cuda_args, cuda_ret, stage, stage_batch_p2p
 from ._staging import Staged
 from .work import Timeout, Work, to_seconds
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import _C
 from ._buffers import ITEMSIZE, describe, is_cuda_buffer
-from ._cuda_args import cuda_args, cuda_ret, describe_pair, stage, stage_pair
+from ._args import cuda_args, cuda_ret, describe_pair, stage, stage_pair
 from ._point_to_point import PointToPoint
 from ._staging import Staged
 from .work import CudaWork, Timeout, Work, to_seconds

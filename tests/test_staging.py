@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import pycollectives as pc
-from pycollectives._cuda_args import cuda_args
+from pycollectives._args import cuda_args
 from pycollectives._staging import (
     PinnedCache,
     Staged,
