@@ -13,10 +13,10 @@ import os
 import socket
 from typing import Any
 
-from . import _C
-from .auth import ENV_FILE, ENV_KEY, STORE_BYTES, job_secret
+from .. import _C
+from ..auth import ENV_FILE, ENV_KEY, STORE_BYTES, job_secret
+from ..communicator import Communicator, Timeout, to_seconds
 from .bootstrap import Bootstrap
-from .communicator import Communicator, Timeout, to_seconds
 
 _inits: dict[str, int] = {}
 _STORE_MAX_TIMEOUT_S = 365 * 86400.0  # a TCPStore's timeout (an infinite one waits this long)
