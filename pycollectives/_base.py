@@ -2,7 +2,7 @@
 (communicator.py, the one module above this): the C++ core it drives, how an
 operation is issued on it (CPU or CUDA buffers, or across hosts pinned host
 copies of CUDA ones: _staging.py) and its buffers kept alive while in flight,
-what it reports (stats, hosts, single copy, ...) and its lifetime (close,
+its symmetric shared-memory windows (alloc_shared), what it reports (stats, hosts, single copy, ...) and its lifetime (close,
 abort, closing every open one at exit)."""
 
 from __future__ import annotations
@@ -102,6 +102,45 @@ class CommunicatorBase:
         inflight = self._inflight
         while inflight and inflight[0][0].is_completed():
             inflight.popleft()
+
+    def alloc_shared(
+        self, shape: int | Sequence[int], dtype: Any = None, *, timeout: Timeout = None
+    ) -> Any:
+        """Collective: returns a zero-filled CPU torch tensor of `shape` and
+        `dtype` (default float32) in a symmetric shared-memory window: every
+        rank allocates the same size and maps every peer's buffer. An
+        all_reduce of the tensor, a reduce_scatter whose input or an
+        all_gather whose output it is (the same view on every rank) then runs
+        in place across the ranks' buffers with no copy through the
+        transport's slots (as NCCL's registered buffers). The memory lives as
+        long as any tensor viewing it. Every rank must call it with the same
+        size, in the same order as its other collectives.
+
+        Raises ValueError for a negative size or an unsupported dtype, and the
+        communicator's errors (e.g. /dev/shm too small) on every rank.
+        """
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if any(not isinstance(d, int) or d < 0 for d in shape):
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: alloc_shared: shape={shape!r} must be "
+                "non-negative ints"
+            )
+        if not isinstance(dtype, torch.dtype) or dtype.is_complex or dtype == torch.bool:
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: alloc_shared: dtype={dtype!r} is not supported"
+            )
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        win = self._c.alloc_window(nbytes, to_seconds(timeout))
+        flat = torch.frombuffer(win, dtype=torch.uint8, count=nbytes) if nbytes else None
+        if flat is None:
+            return torch.zeros(shape, dtype=dtype)
+        return flat.view(dtype).view(shape)
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per-operation counters: calls, bytes_sent, bytes_received, time_s, paths, taken_over.

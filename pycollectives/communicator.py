@@ -217,45 +217,6 @@ class Communicator(CommunicatorBase):
         args = (po, pi, ni // self.world_size, dt)
         return self._issue("all_to_all", args, (output, input), cuda, async_op, timeout)
 
-    def alloc_shared(
-        self, shape: int | Sequence[int], dtype: Any = None, *, timeout: Timeout = None
-    ) -> Any:
-        """Collective: returns a zero-filled CPU torch tensor of `shape` and
-        `dtype` (default float32) in a symmetric shared-memory window: every
-        rank allocates the same size and maps every peer's buffer. An
-        all_reduce of the tensor, a reduce_scatter whose input or an
-        all_gather whose output it is (the same view on every rank) then runs
-        in place across the ranks' buffers with no copy through the
-        transport's slots (as NCCL's registered buffers). The memory lives as
-        long as any tensor viewing it. Every rank must call it with the same
-        size, in the same order as its other collectives.
-
-        Raises ValueError for a negative size or an unsupported dtype, and the
-        communicator's errors (e.g. /dev/shm too small) on every rank.
-        """
-        import torch
-
-        dtype = torch.float32 if dtype is None else dtype
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        if any(not isinstance(d, int) or d < 0 for d in shape):
-            raise ValueError(
-                f"pycollectives: rank {self.rank}: alloc_shared: shape={shape!r} must be "
-                "non-negative ints"
-            )
-        if not isinstance(dtype, torch.dtype) or dtype.is_complex or dtype == torch.bool:
-            raise ValueError(
-                f"pycollectives: rank {self.rank}: alloc_shared: dtype={dtype!r} is not supported"
-            )
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * dtype.itemsize
-        win = self._c.alloc_window(nbytes, to_seconds(timeout))
-        flat = torch.frombuffer(win, dtype=torch.uint8, count=nbytes) if nbytes else None
-        if flat is None:
-            return torch.zeros(shape, dtype=dtype)
-        return flat.view(dtype).view(shape)
-
     def all_reduce_coalesced(
         self,
         tensors: Sequence[Any],
@@ -265,16 +226,44 @@ class Communicator(CommunicatorBase):
         bucket_cap_mb: float = 25.0,
     ) -> Any:
         """All-reduces a list of CPU tensors in place, fused into shared-memory
-        buckets of at most `bucket_cap_mb` per dtype (see
-        pycollectives.bucketing.all_reduce_coalesced). With async_op, returns a
-        CoalescedWork whose wait() puts the results into the tensors.
+        buckets of at most `bucket_cap_mb` per dtype: copies in, one all-reduce per
+        bucket, copies out. The buckets are cached by the list's shapes and dtypes,
+        so a training loop allocates them once. Collective: every rank passes the
+        same shapes and dtypes. With async_op, returns a CoalescedWork whose wait()
+        puts the results into the tensors.
 
         Raises ValueError for a tensor that is not a contiguous CPU tensor."""
-        from .bucketing import all_reduce_coalesced
+        import torch
 
-        return all_reduce_coalesced(
-            self, tensors, op, async_op=async_op, bucket_cap_mb=bucket_cap_mb
-        )
+        from ._fusion import CoalescedWork, make_buckets
+
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(
+                    f"pycollectives: rank {self.rank}: all_reduce_coalesced: tensors[{i}] must "
+                    "be a contiguous CPU torch.Tensor"
+                )
+        key = (tuple((tuple(t.shape), t.dtype) for t in tensors), float(bucket_cap_mb))
+        if key not in self._coalesced_buckets:
+            cap, alloc = bucket_cap_mb, self.alloc_shared
+            self._coalesced_buckets[key] = make_buckets(tensors, cap, cap, alloc, self.rank)[1:]
+        buckets, where = self._coalesced_buckets[key]
+        views = [buckets[b].views[pos] for b, pos in where]
+        with torch.inference_mode():  # outside autograd (Parameters), as the copies out
+            for v, t in zip(views, tensors, strict=True):
+                v.copy_(t)
+        works = [self.all_reduce(b.buffer, op, async_op=True) for b in buckets]
+
+        def copy_out() -> None:  # inference tensors too, whatever thread or mode waits
+            with torch.inference_mode():
+                for v, t in zip(views, tensors, strict=True):
+                    t.copy_(v)
+
+        work = CoalescedWork(works, copy_out)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def barrier(self, *, async_op: bool = False, timeout: Timeout = None) -> Work | None:
         """Returns once every rank has entered the barrier."""
