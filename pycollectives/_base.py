@@ -25,7 +25,9 @@ _live: weakref.WeakSet = weakref.WeakSet()  # closed at exit: see _close_all_at_
 
 
 class CommunicatorBase:
-    """The state, reports and lifetime of a Communicator (which adds the operations)."""
+    """A Communicator's core, state, windows, reports and lifetime, and how its
+    operations are issued (communicator.Communicator adds them, checking their
+    arguments)."""
 
     def __init__(self, core: Any) -> None:
         self._c = core
@@ -40,9 +42,9 @@ class CommunicatorBase:
         # Ranks on several hosts: CUDA buffers go through pinned host copies (_staging.py).
         self._across_hosts = any(core.host_of)
         self._stager: Stager | None = None  # made by the first staged operation
-        # all_reduce_coalesced's window buckets, by (shapes and dtypes, cap): see bucketing.py
+        # all_reduce_coalesced's window buckets, by (shapes and dtypes, cap): _fusion.py
         self._coalesced_buckets: dict = {}
-        self._on_close: list[Any] = []  # run once by close() (rendezvous.py: the caller's store)
+        self._on_close: list[Any] = []  # run once by close() (rendezvous/: the caller's store)
         _live.add(self)
 
     def _issue_from_any_thread(self) -> None:
