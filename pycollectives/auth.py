@@ -2,7 +2,7 @@
 
 By default each job makes its own: rank 0 puts 32 random bytes in the
 bootstrap store, every rank reads them, and the last to read deletes them
-(rendezvous.py). Whoever reads the store while they are there, or writes it
+(pycollectives.rendezvous). Whoever reads the store while they are there, or writes it
 during set-up, could join the job; PYCOLL_AUTH_KEY (or PYCOLL_AUTH_KEY_FILE)
 gives every rank a secret that never enters the store instead, e.g. one a
 cluster scheduler hands every rank of the job. See docs/api.md, "Security"."""

@@ -1,27 +1,25 @@
-"""The Communicator: collectives on torch tensors and NumPy arrays, run by the
-C++ core over shared memory."""
+"""The Communicator: collectives and point-to-point operations on torch tensors
+and NumPy arrays, run by the C++ core over shared memory (and TCP across
+hosts). Every operation checks its buffers in one prologue (`_buffers`, with
+the helpers of _args.py) and hands them to the core in one epilogue (`_issue`);
+CUDA buffers go to the core's CUDA path or, across hosts, through pinned host
+copies (`_stage`, _staging.py). Its state, reports and lifetime: _base.py."""
 
 from __future__ import annotations
 
-import atexit
-import collections
 import enum
-import sys
-import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from . import _C
+from ._args import check_no_overlap, check_root, cuda_args, cuda_p2p_ops, p2p_ops
+from ._base import CommunicatorBase
 from ._buffers import ITEMSIZE, describe, is_cuda_buffer
-from ._cuda_args import cuda_args, cuda_ret, describe_pair, stage, stage_pair
-from ._point_to_point import PointToPoint
 from ._staging import Staged
 from .work import CudaWork, Timeout, Work, to_seconds
 
 __all__ = ["Communicator", "CudaWork", "ReduceOp", "Timeout", "Work", "to_seconds"]
 
-Buffer = Any  # torch.Tensor | numpy.ndarray
+Buffer = Any  # torch.Tensor | numpy.ndarray | an object with __cuda_array_interface__
 
 
 class ReduceOp(enum.IntEnum):
@@ -47,69 +45,36 @@ def _op_code(op: Any, rank: int, name: str) -> int:
     return code
 
 
-def _check_no_overlap(a: tuple, b: tuple, allowed: int | None, rank: int, name: str) -> None:
-    """Raises ValueError if byte ranges a=(ptr, nbytes) and b overlap, unless b
-    starts exactly at `allowed` (the in-place layout torch uses)."""
-    (pa, na), (pb, nb) = a, b
-    if na == 0 or nb == 0 or pa + na <= pb or pb + nb <= pa:
-        return
-    if allowed is not None and pb == allowed:
-        return
-    raise ValueError(f"pycollectives: rank {rank}: {name}: input and output overlap")
+class Communicator(CommunicatorBase):
+    """A group of ranks (on one host or several); create with pycollectives.init() or split()."""
 
+    # -- the prologue of every operation on buffers (the epilogues: _base.py) --
+    def _buffers(self, name: str, *specs: tuple[Buffer, str, bool]) -> tuple[list, Any]:
+        """Checks and describes the buffers of one call, specs (buffer, argument
+        name, writable), as CUDA buffers if the first is one: returns
+        ([(address, numel, dtype code)], None or (device, current-stream
+        getter)). Two buffers are (output, input) and must share a dtype.
+        Raises ValueError naming the argument, the rank and the operation."""
+        if is_cuda_buffer(specs[0][0]):
+            descs, dev, stream = cuda_args(
+                self.rank, self._across_hosts, self._cuda_device, name, *specs
+            )
+            self._cuda_device, cuda = dev, (dev, stream)
+        else:
+            descs = [describe(b, self.rank, name, arg, writable=w) for b, arg, w in specs]
+            cuda = None
+        if len(descs) == 2 and descs[0][2] != descs[1][2]:
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: {name}: output dtype differs from input dtype"
+            )
+        return descs, cuda
 
-_live: weakref.WeakSet = weakref.WeakSet()  # closed at exit: see _close_all_at_exit
-
-
-class Communicator(PointToPoint):
-    """A group of ranks (on one host or several); create with pycollectives.init() or split().
-
-    Collectives here; send, recv and batch_p2p in PointToPoint (_point_to_point.py)."""
-
-    def __init__(self, core: Any) -> None:
-        self._c = core
-        self._fast = _C.fast_path(core)  # synchronous CPU-tensor calls without pybind11
-        self.rank: int = core.rank
-        self.world_size: int = core.world_size
-        # (core work, buffers) of asynchronous operations not known to be done:
-        # the buffers stay alive until the operation completes, even if the
-        # caller drops its Work (the progress thread still reads and writes them).
-        self._inflight: collections.deque = collections.deque()
-        self._cuda_device: int | None = None  # set by the first CUDA operation
-        # Ranks on several hosts: CUDA buffers go through pinned host copies (_staging.py).
-        self._across_hosts = any(core.host_of)
-        self._stager: Any = None  # made by the first staged operation
-        # all_reduce_coalesced's window buckets, by (shapes and dtypes, cap): see bucketing.py
-        self._coalesced_buckets: dict = {}
-        self._on_close: list[Any] = []  # run once by close() (rendezvous.py: the caller's store)
-        _live.add(self)
-
-    def _issue_from_any_thread(self) -> None:
-        """Lets any thread issue operations: the caller serializes its calls (the
-        torch backend does, under its lock). By default only the first thread
-        that issues one may (a second raises ValueError)."""
-        self._c.set_any_thread(True)
-
-    # -- helpers --------------------------------------------------------------
-    def _ret(self, work: Any, *buffers: Buffer) -> Work | None:
-        if work is None:
-            return None
-        self._prune()
-        self._inflight.append((work, buffers))
-        return Work(work, self)
-
-    def _prune(self) -> None:
-        """Drops the buffers of operations that completed (they complete in order)."""
-        inflight = self._inflight
-        while inflight and inflight[0][0].is_completed():
-            inflight.popleft()
+    def _pair(self, name: str, output: Buffer, input: Buffer) -> tuple:  # noqa: A002
+        """_buffers() of an operation writing `output` and reading `input`."""
+        return self._buffers(name, (output, "output", True), (input, "input", False))
 
     def _root(self, root: int, arg: str, name: str) -> int:
-        if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < self.world_size:
-            raise ValueError(
-                f"pycollectives: rank {self.rank}: {name}: {arg}={root!r} is out of range [0, {self.world_size})"
-            )
-        return root
+        return check_root(root, self.world_size, self.rank, arg, name)
 
     # -- collectives ----------------------------------------------------------
     def all_reduce(
@@ -123,21 +88,13 @@ class Communicator(PointToPoint):
         """Reduces `tensor` across ranks in place; every rank gets the same bits."""
         if not async_op and timeout is None and self._fast.all_reduce(tensor, op):
             return None
-        if is_cuda_buffer(tensor):
-            code = _op_code(op, self.rank, "all_reduce")
-            [(ptr, n, dt)], dev, stream = cuda_args(self, "all_reduce", (tensor, "tensor", True))
-            if self._across_hosts:
-                call = lambda h, a: self.all_reduce(h[0], op, async_op=a, timeout=timeout)  # noqa: E731
-                return stage(self, [Staged(tensor, "tensor", True, True)], call, async_op)
-            w = _C.cuda_all_reduce(
-                self._c, ptr, n, dt, code, dev, stream(), async_op, to_seconds(timeout)
-            )
-            return cuda_ret(self, w, async_op, stream, tensor)
-        ptr, n, dt = describe(tensor, self.rank, "all_reduce", "tensor")
+        [(ptr, n, dt)], cuda = self._buffers("all_reduce", (tensor, "tensor", True))
         code = _op_code(op, self.rank, "all_reduce")
-        return self._ret(
-            self._c.all_reduce(ptr, n, dt, code, async_op, to_seconds(timeout)), tensor
-        )
+        if cuda and self._across_hosts:
+            call = lambda h, a: self.all_reduce(h[0], op, async_op=a, timeout=timeout)  # noqa: E731
+            return self._stage([Staged(tensor, "tensor", True, True)], call, async_op)
+        args = (ptr, n, dt, code)
+        return self._issue("all_reduce", args, (tensor,), cuda, async_op, timeout)
 
     def reduce_scatter(
         self,
@@ -152,26 +109,20 @@ class Communicator(PointToPoint):
         if not async_op and timeout is None and self._fast.reduce_scatter(output, input, op):
             return None
         name = "reduce_scatter"
-        (po, no, do), (pi, ni, di), cuda = describe_pair(self, name, output, input)
+        [(po, no, _), (pi, ni, dt)], cuda = self._pair(name, output, input)
         if ni != no * self.world_size:
             raise ValueError(
                 f"pycollectives: rank {self.rank}: {name}: input has {ni} elements, expected "
                 f"world_size * output.numel() = {self.world_size * no}"
             )
-        es = ITEMSIZE[di]
-        _check_no_overlap((pi, ni * es), (po, no * es), pi + self.rank * no * es, self.rank, name)
+        es = ITEMSIZE[dt]
+        check_no_overlap((pi, ni * es), (po, no * es), pi + self.rank * no * es, self.rank, name)
         code = _op_code(op, self.rank, name)
         if cuda and self._across_hosts:
             call = lambda o, i, a: self.reduce_scatter(o, i, op, async_op=a, timeout=timeout)  # noqa: E731
-            return stage_pair(self, output, input, call, async_op)
-        if cuda:
-            dev, stream = cuda
-            w = _C.cuda_reduce_scatter(
-                self._c, po, pi, no, di, code, dev, stream(), async_op, to_seconds(timeout)
-            )
-            return cuda_ret(self, w, async_op, stream, output, input)
-        w = self._c.reduce_scatter(po, pi, no, di, code, async_op, to_seconds(timeout))
-        return self._ret(w, output, input)
+            return self._stage_pair(output, input, call, async_op)
+        args = (po, pi, no, dt, code)
+        return self._issue("reduce_scatter", args, (output, input), cuda, async_op, timeout)
 
     def all_gather(
         self,
@@ -185,25 +136,19 @@ class Communicator(PointToPoint):
         if not async_op and timeout is None and self._fast.all_gather(output, input):
             return None
         name = "all_gather"
-        (po, no, do), (pi, ni, di), cuda = describe_pair(self, name, output, input)
+        [(po, no, _), (pi, ni, dt)], cuda = self._pair(name, output, input)
         if no != ni * self.world_size:
             raise ValueError(
                 f"pycollectives: rank {self.rank}: {name}: output has {no} elements, expected "
                 f"world_size * input.numel() = {self.world_size * ni}"
             )
-        es = ITEMSIZE[di]
-        _check_no_overlap((po, no * es), (pi, ni * es), po + self.rank * ni * es, self.rank, name)
+        es = ITEMSIZE[dt]
+        check_no_overlap((po, no * es), (pi, ni * es), po + self.rank * ni * es, self.rank, name)
         if cuda and self._across_hosts:
             call = lambda o, i, a: self.all_gather(o, i, async_op=a, timeout=timeout)  # noqa: E731
-            return stage_pair(self, output, input, call, async_op)
-        if cuda:
-            dev, stream = cuda
-            w = _C.cuda_all_gather(
-                self._c, po, pi, ni, di, dev, stream(), async_op, to_seconds(timeout)
-            )
-            return cuda_ret(self, w, async_op, stream, output, input)
-        w = self._c.all_gather(po, pi, ni, di, async_op, to_seconds(timeout))
-        return self._ret(w, output, input)
+            return self._stage_pair(output, input, call, async_op)
+        args = (po, pi, ni, dt)
+        return self._issue("all_gather", args, (output, input), cuda, async_op, timeout)
 
     def broadcast(
         self, tensor: Buffer, src: int, *, async_op: bool = False, timeout: Timeout = None
@@ -211,20 +156,14 @@ class Communicator(PointToPoint):
         """Copies rank `src`'s `tensor` into every rank's `tensor`."""
         if not async_op and timeout is None and self._fast.broadcast(tensor, src):
             return None
-        if is_cuda_buffer(tensor):
-            [(ptr, n, dt)], dev, stream = cuda_args(self, "broadcast", (tensor, "tensor", True))
-            src = self._root(src, "src", "broadcast")
-            if self._across_hosts:
-                call = lambda h, a: self.broadcast(h[0], src, async_op=a, timeout=timeout)  # noqa: E731
-                bufs = [Staged(tensor, "tensor", self.rank == src, self.rank != src)]
-                return stage(self, bufs, call, async_op)
-            w = _C.cuda_broadcast(
-                self._c, ptr, n, dt, src, dev, stream(), async_op, to_seconds(timeout)
-            )
-            return cuda_ret(self, w, async_op, stream, tensor)
-        ptr, n, dt = describe(tensor, self.rank, "broadcast", "tensor")
+        [(ptr, n, dt)], cuda = self._buffers("broadcast", (tensor, "tensor", True))
         src = self._root(src, "src", "broadcast")
-        return self._ret(self._c.broadcast(ptr, n, dt, src, async_op, to_seconds(timeout)), tensor)
+        if cuda and self._across_hosts:
+            call = lambda h, a: self.broadcast(h[0], src, async_op=a, timeout=timeout)  # noqa: E731
+            bufs = [Staged(tensor, "tensor", self.rank == src, self.rank != src)]
+            return self._stage(bufs, call, async_op)
+        args = (ptr, n, dt, src)
+        return self._issue("broadcast", args, (tensor,), cuda, async_op, timeout)
 
     def reduce(
         self,
@@ -238,23 +177,15 @@ class Communicator(PointToPoint):
         """Reduces `tensor` across ranks into rank `dst`'s `tensor` (others unchanged)."""
         if not async_op and timeout is None and self._fast.reduce(tensor, dst, op):
             return None
-        if is_cuda_buffer(tensor):
-            [(ptr, n, dt)], dev, stream = cuda_args(self, "reduce", (tensor, "tensor", True))
-            dst = self._root(dst, "dst", "reduce")
-            code = _op_code(op, self.rank, "reduce")
-            if self._across_hosts:
-                call = lambda h, a: self.reduce(h[0], dst, op, async_op=a, timeout=timeout)  # noqa: E731
-                bufs = [Staged(tensor, "tensor", True, self.rank == dst)]
-                return stage(self, bufs, call, async_op)
-            to = to_seconds(timeout)
-            w = _C.cuda_reduce(self._c, ptr, n, dt, code, dst, dev, stream(), async_op, to)
-            return cuda_ret(self, w, async_op, stream, tensor)
-        ptr, n, dt = describe(tensor, self.rank, "reduce", "tensor")
+        [(ptr, n, dt)], cuda = self._buffers("reduce", (tensor, "tensor", True))
         dst = self._root(dst, "dst", "reduce")
         code = _op_code(op, self.rank, "reduce")
-        return self._ret(
-            self._c.reduce(ptr, n, dt, code, dst, async_op, to_seconds(timeout)), tensor
-        )
+        if cuda and self._across_hosts:
+            call = lambda h, a: self.reduce(h[0], dst, op, async_op=a, timeout=timeout)  # noqa: E731
+            bufs = [Staged(tensor, "tensor", True, self.rank == dst)]
+            return self._stage(bufs, call, async_op)
+        args = (ptr, n, dt, code, dst)
+        return self._issue("reduce", args, (tensor,), cuda, async_op, timeout)
 
     def all_to_all(
         self,
@@ -268,7 +199,7 @@ class Communicator(PointToPoint):
         if not async_op and timeout is None and self._fast.all_to_all(output, input):
             return None
         name = "all_to_all"
-        (po, no, do), (pi, ni, di), cuda = describe_pair(self, name, output, input)
+        [(po, no, _), (pi, ni, dt)], cuda = self._pair(name, output, input)
         if no != ni:
             raise ValueError(
                 f"pycollectives: rank {self.rank}: {name}: output has {no} elements, input {ni}"
@@ -278,56 +209,13 @@ class Communicator(PointToPoint):
                 f"pycollectives: rank {self.rank}: {name}: input has {ni} elements, not divisible by "
                 f"world_size {self.world_size}"
             )
-        es = ITEMSIZE[di]
-        _check_no_overlap((po, no * es), (pi, ni * es), None, self.rank, name)
+        es = ITEMSIZE[dt]
+        check_no_overlap((po, no * es), (pi, ni * es), None, self.rank, name)
         if cuda and self._across_hosts:
             call = lambda o, i, a: self.all_to_all(o, i, async_op=a, timeout=timeout)  # noqa: E731
-            return stage_pair(self, output, input, call, async_op)
-        if cuda:
-            (dev, stream), count, to = cuda, ni // self.world_size, to_seconds(timeout)
-            w = _C.cuda_all_to_all(self._c, po, pi, count, di, dev, stream(), async_op, to)
-            return cuda_ret(self, w, async_op, stream, output, input)
-        w = self._c.all_to_all(po, pi, ni // self.world_size, di, async_op, to_seconds(timeout))
-        return self._ret(w, output, input)
-
-    def alloc_shared(
-        self, shape: int | Sequence[int], dtype: Any = None, *, timeout: Timeout = None
-    ) -> Any:
-        """Collective: returns a zero-filled CPU torch tensor of `shape` and
-        `dtype` (default float32) in a symmetric shared-memory window: every
-        rank allocates the same size and maps every peer's buffer. An
-        all_reduce of the tensor, a reduce_scatter whose input or an
-        all_gather whose output it is (the same view on every rank) then runs
-        in place across the ranks' buffers with no copy through the
-        transport's slots (as NCCL's registered buffers). The memory lives as
-        long as any tensor viewing it. Every rank must call it with the same
-        size, in the same order as its other collectives.
-
-        Raises ValueError for a negative size or an unsupported dtype, and the
-        communicator's errors (e.g. /dev/shm too small) on every rank.
-        """
-        import torch
-
-        dtype = torch.float32 if dtype is None else dtype
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        if any(not isinstance(d, int) or d < 0 for d in shape):
-            raise ValueError(
-                f"pycollectives: rank {self.rank}: alloc_shared: shape={shape!r} must be "
-                "non-negative ints"
-            )
-        if not isinstance(dtype, torch.dtype) or dtype.is_complex or dtype == torch.bool:
-            raise ValueError(
-                f"pycollectives: rank {self.rank}: alloc_shared: dtype={dtype!r} is not supported"
-            )
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * dtype.itemsize
-        win = self._c.alloc_window(nbytes, to_seconds(timeout))
-        flat = torch.frombuffer(win, dtype=torch.uint8, count=nbytes) if nbytes else None
-        if flat is None:
-            return torch.zeros(shape, dtype=dtype)
-        return flat.view(dtype).view(shape)
+            return self._stage_pair(output, input, call, async_op)
+        args = (po, pi, ni // self.world_size, dt)
+        return self._issue("all_to_all", args, (output, input), cuda, async_op, timeout)
 
     def all_reduce_coalesced(
         self,
@@ -338,16 +226,44 @@ class Communicator(PointToPoint):
         bucket_cap_mb: float = 25.0,
     ) -> Any:
         """All-reduces a list of CPU tensors in place, fused into shared-memory
-        buckets of at most `bucket_cap_mb` per dtype (see
-        pycollectives.bucketing.all_reduce_coalesced). With async_op, returns a
-        CoalescedWork whose wait() puts the results into the tensors.
+        buckets of at most `bucket_cap_mb` per dtype: copies in, one all-reduce per
+        bucket, copies out. The buckets are cached by the list's shapes and dtypes,
+        so a training loop allocates them once. Collective: every rank passes the
+        same shapes and dtypes. With async_op, returns a CoalescedWork whose wait()
+        puts the results into the tensors.
 
         Raises ValueError for a tensor that is not a contiguous CPU tensor."""
-        from .bucketing import all_reduce_coalesced
+        import torch
 
-        return all_reduce_coalesced(
-            self, tensors, op, async_op=async_op, bucket_cap_mb=bucket_cap_mb
-        )
+        from ._fusion import CoalescedWork, make_buckets
+
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(
+                    f"pycollectives: rank {self.rank}: all_reduce_coalesced: tensors[{i}] must "
+                    "be a contiguous CPU torch.Tensor"
+                )
+        key = (tuple((tuple(t.shape), t.dtype) for t in tensors), float(bucket_cap_mb))
+        if key not in self._coalesced_buckets:
+            cap, alloc = bucket_cap_mb, self.alloc_shared
+            self._coalesced_buckets[key] = make_buckets(tensors, cap, cap, alloc, self.rank)[1:]
+        buckets, where = self._coalesced_buckets[key]
+        views = [buckets[b].views[pos] for b, pos in where]
+        with torch.inference_mode():  # outside autograd (Parameters), as the copies out
+            for v, t in zip(views, tensors, strict=True):
+                v.copy_(t)
+        works = [self.all_reduce(b.buffer, op, async_op=True) for b in buckets]
+
+        def copy_out() -> None:  # inference tensors too, whatever thread or mode waits
+            with torch.inference_mode():
+                for v, t in zip(views, tensors, strict=True):
+                    t.copy_(v)
+
+        work = CoalescedWork(works, copy_out)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def barrier(self, *, async_op: bool = False, timeout: Timeout = None) -> Work | None:
         """Returns once every rank has entered the barrier."""
@@ -370,126 +286,105 @@ class Communicator(PointToPoint):
         child = self._c.split(c, key, to_seconds(timeout))
         return None if child is None else Communicator(child)
 
-    def stats(self) -> dict[str, dict[str, Any]]:
-        """Per-operation counters: calls, bytes_sent, bytes_received, time_s, paths, taken_over.
+    # -- point-to-point -------------------------------------------------------
+    def send(
+        self, tensor: Buffer, dst: int, *, async_op: bool = False, timeout: Timeout = None
+    ) -> Work | None:
+        """Sends `tensor` to rank `dst`; returns once it is buffered or delivered."""
+        if not async_op and timeout is None and self._fast.send(tensor, dst):
+            return None
+        [(ptr, n, dt)], cuda = self._buffers("send", (tensor, "tensor", False))
+        dst = self._root(dst, "dst", "send")
+        if cuda and self._across_hosts:
+            call = lambda h, a: self.send(h[0], dst, async_op=a, timeout=timeout)  # noqa: E731
+            return self._stage([Staged(tensor, "tensor", True, False)], call, async_op)
+        args = (ptr, n, dt, dst)
+        return self._issue("send", args, (tensor,), cuda, async_op, timeout)
 
-        ``paths`` counts the calls by how they moved their bytes: ``"slots"``
-        (ring, chain or pairwise schedules through the shared slots),
-        ``"oneshot"`` (small messages through the one-shot areas),
-        ``"direct"`` (in place across symmetric windows, see `alloc_shared`, or, for
-        CUDA buffers, across the peers' own buffers mapped with CUDA IPC) or
-        ``"cma"`` (single copy between the peers' plain buffers, see `single_copy`).
-        Across hosts: ``"hierarchical"`` (within each host, then across hosts
-        by the hosts' ranks in parallel, or the reverse) or ``"flat"`` (one
-        ring or chain over every rank, host by host: ``PYCOLL_ALGO=ring``).
-        ``taken_over`` counts the single-copy chunks this rank did for another
-        rank's part because that rank had not claimed them yet (it was
-        descheduled or slower).
+    def recv(
+        self, tensor: Buffer, src: int | None, *, async_op: bool = False, timeout: Timeout = None
+    ) -> int | Work:
+        """Receives into `tensor` from rank `src` (count and dtype must match the send).
+
+        `src=None` receives from any source (MPI_ANY_SOURCE): the message of
+        whichever peer sends one first, after every operation issued before
+        this one (CPU buffers; across hosts CUDA tensors too, staged through host
+        memory). Returns the sender's rank, or with
+        `async_op` a Work whose `source` is the sender's rank once it completed.
+        Raises ValueError for a bad `src` or buffer, and the core's errors.
         """
-        return self._c.stats()
+        if src is None:
+            return self._recv_any(tensor, async_op, timeout)
+        if not async_op and timeout is None and self._fast.recv(tensor, src):
+            return src
+        [(ptr, n, dt)], cuda = self._buffers("recv", (tensor, "tensor", True))
+        src = self._root(src, "src", "recv")
+        if cuda and self._across_hosts:
+            call = lambda h, a: self.recv(h[0], src, async_op=a, timeout=timeout)  # noqa: E731
+            return self._stage([Staged(tensor, "tensor", False, True)], call, async_op)
+        args = (ptr, n, dt, src)
+        w = self._issue("recv", args, (tensor,), cuda, async_op, timeout)
+        return src if w is None else w
 
-    def cma_tuning(self) -> dict[str, dict[int, dict[str, Any]]]:
-        """What this rank's single-copy tuner measured and decided, per operation name
-        and size class (a power of two of bytes, the class ``[b, 2b)`` keyed by ``b``):
-        ``{"decided": "cma" | "slots" | None (still timing), "cma_ns_per_byte",
-        "slots_ns_per_byte"}``, the best time per byte of each path's timed calls
-        (None before one ran). Only classes inside the single-copy bands that ran an
-        operation appear; empty with ``PYCOLL_CMA_TUNE=0`` or without single copy.
-        Each rank decides on its own timings (docs/api.md, "Single copy").
-        """
-        return self._c.cma_tuning()
-
-    @property
-    def algorithm(self) -> str:
-        """The PYCOLL_ALGO setting in force (rank 0's): auto, ring, oneshot or cma."""
-        return self._c.algo
-
-    @property
-    def single_copy(self) -> bool:
-        """Whether ranks read and write each other's plain buffers directly (CMA).
-
-        Decided at init, alike on every rank: true when every rank could read
-        and write every peer with ``process_vm_readv``/``process_vm_writev``
-        (same user, ptrace allowed, not refused by seccomp) and neither
-        ``PYCOLL_CMA=0`` nor ``PYCOLL_ALGO`` ``ring``/``oneshot`` is set. Where
-        it is false, the slots carry everything.
-        """
-        return self._c.cma
-
-    @property
-    def hosts(self) -> list[int]:
-        """Every rank's host (hosts numbered in the order of their lowest
-        rank): ranks of one host share memory, ranks of different hosts talk
-        over TCP. All zeros on one host."""
-        return list(self._c.host_of)
-
-    def net_info(self) -> dict[str, Any]:
-        """Across hosts, this rank's TCP side: ``address`` ("ip:port" it
-        listens on), ``interface``, ``rejected`` (connections refused: failed
-        handshakes, evicted or expired pending ones), ``listening`` (whether
-        the port is still open: it closes once every expected connection is
-        in), ``control_buffer_peak`` (bytes), ``bytes_sent`` /
-        ``bytes_received`` (payload to and from other hosts). Empty address
-        and zeros on one host."""
-        return dict(self._c.net_info())
-
-    def close(self) -> None:
-        """Releases the communicator (idempotent). Pending operations run on,
-        but one that a peer stays away from for a second, idle, is aborted
-        (its peers raise too) rather than left to its timeout; a warning names
-        each pending operation that failed (its Work raises the error)."""
-        failed = self._c.close()
-        self._inflight.clear()
-        while self._on_close:
-            self._on_close.pop()()
-        for msg in failed:
-            warnings.warn(
-                f"pycollectives: rank {self.rank}: close(): a pending {msg}",
-                RuntimeWarning,
-                stacklevel=2,
+    def _recv_any(self, tensor: Buffer, async_op: bool, timeout: Timeout) -> int | Work:
+        """recv(src=None): from whichever peer sends first (across hosts, a CUDA
+        tensor through a host copy)."""
+        if is_cuda_buffer(tensor) and self._across_hosts:
+            self._buffers("recv", (tensor, "tensor", True))
+            call = lambda h, a: self._recv_any(h[0], a, timeout)  # noqa: E731
+            return self._stage([Staged(tensor, "tensor", False, True)], call, async_op)
+        if is_cuda_buffer(tensor):
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: recv: src=None (any source) takes CPU "
+                "buffers; pass src for a CUDA tensor"
             )
+        ptr, n, dt = describe(tensor, self.rank, "recv", "tensor")
+        work, source = self._c.recv_any(ptr, n, dt, async_op, to_seconds(timeout))
+        w = self._ret(work, tensor)
+        return source if w is None else w
 
-    def abort(self, reason: str) -> None:
-        """Aborts the communicator on every rank, as ncclCommAbort: their
-        pending and later operations raise CommunicatorAborted with
-        "pycollectives: <reason>" (the first abort wins). For a rank that stops
-        for a reason of its own, such as Ctrl-C in Python code, so that its
-        peers say why instead of waiting for it. A no-op once closed."""
-        self._c.abort(f"pycollectives: {reason}")
+    def batch_p2p(
+        self,
+        ops: Sequence[tuple[str, Buffer, int]],
+        *,
+        async_op: bool = False,
+        timeout: Timeout = None,
+    ) -> Work | None:
+        """Runs sends and receives together, as ncclGroupStart/End or torch's
+        batch_isend_irecv: `ops` holds ``("send", buffer, dst)`` and
+        ``("recv", buffer, src)``. All of them progress at once, each as far as
+        its connection lets it, so any matched pattern completes (every rank
+        sending a large tensor to the next and receiving from the previous, or
+        a peer issuing the counterparts as single calls or other batches),
+        where sends issued one by one before their receives would wait for
+        each other. Messages
+        between two ranks match in the order listed; a send to this rank pairs
+        with the next receive from this rank.
 
-    @property
-    def aborted(self) -> bool:
-        """Whether the communicator is aborted (an error, a timeout, a dead or
-        interrupted peer, abort()): every operation on it raises."""
-        return bool(self._c.aborted)
+        Raises ValueError naming the op's index for a bad kind, peer or buffer,
+        and for sends to self that do not pair with receives from self.
+        """
+        if not async_op and timeout is None and self._fast.batch_p2p(ops):
+            return None
+        on_cuda = cuda_p2p_ops(ops) if self._across_hosts else []
+        if on_cuda:  # across hosts: the CUDA buffers through host copies
+            bufs = []
+            for i, recv in on_cuda:
+                self._buffers("batch_p2p", (ops[i][1], f"ops[{i}]", recv))
+                bufs.append(Staged(ops[i][1], f"ops[{i}]", not recv, recv))
+
+            def call(hosts: list, a: bool) -> Work | None:
+                host_ops = list(ops)
+                for (i, _), h in zip(on_cuda, hosts, strict=True):
+                    host_ops[i] = (ops[i][0], h, ops[i][2])
+                return self.batch_p2p(host_ops, async_op=a, timeout=timeout)
+
+            return self._stage(bufs, call, async_op)
+        items, keep = p2p_ops(self.rank, self.world_size, ops)
+        return self._ret(self._c.batch_p2p(items, async_op, to_seconds(timeout)), *keep)
 
     def __enter__(self) -> Communicator:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        return f"<pycollectives.Communicator rank={self.rank} world_size={self.world_size}>"
-
-
-def abort_all_interrupted() -> None:
-    """Aborts every open communicator of this process saying "rank R was
-    interrupted (SIGINT)", R this process's rank in each (see
-    Communicator.abort): what Ctrl-C does to a rank's peers."""
-    for comm in list(_live):
-        comm.abort(f"rank {comm.rank} was interrupted (SIGINT)")
-
-
-@atexit.register
-def _close_all_at_exit() -> None:
-    """Closes the communicators still open at exit, while Python still runs: a
-    pending operation is then aborted (or finishes) and reported, instead of
-    holding the exit until its timeout. Exiting on Ctrl-C (an uncaught
-    KeyboardInterrupt), it first aborts them saying so: the peers then report
-    the interrupt, not a closed communicator or a mismatch."""
-    last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    if isinstance(last, KeyboardInterrupt):
-        abort_all_interrupted()
-    for comm in list(_live):
-        comm.close()

@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .communicator import _close_all_at_exit, abort_all_interrupted
+from ._base import _close_all_at_exit, abort_all_interrupted
 
 __all__ = ["run_rank", "spawn"]
 

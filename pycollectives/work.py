@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import datetime
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .errors import PyCollectivesError
 
-if TYPE_CHECKING:
-    from .communicator import Communicator
-
 Timeout = float | datetime.timedelta | None
+
+
+class Owner(Protocol):
+    """What a Work needs of its communicator: dropping the buffers of the
+    operations that completed."""
+
+    def _prune(self) -> None: ...
 
 
 def to_seconds(timeout: Timeout, what: str = "timeout") -> float:
@@ -46,7 +50,7 @@ class Work:
 
     __slots__ = ("_work", "_owner")
 
-    def __init__(self, work: Any, owner: Communicator) -> None:
+    def __init__(self, work: Any, owner: Owner) -> None:
         self._work = work
         self._owner = owner
 
@@ -89,7 +93,7 @@ class CudaWork(Work):
 
     __slots__ = ("_stream",)
 
-    def __init__(self, work: Any, owner: Communicator, stream: Any) -> None:
+    def __init__(self, work: Any, owner: Owner, stream: Any) -> None:
         super().__init__(work, owner)
         self._stream = stream  # () -> the caller's current cudaStream_t, as an int
 

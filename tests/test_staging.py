@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import pycollectives as pc
-from pycollectives._cuda_args import cuda_args
+from pycollectives._args import cuda_args
 from pycollectives._staging import (
     PinnedCache,
     Staged,
@@ -277,9 +277,15 @@ def test_a_cuda_array_that_is_not_a_torch_tensor_is_refused_across_hosts_naming_
     class CupyLike:
         __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (1, False)}
 
-    comm = types.SimpleNamespace(rank=2, _across_hosts=True, _cuda_device=None)
     with pytest.raises(ValueError, match=r"rank 2: all_gather: input is a CUDA CupyLike.*torch"):
-        cuda_args(comm, "all_gather", (torch.ones(2), "output", True), (CupyLike(), "input", False))
+        cuda_args(
+            2,
+            True,
+            None,
+            "all_gather",
+            (torch.ones(2), "output", True),
+            (CupyLike(), "input", False),
+        )
 
 
 # ---- around the real CPU collectives (2 ranks) ---------------------------------------------

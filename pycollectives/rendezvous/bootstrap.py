@@ -19,7 +19,7 @@ import os
 import time
 from typing import Any
 
-from . import errors
+from .. import errors
 
 _CLASSES: dict[str, type[BaseException]] = {
     c.__name__: c
@@ -55,7 +55,7 @@ def _stat_fields(pid: int | str) -> list[str] | None:
 @functools.lru_cache(maxsize=1)
 def _host() -> str:
     """This host, as the core tells hosts apart (a digest of its host id)."""
-    from . import _C
+    from .. import _C
 
     return hashlib.sha1(_C.host_id().encode()).hexdigest()[:16]
 
@@ -198,7 +198,7 @@ class Bootstrap:
         passed may be served by any rank: every rank waits so, for at most
         10 s."""
         if self.segment is not None:
-            from . import _C
+            from .. import _C
 
             with contextlib.suppress(Exception):
                 _C.unlink_segment(self.segment)

@@ -1,9 +1,10 @@
-"""Bootstrap the torchrun way: a torch.distributed Store carries every rank's
-host id, the name of each host's shared-memory segment, across hosts the
-ranks' TCP addresses, the communicator's id and (unless PYCOLL_AUTH_KEY is
-set: auth.py) the job's secret for the TCP handshakes until every rank has
-read it, and (bootstrap.py) who the ranks are and the error that stopped one
-of them during set-up; no data goes through it."""
+"""Start-up: `init` makes a communicator the torchrun way. A torch.distributed
+Store carries every rank's host id, the name of each host's shared-memory
+segment, across hosts the ranks' TCP addresses, the communicator's id and
+(unless PYCOLL_AUTH_KEY is set: ../auth.py) the job's secret for the TCP
+handshakes until every rank has read it, and (bootstrap.py, below this) who
+the ranks are and the error that stopped one of them during set-up; no data
+goes through it."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import os
 import socket
 from typing import Any
 
-from . import _C
-from .auth import ENV_FILE, ENV_KEY, STORE_BYTES, job_secret
+from .. import _C
+from ..auth import ENV_FILE, ENV_KEY, STORE_BYTES, job_secret
+from ..communicator import Communicator, Timeout, to_seconds
 from .bootstrap import Bootstrap
-from .communicator import Communicator, Timeout, to_seconds
 
 _inits: dict[str, int] = {}
 _STORE_MAX_TIMEOUT_S = 365 * 86400.0  # a TCPStore's timeout (an infinite one waits this long)
