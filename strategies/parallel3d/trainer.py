@@ -60,15 +60,15 @@ from pycollectives import PyCollectivesError, ReduceOp
 from pycollectives._buffers import cuda_built
 
 from ..data import GlobalBatches, SyntheticSequences
-from ..fsdp import fully_shard
-from ..grad_average import StepGradAverager
+from ..data_parallel.fsdp import fully_shard
+from ..data_parallel.grad_average import StepGradAverager
+from ..data_parallel.zero import ZeroOptimizer
 from ..mesh import ParallelDims
 from ..models.gpt import Block, Embedding, GPTConfig, LMHead
 from ..pipeline import PipelineError, PipelineRuntime, build, deferred_parameters, gpt_stages
 from ..pipeline.communications import agree, digest
 from ..pipeline.stage import TIED
 from ..tensor_parallel import parallelize_gpt
-from ..zero import ZeroOptimizer
 from .fsdp_pipeline import reduce_after_step, shard_stages, unsynced
 
 __all__ = [
