@@ -66,7 +66,7 @@ def total_norm(reducer: GradReducer, p: float) -> torch.Tensor:
     if not entries:
         return torch.tensor(0.0)
     # torch's order: its parameter order, grouped by gradient dtype (first seen first).
-    root = {id(q): i for i, q in enumerate(reducer.engine.root.module.parameters())}
+    root = {id(q): i for i, q in enumerate(reducer.root.module.parameters())}
     pos = [root.get(id(f.params[k]), len(root) + n) for n, (f, k) in enumerate(entries)]
     groups: dict[torch.dtype, int] = {}
     for i in sorted(range(len(entries)), key=pos.__getitem__):
