@@ -123,13 +123,23 @@ class Zero(DataParallelMode):
         return self.zero.full_parameters() if self.zero.stage > 1 else super().full_parameters()
 
 
-class FSDPOneStage(DataParallelMode):
+class _FSDP(DataParallelMode):
+    """--fsdp: the stages' full parameters gathered by their FSDP roots."""
+
+    def __init__(self, named: NamedParams, stages: Sequence[nn.Module]) -> None:
+        super().__init__(named)
+        self.stages = stages
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: t for st in self.stages for n, t in st.full_parameters().items()}
+
+
+class FSDPOneStage(_FSDP):
     """--fsdp with pp = 1: fully_shard each block, then the stage (the root)."""
 
     def __init__(self, named: NamedParams, stages: Sequence[nn.Module], blocks: list[nn.Module],
                  dims: ParallelDims, adamw: dict[str, Any]) -> None:  # fmt: skip
-        super().__init__(named)
-        self.stages = stages
+        super().__init__(named, stages)
         for b in blocks:
             fully_shard(b, dims.dp_comm)
         self.root = fully_shard(stages[0], dims.dp_comm)
@@ -139,17 +149,14 @@ class FSDPOneStage(DataParallelMode):
     def accumulating(self) -> AbstractContextManager[Any]:
         return self.root.no_sync()
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: t for st in self.stages for n, t in st.full_parameters().items()}
 
-
-class FSDPPipeline(FSDPOneStage):
+class FSDPPipeline(_FSDP):
     """--fsdp with pp > 1: every stage sharded on its own (fsdp_pipeline.py)."""
 
     def __init__(self, named: NamedParams, stages: Sequence[nn.Module], runtime: PipelineRuntime,
                  dims: ParallelDims, adamw: dict[str, Any]) -> None:  # fmt: skip
-        DataParallelMode.__init__(self, named)
-        self.stages, self.runtime = stages, runtime
+        super().__init__(named, stages)
+        self.runtime = runtime
         self.fsdp_roots = shard_stages(stages, dims.dp_comm)
         params = [p for root in self.fsdp_roots for p in root.parameters()]
         self.optimizer = torch.optim.AdamW(params, **adamw)
