@@ -290,7 +290,10 @@ class GradReducer:
         bitwise as torch.nn.utils.clip_grad_norm_ on the full gradients (see
         clip.py); returns the total norm. Raises RuntimeError on every rank for
         a non-finite norm with error_if_nonfinite."""
-        return clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite)
+        flats = [f for u in self.order for f in u.trainable]
+        return clip_grad_norm(
+            self.comm, flats, self.root.module, max_norm, norm_type, error_if_nonfinite
+        )
 
     def buffers(self) -> list[torch.Tensor]:
         """Every gradient buffer held (for storage accounting)."""
