@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 import pycollectives as pc
-from pycollectives.strategies.ddp import DistributedDataParallel
-from pycollectives.strategies.fsdp import MixedPrecisionPolicy, fully_shard
+from pycollectives.strategies.data_parallel.ddp import DistributedDataParallel
+from pycollectives.strategies.data_parallel.fsdp import MixedPrecisionPolicy, fully_shard
+from pycollectives.strategies.data_parallel.sharding import EngineMeter
+from pycollectives.strategies.data_parallel.sharding.engine import count_storage
+from pycollectives.strategies.data_parallel.zero import ZeroOptimizer
 from pycollectives.strategies.models.gpt import GPT, GPTConfig
-from pycollectives.strategies.sharding import EngineMeter
-from pycollectives.strategies.sharding.engine import count_storage
-from pycollectives.strategies.zero import ZeroOptimizer
 
 __all__ = [
     "MODES",

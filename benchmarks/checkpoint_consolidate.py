@@ -49,9 +49,9 @@ def _worker(rank: int, world: int, port: int, mode: str, path: str, q: object) -
     torch.set_num_threads(1)
     import pycollectives as pc
     from pycollectives.strategies.checkpoint import load, read_stats, save
-    from pycollectives.strategies.fsdp import fully_shard
+    from pycollectives.strategies.data_parallel.fsdp import fully_shard
+    from pycollectives.strategies.data_parallel.zero import ZeroOptimizer
     from pycollectives.strategies.models.gpt import GPT, GPTConfig
-    from pycollectives.strategies.zero import ZeroOptimizer
 
     comm = pc.init(timeout=300)
     model = GPT(GPTConfig(**CFG))

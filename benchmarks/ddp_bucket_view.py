@@ -43,7 +43,7 @@ def make_model(width: int) -> nn.Module:
 
 def storage(ddp: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes per role on this rank (each storage once), AdamW's step counters apart."""
-    from pycollectives.strategies.sharding.engine import count_storage
+    from pycollectives.strategies.data_parallel.sharding.engine import count_storage
 
     params = list(ddp.module.parameters())
     return count_storage(
@@ -61,7 +61,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, q: object
     import torch.distributed as dist
 
     import pycollectives as pc
-    from pycollectives.strategies.ddp import DistributedDataParallel
+    from pycollectives.strategies.data_parallel.ddp import DistributedDataParallel
 
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(60))
     comm = pc.init(rank=rank, world_size=world, store=store, prefix="viewab")

@@ -97,7 +97,7 @@ def worker(
     import torch.distributed as dist
 
     import pycollectives as pc
-    from pycollectives.strategies.ddp import DistributedDataParallel as OurDDP
+    from pycollectives.strategies.data_parallel.ddp import DistributedDataParallel as OurDDP
 
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(60))
     comm = pc.init(rank=rank, world_size=world, store=store, prefix="ddpbench")

@@ -7,7 +7,7 @@ A GPT under ZeroOptimizer stages 2 and 3 (AdamW), one backward, then rounds
 of three clips (max_norm far above the norm: nothing is scaled), the order
 rotating each round: the clip as it is (straddling parameters assembled on one
 rank by batch_p2p), the same with the all-reduce route that device tensors
-take (strategies/sharding/clip.py ASSEMBLE_ON_OWNER=False), and the former
+take (strategies/data_parallel/sharding/clip.py ASSEMBLE_ON_OWNER=False), and the former
 clip (each shard's float32 norm, raised to p, summed, one all-reduce). Median
 of rounds 3-12 of the slowest rank. Prints the rows; no file is written.
 """
@@ -51,9 +51,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, q: object
     import torch.distributed as dist
 
     import pycollectives as pc
+    from pycollectives.strategies.data_parallel.sharding import clip
+    from pycollectives.strategies.data_parallel.zero import ZeroOptimizer
     from pycollectives.strategies.models.gpt import GPT, GPTConfig
-    from pycollectives.strategies.sharding import clip
-    from pycollectives.strategies.zero import ZeroOptimizer
 
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(60))
     comm = pc.init(rank=rank, world_size=world, store=store, prefix="clipcost")

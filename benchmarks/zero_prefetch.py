@@ -6,7 +6,7 @@ and the number of unit all-gathers in flight, checked against the bound.
 
 The same machinery as zero_step.py (benchmarks/_zero_cells.py): each setup
 built in turn per round, warm-up and timed steps, the order reversed every
-other round. The engine's meter (strategies/sharding/meter.py) gives, per
+other round. The engine's meter (strategies/data_parallel/sharding/meter.py) gives, per
 step, the time this rank was blocked on the units' all-gathers (the exposed
 part of the gathers: prefetch hides the rest behind the previous unit's
 compute), the time blocked on reduce-scatters, the all-gathers started and

@@ -23,9 +23,9 @@ import torch
 import pycollectives as pc
 from pycollectives.strategies.checkpoint import consolidate, load, save
 from pycollectives.strategies.data import SyntheticSequences
-from pycollectives.strategies.fsdp import fully_shard
+from pycollectives.strategies.data_parallel.fsdp import fully_shard
+from pycollectives.strategies.data_parallel.zero import ZeroOptimizer
 from pycollectives.strategies.models.gpt import GPT, GPTConfig
-from pycollectives.strategies.zero import ZeroOptimizer
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16)
 DATA = SyntheticSequences(CFG.vocab_size, CFG.seq_len, 1024, seed=1)

@@ -14,7 +14,7 @@ from torch import nn
 
 import pycollectives as pc
 from pycollectives.launcher import run_rank
-from pycollectives.strategies.ddp import DistributedDataParallel
+from pycollectives.strategies.data_parallel.ddp import DistributedDataParallel
 
 
 def main() -> None:

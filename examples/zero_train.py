@@ -21,9 +21,9 @@ import torch
 import pycollectives as pc
 from pycollectives.launcher import run_rank, spawn
 from pycollectives.strategies.data import SyntheticSequences
-from pycollectives.strategies.fsdp import MixedPrecisionPolicy, fully_shard
+from pycollectives.strategies.data_parallel.fsdp import MixedPrecisionPolicy, fully_shard
+from pycollectives.strategies.data_parallel.zero import ZeroOptimizer
 from pycollectives.strategies.models.gpt import GPT, GPTConfig
-from pycollectives.strategies.zero import ZeroOptimizer
 
 
 def say(line: str) -> None:

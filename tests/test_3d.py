@@ -274,7 +274,7 @@ def test_bad_input_raises_on_every_rank(pool):
 def job_averager(comm: pc.Communicator) -> dict:
     from torch import nn
 
-    from pycollectives.strategies.grad_average import StepGradAverager
+    from pycollectives.strategies.data_parallel.grad_average import StepGradAverager
 
     def net() -> nn.Module:
         torch.manual_seed(0)  # the same weights on every rank

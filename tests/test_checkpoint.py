@@ -18,8 +18,8 @@ from test_zero_common import CFG, OPT, build, differ, global_batch
 
 import pycollectives as pc
 from pycollectives.strategies.checkpoint import load, read_stats, save
+from pycollectives.strategies.data_parallel.zero import ZeroOptimizer
 from pycollectives.strategies.models.gpt import GPT, GPTConfig
-from pycollectives.strategies.zero import ZeroOptimizer
 
 LAYOUTS = {"zero1": 2, "zero2": 3, "zero3": 4, "fsdp": 2, "single": 1}
 DESTS = {**LAYOUTS, "zero1@3": 3}  # and ZeRO-1 on 3 ranks, a destination only

@@ -12,7 +12,7 @@ from torch import nn
 
 import pycollectives as pc
 from pycollectives.bucketing import BucketSet
-from pycollectives.strategies.ddp import CompressionHook, DistributedDataParallel
+from pycollectives.strategies.data_parallel.ddp import CompressionHook, DistributedDataParallel
 
 STEPS = 20
 BATCH = 4  # per rank

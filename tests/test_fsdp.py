@@ -1,4 +1,4 @@
-"""strategies.fsdp.fully_shard against strategies.DDP and one process on the
+"""strategies.data_parallel.fsdp.fully_shard against strategies.DDP and one process on the
 whole batch: with and without reshard_after_forward and prefetch, bf16 mixed
 precision, gradient accumulation and clipping, a model used twice, frozen
 parameters, train/eval, the parameters shown between steps, bad input; CUDA
@@ -28,10 +28,14 @@ from test_zero_common import (
 
 import pycollectives as pc
 from pycollectives import _C
-from pycollectives.strategies.ddp import DistributedDataParallel
-from pycollectives.strategies.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from pycollectives.strategies.data_parallel.ddp import DistributedDataParallel
+from pycollectives.strategies.data_parallel.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
+from pycollectives.strategies.data_parallel.sharding import EngineMeter
 from pycollectives.strategies.models.gpt import GPT, GPTConfig
-from pycollectives.strategies.sharding import EngineMeter
 
 VARIANTS = {  # label: (reshard_after_forward, prefetch)
     "reshard": (True, 2),

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import pycollectives as pc
 from pycollectives.strategies.data import GlobalBatches, SyntheticSequences
-from pycollectives.strategies.ddp import DistributedDataParallel
+from pycollectives.strategies.data_parallel.ddp import DistributedDataParallel
 from pycollectives.strategies.mesh import ParallelDims
 from pycollectives.strategies.models import GPT, GPTConfig
 from pycollectives.strategies.tensor_parallel import (

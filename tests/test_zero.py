@@ -1,4 +1,4 @@
-"""strategies.zero.ZeroOptimizer (stages 1, 2, 3) against strategies.DDP and
+"""strategies.data_parallel.zero.ZeroOptimizer (stages 1, 2, 3) against strategies.DDP and
 against one process training on the whole batch; accumulation, clipping,
 bad input, diverging ranks, storage per rank."""
 
@@ -21,12 +21,12 @@ from test_zero_common import (
 )
 
 import pycollectives as pc
-from pycollectives.strategies.ddp import DistributedDataParallel
+from pycollectives.strategies.data_parallel.ddp import DistributedDataParallel
+from pycollectives.strategies.data_parallel.sharding import ShardingMismatch
+from pycollectives.strategies.data_parallel.sharding import clip as clip_module
+from pycollectives.strategies.data_parallel.sharding.engine import count_storage
+from pycollectives.strategies.data_parallel.zero import ZeroOptimizer
 from pycollectives.strategies.models.gpt import GPT, GPTConfig
-from pycollectives.strategies.sharding import ShardingMismatch
-from pycollectives.strategies.sharding import clip as clip_module
-from pycollectives.strategies.sharding.engine import count_storage
-from pycollectives.strategies.zero import ZeroOptimizer
 
 # Tolerances. Against DDP on 2 ranks: none (bitwise), since every average has
 # the same two terms ((a + b) / 2, commutative) and AdamW is elementwise. On 3
@@ -330,7 +330,7 @@ def job_diverging_forwards(comm: pc.Communicator, mode: str) -> str:
     if mode == "zero3":
         opt = ZeroOptimizer(model, torch.optim.AdamW, sub, stage=3, **OPT)
     else:
-        from pycollectives.strategies.fsdp import fully_shard
+        from pycollectives.strategies.data_parallel.fsdp import fully_shard
 
         for block in model.blocks:
             fully_shard(block, sub)
@@ -421,7 +421,7 @@ def job_storage(comm: pc.Communicator, param_dtype: torch.dtype | None) -> dict:
         out["largest"] = max(f.layout.padded_numel * 4 for u in units for f in u.flats)
         out["flats"] = sum(len(u.flats) for u in units)
         out["count"] = len(list(model.parameters()))
-    from pycollectives.strategies.fsdp import MixedPrecisionPolicy, fully_shard
+    from pycollectives.strategies.data_parallel.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=4, n_head=2, d_model=32))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype)

@@ -11,10 +11,10 @@ import torch
 
 import pycollectives as pc
 from pycollectives.strategies.data import SyntheticSequences
-from pycollectives.strategies.ddp import DistributedDataParallel
-from pycollectives.strategies.fsdp import MixedPrecisionPolicy, fully_shard
+from pycollectives.strategies.data_parallel.ddp import DistributedDataParallel
+from pycollectives.strategies.data_parallel.fsdp import MixedPrecisionPolicy, fully_shard
+from pycollectives.strategies.data_parallel.zero import ZeroOptimizer
 from pycollectives.strategies.models.gpt import GPT, GPTConfig
-from pycollectives.strategies.zero import ZeroOptimizer
 
 # Embedding, attention, MLP, layer norms, a head tied to the embedding: 2
 # blocks of d_model 16 (3,296 parameters each) and a root of 832.

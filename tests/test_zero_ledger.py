@@ -25,7 +25,7 @@ import torch
 from test_zero_common import CFG, build, fsdp_kw, local_batch
 
 import pycollectives as pc
-from pycollectives.strategies.ddp import DistributedDataParallel
+from pycollectives.strategies.data_parallel.ddp import DistributedDataParallel
 from pycollectives.strategies.models.gpt import GPT, GPTConfig
 
 CASES = {  # label: (mode, kwargs, factor k in kP(N-1)/N)

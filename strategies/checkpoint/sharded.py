@@ -43,8 +43,8 @@ import torch
 from pycollectives import Communicator
 from pycollectives.errors import PyCollectivesError
 
-from ..sharding.checks import agree
-from ..sharding.communications import all_gather_bytes
+from ..data_parallel.sharding.checks import agree
+from ..data_parallel.sharding.communications import all_gather_bytes
 from .format import (
     FORMAT,
     INDEX,

@@ -36,8 +36,8 @@ from torch import nn
 
 from pycollectives import Communicator
 
-from ..sharding.engine import ShardingEngine
-from ..zero import ZeroOptimizer
+from ..data_parallel.sharding.engine import ShardingEngine
+from ..data_parallel.zero import ZeroOptimizer
 
 __all__ = ["Entry", "Layout", "collect", "jsonable"]
 

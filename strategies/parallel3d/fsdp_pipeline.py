@@ -34,7 +34,7 @@ from torch import nn
 
 from pycollectives import Communicator
 
-from ..fsdp import fully_shard
+from ..data_parallel.fsdp import fully_shard
 from ..models.gpt import Block
 from ..pipeline import PipelineRuntime
 from ..pipeline.communications import sum_tied_gradients

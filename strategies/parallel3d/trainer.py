@@ -14,7 +14,9 @@ For the rank at (dp_rank, tp_rank, pp_rank), `Trainer3D`:
   builds the same micro-batches;
 - runs the pipeline schedule on dims.pp_comm (PipelineRuntime: the tied
   embedding/head gradient summed between the first and last stage);
-- averages the gradients over dims.dp_comm: bucketed all-reduces launched
+- keeps the dp replicas in step with one of the modes of dp_modes.py (one
+  interface: wrap the stages, accumulate, finish the step); it averages
+  the gradients over dims.dp_comm: bucketed all-reduces launched
   while the step still runs (StepGradAverager), or with zero=1 a ZeRO-1
   optimizer on the dp axis (reduce-scatter after the step, each dp rank
   steps its shard of the optimizer state, all-gather);
@@ -54,22 +56,18 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from pycollectives import PyCollectivesError, ReduceOp
 from pycollectives._buffers import cuda_built
 
 from ..data import GlobalBatches, SyntheticSequences
-from ..fsdp import fully_shard
-from ..grad_average import StepGradAverager
 from ..mesh import ParallelDims
 from ..models.gpt import Block, Embedding, GPTConfig, LMHead
 from ..pipeline import PipelineError, PipelineRuntime, build, deferred_parameters, gpt_stages
 from ..pipeline.communications import agree, digest
 from ..pipeline.gpt_stage import TIED
 from ..tensor_parallel import parallelize_gpt
-from ..zero import ZeroOptimizer
-from .fsdp_pipeline import reduce_after_step, shard_stages, unsynced
+from .dp_modes import DataParallelMode, build_mode
 
 __all__ = [
     "DEVICES",
@@ -253,31 +251,13 @@ class Trainer3D:
         late = [p for st in stages for p in st.tied_parameters().values()]
         late += deferred_parameters(stages)
         adamw = dict(lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay)
-        blocks = [b for st in stages for b in st.blocks if isinstance(b, Block)]
-        self.averager: StepGradAverager | None = None
-        self.zero: ZeroOptimizer | None = None
-        self.fsdp_roots: list[nn.Module] = []
-        if opts.fsdp and self.runtime is not None:
-            self.fsdp_roots = shard_stages(stages, dims.dp_comm)
-            params = [p for root in self.fsdp_roots for p in root.parameters()]
-            self.optimizer = torch.optim.AdamW(params, **adamw)
-        elif opts.fsdp:
-            for b in blocks:
-                fully_shard(b, dims.dp_comm)
-            root = fully_shard(stages[0], dims.dp_comm)
-            root.sharding_unit.lazy_engine(root.sharding_unit)  # the engine now, not at forward
-            self.optimizer = torch.optim.AdamW(root.parameters(), **adamw)
-        elif opts.zero:
-            model = stages[0] if self.sharded else nn.ModuleList(stages)
-            self.zero = ZeroOptimizer(model, torch.optim.AdamW, dims.dp_comm, stage=opts.zero,
-                                      units=blocks, external_gradients=opts.zero == 1, **adamw)  # fmt: skip
-            self.optimizer = self.zero.optimizer
-        else:
-            if dims.dp > 1:
-                self.averager = StepGradAverager(
-                    named, dims.dp_comm, accumulations=m, late=late, overlap=opts.overlap
-                )
-            self.optimizer = torch.optim.AdamW([p for _, p in named], **adamw)
+        self.dp: DataParallelMode = build_mode(
+            dims, stages, named, late, self.runtime, zero=opts.zero, fsdp=opts.fsdp,
+            microbatches=m, overlap=opts.overlap, adamw=adamw,
+        )  # fmt: skip
+        # what checkpoints, tests and benchmarks look into
+        self.optimizer, self.zero, self.averager = self.dp.optimizer, self.dp.zero, self.dp.averager
+        self.fsdp_roots = self.dp.fsdp_roots
         self.data = SyntheticSequences(
             config.vocab_size, config.seq_len, opts.num_samples, seed=opts.data_seed
         )
@@ -312,28 +292,16 @@ class Trainer3D:
     def _step(self) -> StepStats:
         start = time.perf_counter()
         k = self.step_index
-        if self.zero is not None:
-            self.zero.zero_grad()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+        self.dp.zero_grad()
         for _, p in self.named_params:
             p.grad = None
-        if self.fsdp_roots:
-            with unsynced(self.fsdp_roots):
-                losses = self.runtime.step(self.microbatches(k)).losses
-            reduce_after_step(self.fsdp_roots, self.runtime)
-        elif self.runtime is not None:
-            losses = self.runtime.step(self.microbatches(k)).losses
+        microbatches = self.microbatches(k)
+        if self.runtime is not None:
+            with self.dp.accumulating():  # the pipeline step: m backwards per stage
+                losses = self.runtime.step(microbatches).losses
         else:
-            losses = self._accumulate(self.microbatches(k))
-        if self.zero is not None:
-            if self.zero.stage == 1:
-                self.zero.reduce_gradients()
-            self.zero.step()
-        else:
-            if self.averager is not None:
-                self.averager.finish()
-            self.optimizer.step()
+            losses = self._accumulate(microbatches)
+        self.dp.finish()
         mine = 0.0
         if losses is not None and self.dims.tp_rank == 0:
             mine = sum(losses) / len(losses) / self.dims.dp
@@ -348,9 +316,7 @@ class Trainer3D:
         micro-batch (loss / m), communicating in the last backward only."""
         model, m, losses = self.stages[0], len(microbatches), []
         for j, (x, y) in enumerate(microbatches):
-            quiet = contextlib.nullcontext()
-            if j < m - 1:
-                quiet = self.zero.no_sync() if self.zero is not None else model.no_sync()
+            quiet = self.dp.accumulating() if j < m - 1 else contextlib.nullcontext()
             with quiet:
                 loss = model(x, y)
                 (loss / m).backward()
@@ -362,12 +328,7 @@ class Trainer3D:
         --fsdp): the parameters of this rank's stages as full tensors
         (tensor-parallel and data-parallel shards gathered), by their names in
         the whole GPT (the tied head under embed.tok.weight)."""
-        if self.opts.fsdp:
-            local = {n: t for st in self.stages for n, t in st.full_parameters().items()}
-        elif self.sharded:
-            local = self.zero.full_parameters()
-        else:
-            local = {n: p.detach() for n, p in self.named_params}
+        local = self.dp.full_parameters()
         shapes, out = full_shapes(self.config), {}
         tp = self.dims.tp_comm
         for name, value in local.items():

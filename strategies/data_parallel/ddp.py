@@ -25,7 +25,7 @@ from pycollectives.bucketing import (
     BucketSet,
 )
 
-from .autograd_threads import autograd_comm
+from ..autograd_threads import autograd_comm
 
 __all__ = ["CompressionHook", "DistributedDataParallel"]
 

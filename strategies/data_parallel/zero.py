@@ -237,7 +237,7 @@ class ZeroOptimizer:
     ) -> torch.Tensor:
         """Collective: clips the gradient of the whole model by its global norm,
         as torch.nn.utils.clip_grad_norm_ does on the full gradients (the same
-        bits with fp32 gradients: strategies/sharding/clip.py); returns that
+        bits with fp32 gradients: strategies/data_parallel/sharding/clip.py); returns that
         norm. RuntimeError on every rank for a non-finite norm with
         error_if_nonfinite."""
         return self.engine.grads.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)

@@ -29,15 +29,14 @@ master gradients) take their norms in float32.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from pycollectives import Communicator, ReduceOp
 
-if TYPE_CHECKING:
-    from .flat_param import FlatParam
-    from .gradients import GradReducer
+from .flat_param import FlatParam
 
 __all__ = ["clip_grad_norm"]
 
@@ -52,22 +51,22 @@ def _norm(g: torch.Tensor, p: float) -> torch.Tensor:
     return torch.linalg.vector_norm(g, p)
 
 
-def total_norm(reducer: GradReducer, p: float) -> torch.Tensor:
-    """Collective: the norm of order `p` of the whole model's gradient, as
-    torch.nn.utils.get_total_norm computes it over the full gradients."""
-    comm, rank = reducer.comm, reducer.comm.rank
+def total_norm(
+    comm: Communicator, flats: Sequence[FlatParam], root: nn.Module, p: float
+) -> torch.Tensor:
+    """Collective over `comm`: the norm of order `p` of the gradient of the
+    model `root` whose trainable flat parameters are `flats` (every rank the
+    same, in the same order), as torch.nn.utils.get_total_norm computes it
+    over the full gradients."""
+    rank = comm.rank
     entries: list[tuple[FlatParam, int]] = [
-        (f, k)
-        for u in reducer.order
-        for f in u.trainable
-        if f.grad_shard is not None
-        for k in range(len(f.layout.slots))
+        (f, k) for f in flats if f.grad_shard is not None for k in range(len(f.layout.slots))
     ]
     if not entries:
         return torch.tensor(0.0)
     # torch's order: its parameter order, grouped by gradient dtype (first seen first).
-    root = {id(q): i for i, q in enumerate(reducer.engine.root.module.parameters())}
-    pos = [root.get(id(f.params[k]), len(root) + n) for n, (f, k) in enumerate(entries)]
+    index = {id(q): i for i, q in enumerate(root.parameters())}
+    pos = [index.get(id(f.params[k]), len(index) + n) for n, (f, k) in enumerate(entries)]
     groups: dict[torch.dtype, int] = {}
     for i in sorted(range(len(entries)), key=pos.__getitem__):
         groups.setdefault(entries[i][0].grad_shard.dtype, len(groups))
@@ -159,19 +158,26 @@ def _sum_everywhere(
 
 
 def clip_grad_norm(
-    reducer: GradReducer, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    comm: Communicator,
+    flats: Sequence[FlatParam],
+    root: nn.Module,
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
 ) -> torch.Tensor:
-    """Collective: clips every gradient shard as torch.nn.utils.clip_grad_norm_
-    clips the full gradients (see the module docstring); returns the total norm.
+    """Collective over `comm`: clips the gradient shards of `flats` (those of
+    the model `root`, see total_norm) as torch.nn.utils.clip_grad_norm_ clips
+    the full gradients (see the module docstring); returns the total norm.
     Raises RuntimeError on every rank for a non-finite norm with error_if_nonfinite."""
     p = float(norm_type)
-    total = total_norm(reducer, p)
+    total = total_norm(comm, flats, root, p)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
-            f"sharding: rank {reducer.comm.rank}: the total norm of order {p} of the gradients "
+            f"sharding: rank {comm.rank}: the total norm of order {p} of the gradients "
             f"is {float(total)}; clip_grad_norm_(error_if_nonfinite=True)"
         )
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    for g in reducer.grad_shards():
-        g.mul_(coef.to(g.device))
+    for f in flats:
+        if f.grad_shard is not None:
+            f.grad_shard.mul_(coef.to(f.grad_shard.device))
     return total

@@ -90,16 +90,17 @@ class ShardingEngine:
             u.index, u.engine = i, self
         self.prefetch = prefetch
         self.guard = OrderGuard(comm, [u.name for u in units], check_order)
+        self.meter = EngineMeter()  # exposed communication, copies, gathers in flight
         self.grads = GradReducer(
-            self, overlap=overlap_reduce, buffers=reduce_buffers, master_grads=master_grads
-        )
+            comm, root, units, guard=self.guard, meter=self.meter, announce=self.announce,
+            overlap=overlap_reduce, buffers=reduce_buffers, master_grads=master_grads,
+        )  # fmt: skip
         self.require_grad_sync = True
         self.reshard_after_backward = True
         self.grad_hooks = grad_hooks
         self.step = 0  # synchronized backwards completed
         self.micro = 0  # backwards without synchronization since
         self.max_gathered = 0  # the most sharded units gathered at once (a measurement)
-        self.meter = EngineMeter()  # exposed communication, copies, gathers in flight
         self._depth = 0
         self._in_backward = False
         self._task = -1  # the autograd graph task of the backward in progress

@@ -20,7 +20,7 @@ from torch import nn
 
 from pycollectives import Communicator, Work
 
-from ..autograd_threads import autograd_comm
+from ...autograd_threads import autograd_comm
 from .checks import agree, describe_params, device_problems
 from .communications import OrderGuard, all_gather_flat
 from .flat_param import FlatLayout, FlatParam

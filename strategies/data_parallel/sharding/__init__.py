@@ -1,5 +1,5 @@
-"""The sharding engine behind ZeRO (strategies/zero.py) and FSDP
-(strategies/fsdp.py): flat parameters per unit, padded so every rank holds an
+"""The sharding engine behind ZeRO (strategies/data_parallel/zero.py) and FSDP
+(strategies/data_parallel/fsdp.py): flat parameters per unit, padded so every rank holds an
 equal shard, gathered and reduce-scattered on pycollectives.
 
     flat_param.py      FlatLayout (the metadata a checkpoint needs), FlatParam (this rank's tensors)

@@ -24,20 +24,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from pycollectives import Communicator, Work
 
 from .clip import clip_grad_norm
-from .communications import REDUCE, reduce_scatter_flat
+from .communications import REDUCE, OrderGuard, reduce_scatter_flat
 from .flat_param import FlatParam
-
-if TYPE_CHECKING:
-    from .engine import ShardingEngine
-    from .unit import ShardedUnit
+from .meter import EngineMeter
+from .unit import ShardedUnit
 
 __all__ = ["GradReducer", "write_grads"]
 
@@ -106,20 +105,42 @@ class _Pool:
 
 
 class GradReducer:
-    """The gradient bookkeeping of one engine (see the module docstring)."""
+    """The gradient bookkeeping of one engine (see the module docstring).
+
+    Args:
+        comm: the data-parallel communicator the engine's units shard over.
+        root, units: the engine's root unit and all its units (the root among
+            them), in order of creation.
+        guard: the engine's OrderGuard (a reduce-scatter settles its check).
+        meter: the engine's EngineMeter (copy and wait times are added to it).
+        announce: the engine's announce(unit, phase): the check to settle
+            before the reduce-scatter of `unit` is waited for.
+        overlap, buffers, master_grads: as ShardingEngine's overlap_reduce,
+            reduce_buffers and master_grads.
+    """
 
     def __init__(
-        self, engine: ShardingEngine, *, overlap: bool, buffers: int, master_grads: bool = True
+        self,
+        comm: Communicator,
+        root: ShardedUnit,
+        units: list[ShardedUnit],
+        *,
+        guard: OrderGuard,
+        meter: EngineMeter,
+        announce: Callable[[ShardedUnit, int], Any],
+        overlap: bool,
+        buffers: int,
+        master_grads: bool = True,
     ) -> None:
-        self.engine, self.comm = engine, engine.comm
+        self.comm, self.root = comm, root
+        self.guard, self.meter, self.announce = guard, meter, announce
         self.overlap = overlap
         # True: reduced gradients are kept in the master dtype (what an optimizer
         # over the parameters needs: FSDP). False: in the reduce dtype, cast for
         # the optimizer's step only (ZeroOptimizer: 2 bytes a gradient in bf16).
         self.master_grads = master_grads
-        units = engine.units
-        self.order = [u for u in reversed(units) if u is not engine.root and u.trainable]
-        self.order += [engine.root] if engine.root.trainable else []
+        self.order = [u for u in reversed(units) if u is not root and u.trainable]
+        self.order += [root] if root.trainable else []
         self.persistent: dict[FlatParam, torch.Tensor] = {}
         self.window_state: dict[FlatParam, str] = {}  # "empty" | "local" | "reduced"
         self.carry: dict[FlatParam, torch.Tensor] = {}
@@ -157,7 +178,7 @@ class GradReducer:
     def unit_complete(self, unit: ShardedUnit) -> None:
         """Deposits a unit's gradients (all arrived, or the backward ended) and
         starts whatever reduce-scatters the fixed order allows."""
-        t0, waited = time.perf_counter(), self.engine.meter.reduce_wait_s
+        t0, waited = time.perf_counter(), self.meter.reduce_wait_s
         for f in unit.trainable:
             if f in self.persistent:
                 self._deposit_persistent(f)
@@ -174,8 +195,8 @@ class GradReducer:
                 buf, owner = self._take(unit, f)
                 write_grads(f, buf, self.accum.pop(f, None))
                 self.staged[f] = (buf, owner)
-        waited = self.engine.meter.reduce_wait_s - waited  # _take may wait for a buffer
-        self.engine.meter.grad_copy_s += time.perf_counter() - t0 - waited
+        waited = self.meter.reduce_wait_s - waited  # _take may wait for a buffer
+        self.meter.grad_copy_s += time.perf_counter() - t0 - waited
         if self.sync and self.overlap:
             self.launch_ready()
 
@@ -218,17 +239,17 @@ class GradReducer:
         else:
             buf, owner = self.staged.pop(f)
             out = torch.empty(c, dtype=buf.dtype, device=buf.device)
-        check = self.engine.announce(unit, REDUCE)
+        check = self.announce(unit, REDUCE)
         work = reduce_scatter_flat(self.comm, out, buf)
         self.pending.append(_Reduce(unit, f, buf, owner, out, work, check))
 
     def finish(self, r: _Reduce) -> None:
         """Waits for one reduce-scatter and folds its result into the flat's grad_shard."""
         t0 = time.perf_counter()
-        self.engine.guard.settle(r.check)
+        self.guard.settle(r.check)
         if r.work is not None:
             r.work.wait()
-        self.engine.meter.reduce_wait_s += time.perf_counter() - t0
+        self.meter.reduce_wait_s += time.perf_counter() - t0
         f, res = r.flat, r.out
         if f in self.persistent:
             carry = self.carry.pop(f, None)
@@ -269,7 +290,10 @@ class GradReducer:
         bitwise as torch.nn.utils.clip_grad_norm_ on the full gradients (see
         clip.py); returns the total norm. Raises RuntimeError on every rank for
         a non-finite norm with error_if_nonfinite."""
-        return clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite)
+        flats = [f for u in self.order for f in u.trainable]
+        return clip_grad_norm(
+            self.comm, flats, self.root.module, max_norm, norm_type, error_if_nonfinite
+        )
 
     def buffers(self) -> list[torch.Tensor]:
         """Every gradient buffer held (for storage accounting)."""

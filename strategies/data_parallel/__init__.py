@@ -1,0 +1,28 @@
+"""Data parallelism: every rank of a data-parallel communicator trains the same
+model on its share of the batch, and the ranks keep it in step.
+
+    ddp.py           DistributedDataParallel (torch DDP): bucketed gradient all-reduces in backward
+    grad_average.py  StepGradAverager: DDP's buckets for a driver with many backwards per step
+                     (the pipeline's micro-batches, gradients computed outside autograd)
+    zero.py          ZeroOptimizer (DeepSpeed ZeRO stages 1-3) on the sharding engine
+    fsdp.py          fully_shard (torch FSDP2) on the sharding engine
+    sharding/        the sharding engine: flat parameters, gather / reduce-scatter, prefetch
+
+Imports go down only: ddp <- grad_average; sharding <- zero, fsdp.
+"""
+
+from .ddp import CompressionHook, DistributedDataParallel
+from .fsdp import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, fully_shard
+from .grad_average import StepGradAverager
+from .zero import ZeroOptimizer
+
+__all__ = [
+    "CompressionHook",
+    "DistributedDataParallel",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "StepGradAverager",
+    "ZeroOptimizer",
+    "clip_grad_norm_",
+    "fully_shard",
+]
