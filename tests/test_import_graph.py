@@ -30,30 +30,12 @@ import pycollectives.strategies
 # add to this list: take the circle apart.
 KNOWN_CIRCLES: list[tuple[str, set[str]]] = [
     (
-        "pycollectives",
-        {
-            f"pycollectives.{m}"
-            for m in (
-                "_cuda_args",
-                "_point_to_point",
-                "_staging",
-                "bucketing",
-                "communicator",
-                "work",
-            )
-        },
-    ),
-    (
         "pycollectives.torch_backend",
         {f"pycollectives.torch_backend.{m}" for m in ("process_group", "registration")},
     ),
     (
         "pycollectives.strategies.checkpoint",
         {f"pycollectives.strategies.checkpoint.{m}" for m in ("format", "validate")},
-    ),
-    (
-        "pycollectives.strategies.sharding",
-        {f"pycollectives.strategies.sharding.{m}" for m in ("clip", "engine", "gradients", "unit")},
     ),
 ]
 

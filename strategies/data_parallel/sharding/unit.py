@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -24,13 +24,24 @@ from ...autograd_threads import autograd_comm
 from .checks import agree, describe_params, device_problems
 from .communications import OrderGuard, all_gather_flat
 from .flat_param import FlatLayout, FlatParam
-
-if TYPE_CHECKING:
-    from .engine import ShardingEngine
+from .meter import EngineMeter
 
 __all__ = ["FREE", "FULL", "GATHERING", "ShardedUnit"]
 
 FREE, GATHERING, FULL = "free", "gathering", "full"
+
+
+class UnitHooks(Protocol):
+    """What a unit's hooks call on the engine that owns it (engine.py's
+    ShardingEngine): the unit does not import the engine, which imports it."""
+
+    meter: EngineMeter
+
+    def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]: ...
+
+    def post_forward(self, unit: ShardedUnit, output: Any) -> Any: ...
+
+    def grad_ready(self, unit: ShardedUnit, g: int, i: int) -> None: ...
 
 
 class ShardedUnit:
@@ -83,7 +94,7 @@ class ShardedUnit:
         self.reduce_dtype = reduce_dtype or param_dtype
         self.cast_forward_inputs = cast_forward_inputs
         self.persistent_grads = persistent_grads
-        self.engine: ShardingEngine | None = None
+        self.engine: UnitHooks | None = None
         self.lazy_engine: Any = None  # fsdp: builds the engine when this unit runs as the root
         # What an engine built with this unit as its root takes (fully_shard sets them).
         self.prefetch, self.check_order, self.reduce_buffers = 2, True, 3
@@ -188,7 +199,7 @@ class ShardedUnit:
         return [prefix + s.name for f in self.flats for s in f.layout.slots]
 
     # -- hooks (the engine decides) -------------------------------------------------
-    def _engine(self) -> ShardingEngine:
+    def _engine(self) -> UnitHooks:
         if self.engine is None:
             if self.lazy_engine is None:
                 raise RuntimeError(f"sharding: unit {self.name} has no engine")
