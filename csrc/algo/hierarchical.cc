@@ -1,4 +1,4 @@
-// Communicator: the collectives of ranks on several hosts, and what the
+// Communicator (comm/communicator.h): the collectives of ranks on several hosts, and what the
 // network thread asks of the communicator (errors of other hosts, where this
 // host's ranks are).
 //

@@ -19,20 +19,20 @@
 #include "algo/algorithms.h"
 #include "comm/cma_choice.h"
 #include "comm/progress.h"
-#include "comm/topology.h"
 #include "core/clock.h"
 #include "core/function_ref.h"
 #include "core/process.h"
+#include "core/topology.h"
 #include "core/types.h"
-#include "transport/shm_fifo.h"
-#include "transport/shm_segment.h"
-#include "transport/shm_window.h"
-#include "transport/tcp_net.h"
+#include "transport/shm/shm_fifo.h"
+#include "transport/shm/shm_segment.h"
+#include "transport/shm/shm_window.h"
+#include "transport/tcp/tcp_net.h"
 
 namespace pyc {
 
 class CudaPath;      // cuda/cuda_path.h: the CUDA transport of a communicator
-class PtracerGrant;  // transport/ptracer.h
+class PtracerGrant;  // transport/cma/ptracer.h
 
 // A check that never fails (Communicator's default `check`).
 inline const auto kNoCheck = [] {};

@@ -1,6 +1,6 @@
 // The network thread, the listening socket and the control connections of a
 // communicator that spans hosts (see tcp_net.h).
-#include "transport/tcp_net.h"
+#include "transport/tcp/tcp_net.h"
 
 #include <sys/epoll.h>
 #include <sys/eventfd.h>

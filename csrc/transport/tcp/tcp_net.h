@@ -29,11 +29,11 @@
 #include <thread>
 #include <vector>
 
-#include "comm/topology.h"
 #include "core/clock.h"
 #include "core/function_ref.h"
-#include "transport/tcp_conn.h"
-#include "transport/tcp_listener.h"
+#include "core/topology.h"
+#include "transport/tcp/tcp_conn.h"
+#include "transport/tcp/tcp_listener.h"
 
 namespace pyc {
 
