@@ -1,6 +1,4 @@
-// Communicator (comm/communicator.h): the collectives of ranks on several hosts, and what the
-// network thread asks of the communicator (errors of other hosts, where this
-// host's ranks are).
+// The collectives of ranks on several hosts (hierarchical.h).
 //
 // Within a host the ranks keep the shared-memory slots and one-shot areas;
 // between hosts, TCP. Under PYCOLL_ALGO=auto the collectives are
@@ -26,35 +24,36 @@
 // and point-to-point go straight between the two ranks, over whichever link
 // joins them. Every schedule is the same on every rank, so the ranks of all
 // hosts get the same bits, as on one host.
+#include "algo/hierarchical.h"
+
 #include <algorithm>
 #include <cstring>
-#include <limits>
+#include <utility>
+#include <vector>
 
 #include "algo/algorithms.h"
-#include "algo/prims.h"
-#include "comm/communicator.h"
 #include "core/error.h"
 #include "reduce/reduce.h"
 
 namespace pyc {
+namespace {
 
-// A schedule over some of the ranks (members, in schedule order): its
-// context numbers them 0..members-1, its links are theirs.
-struct Communicator::Group final : public Links {
-  Group(Communicator& comm, const OpCtx& c, std::vector<int> members)
-      : comm_(comm), members_(std::move(members)) {
+// A schedule over some of the ranks (members, global ranks in schedule
+// order): its context numbers them 0..members-1, its links are theirs.
+struct Group final : public Links {
+  Group(const OpCtx& c, std::vector<int> members) : world_(*c.links), members_(std::move(members)) {
     ctx = c;
     ctx.links = this;
     ctx.nranks = static_cast<int>(members_.size());
-    ctx.rank = static_cast<int>(std::find(members_.begin(), members_.end(), comm.rank_) -
-                                members_.begin());
+    ctx.rank =
+        static_cast<int>(std::find(members_.begin(), members_.end(), c.rank) - members_.begin());
     PYC_ASSERT(ctx.rank < ctx.nranks);
     ctx.bytes_sent = ctx.bytes_recv = 0;
   }
-  SendConn& send_to(int i) override { return comm_.send_to(members_[i]); }
-  RecvConn& recv_from(int i) override { return comm_.recv_from(members_[i]); }
+  SendConn& send_to(int i) override { return world_.send_to(members_[i]); }
+  RecvConn& recv_from(int i) override { return world_.recv_from(members_[i]); }
   [[noreturn]] void tag_mismatch(int i, const SlotTag& got, const SlotTag& want) override {
-    comm_.tag_mismatch(members_[i], got, want);
+    world_.tag_mismatch(members_[i], got, want);
   }
   // Adds what the schedule moved to the operation's counts.
   void done(OpCtx& c) {
@@ -65,11 +64,9 @@ struct Communicator::Group final : public Links {
   OpCtx ctx;
 
  private:
-  Communicator& comm_;
+  Links& world_;
   std::vector<int> members_;
 };
-
-namespace {
 
 // Shards of `count` elements for `parts` ranks, each a multiple of 64 bytes
 // (the last ones shorter, or empty).
@@ -98,60 +95,30 @@ BlockMap blocks_of(const std::vector<int>& order, size_t count) {
 
 }  // namespace
 
-char* Communicator::scratch(size_t bytes) {
-  if (scratch_.size() < bytes + 64) scratch_.resize(bytes + 64);
-  const auto p = reinterpret_cast<uintptr_t>(scratch_.data());
-  return reinterpret_cast<char*>((p + 63) / 64 * 64);
-}
-
-void Communicator::confirm_hosts(OpCtx& c) {
-  const uint32_t seq = c.tag.seq;
-  wait_started(seq, *c.mon);  // this host's ranks, as confirm_alike
-  for (int p : locals_) {
-    if (p == rank_) continue;
-    const SigEntry& e = ctl(p)->sig[seq % kSigHistory];
-    if (e.seq.load(std::memory_order_acquire) != seq) continue;
-    const SlotTag got{seq, e.w0.load(std::memory_order_relaxed),
-                      e.w1.load(std::memory_order_relaxed)};
-    if (!(got == c.tag)) tag_mismatch(p, got, c.tag);
-  }
-  // Every cross-host peer sent its tag after its own host's ranks had all
-  // started: once every one came, every rank of every host has started this
-  // operation, alike (the peers link every pair of hosts).
-  const std::vector<int> peers = topo_.xpeers(rank_);
-  for (int q : peers) {
-    SendConn& s = send_to(q);
-    (void)s.acquire(*c.mon);
-    s.post(c.tag, 0);
-  }
-  for (int q : peers) {
-    RecvConn& r = recv_from(q);
-    const RecvSlot s = r.wait(*c.mon);
-    if (!(s.tag == c.tag)) tag_mismatch(q, s.tag, c.tag);
-    r.release();
-  }
-}
-
-void Communicator::mh_all_reduce(OpCtx& c, void* buf, size_t count) {
-  if (count == 0) return confirm_hosts(c);
+void hier_all_reduce(OpCtx& c, const Hier& hier, void* buf, size_t count) {
+  const int n = c.nranks;
+  const Topology& topo = hier.topo;
+  const std::vector<int>& locals = topo.locals();
+  const int nlocal = static_cast<int>(locals.size());
+  if (count == 0) return hier.host.confirm_hosts(c);
   const size_t es = c.esize();
-  if (algo_ == Algo::kRing || !topo_.uniform()) {
+  if (hier.flat || !topo.uniform()) {
     c.path = Path::kFlat;
-    Group w(*this, c, topo_.host_order());
+    Group w(c, topo.host_order());
     ring_all_reduce(w.ctx, buf, buf, count);
     return w.done(c);
   }
   c.path = Path::kHier;
   const ReduceOp local_op = c.op == ReduceOp::kAvg ? ReduceOp::kSum : c.op;
-  Group rail(*this, c, topo_.rail(rank_));
-  rail.ctx.avg_div = n_;  // the rail finishes the average of every rank
-  if (count * es <= layout_.oneshot_bytes && rail.ctx.nranks <= kMaxExchangeRanks) {
-    if (nlocal_ > 1) {
-      Group local(*this, c, locals_);
+  Group rail(c, topo.rail(c.rank));
+  rail.ctx.avg_div = n;  // the rail finishes the average of every rank
+  if (count * es <= hier.oneshot_bytes && rail.ctx.nranks <= kMaxExchangeRanks) {
+    if (nlocal > 1) {
+      Group local(c, locals);
       local.ctx.op = local_op;
-      if (oneshot(local.ctx, count * es)) {
-        oneshot_all_reduce(local.ctx, oneshot_, buf, buf, count);
-        saw_flags(c.tag.seq);
+      if (hier.host.oneshot(local.ctx, count * es)) {
+        oneshot_all_reduce(local.ctx, hier.host.oneshot_areas(), buf, buf, count);
+        hier.host.saw_flags(c.tag.seq, -1);
       } else {  // PYCOLL_ALGO=oneshot areas too small, say
         ring_all_reduce(local.ctx, buf, buf, count);
       }
@@ -160,48 +127,52 @@ void Communicator::mh_all_reduce(OpCtx& c, void* buf, size_t count) {
     exchange_all_reduce(rail.ctx, buf, count);
     return rail.done(c);
   }
-  const int li = topo_.local(rank_);
-  const BlockMap m = shards(count, nlocal_, es);
+  const int li = topo.local(c.rank);
+  const BlockMap m = shards(count, nlocal, es);
   char* shard = static_cast<char*>(buf) + m.off[li] * es;
-  if (nlocal_ > 1) {
-    Group local(*this, c, locals_);
+  if (nlocal > 1) {
+    Group local(c, locals);
     local.ctx.op = local_op;
     ring_reduce_scatter_map(local.ctx, buf, buf, m, &m.off[li]);
     local.done(c);
   }
   ring_all_reduce(rail.ctx, shard, shard, m.len[li]);
   rail.done(c);
-  if (nlocal_ > 1) {
-    Group local(*this, c, locals_);
+  if (nlocal > 1) {
+    Group local(c, locals);
     ring_all_gather_map(local.ctx, buf, m);
     local.done(c);
   }
 }
 
-void Communicator::mh_reduce_scatter(OpCtx& c, void* out, const void* in, size_t count) {
-  if (count == 0) return confirm_hosts(c);
+void hier_reduce_scatter(OpCtx& c, const Hier& hier, void* out, const void* in, size_t count) {
+  const int n = c.nranks;
+  const Topology& topo = hier.topo;
+  const std::vector<int>& locals = topo.locals();
+  const int nlocal = static_cast<int>(locals.size());
+  if (count == 0) return hier.host.confirm_hosts(c);
   const size_t es = c.esize();
-  if (algo_ == Algo::kRing || !topo_.uniform()) {
+  if (hier.flat || !topo.uniform()) {
     c.path = Path::kFlat;
-    const std::vector<int> order = topo_.host_order();
-    Group w(*this, c, order);
+    const std::vector<int> order = topo.host_order();
+    Group w(c, order);
     const size_t zero = 0;
     ring_reduce_scatter_map(w.ctx, in, out, blocks_of(order, count), &zero);
     return w.done(c);
   }
-  if (count * n_ * es <= layout_.oneshot_bytes) {  // small: all of it, then this rank's block
-    char* tmp = scratch(count * n_ * es);
-    std::memcpy(tmp, in, count * n_ * es);
-    mh_all_reduce(c, tmp, count * n_);
-    std::memcpy(out, tmp + rank_ * count * es, count * es);
+  if (count * n * es <= hier.oneshot_bytes) {  // small: all of it, then this rank's block
+    char* tmp = hier.host.scratch(count * n * es);
+    std::memcpy(tmp, in, count * n * es);
+    hier_all_reduce(c, hier, tmp, count * n);
+    std::memcpy(out, tmp + c.rank * count * es, count * es);
     return;
   }
   c.path = Path::kHier;
-  const std::vector<int> rail = topo_.rail(rank_);
-  const int nh = topo_.nhosts();
-  Group across(*this, c, rail);
-  across.ctx.avg_div = n_;
-  if (nlocal_ == 1) {
+  const std::vector<int> rail = topo.rail(c.rank);
+  const int nh = topo.nhosts();
+  Group across(c, rail);
+  across.ctx.avg_div = n;
+  if (nlocal == 1) {
     const size_t zero = 0;
     ring_reduce_scatter_map(across.ctx, in, out, blocks_of(rail, count), &zero);
     return across.done(c);
@@ -210,15 +181,15 @@ void Communicator::mh_reduce_scatter(OpCtx& c, void* out, const void* in, size_t
   // host h; this rank gets this host's sums of its rail's blocks, in host order.
   BlockMap m;
   m.nsegs = nh;
-  for (int j = 0; j < nlocal_; ++j)
+  for (int j = 0; j < nlocal; ++j)
     for (int h = 0; h < nh; ++h) {
-      m.off.push_back(static_cast<size_t>(topo_.members(h)[j]) * count);
+      m.off.push_back(static_cast<size_t>(topo.members(h)[j]) * count);
       m.len.push_back(count);
     }
   std::vector<size_t> out_off(nh);
   for (int h = 0; h < nh; ++h) out_off[h] = h * count;
-  char* tmp = scratch(count * nh * es);
-  Group local(*this, c, locals_);
+  char* tmp = hier.host.scratch(count * nh * es);
+  Group local(c, locals);
   local.ctx.op = c.op == ReduceOp::kAvg ? ReduceOp::kSum : c.op;
   ring_reduce_scatter_map(local.ctx, in, tmp, m, out_off.data());
   local.done(c);
@@ -226,58 +197,64 @@ void Communicator::mh_reduce_scatter(OpCtx& c, void* out, const void* in, size_t
   across.done(c);
 }
 
-void Communicator::mh_all_gather(OpCtx& c, void* out, const void* in, size_t count) {
-  if (count == 0) return confirm_hosts(c);
+void hier_all_gather(OpCtx& c, const Hier& hier, void* out, const void* in, size_t count) {
+  const Topology& topo = hier.topo;
+  const std::vector<int>& locals = topo.locals();
+  const int nlocal = static_cast<int>(locals.size());
+  if (count == 0) return hier.host.confirm_hosts(c);
   const size_t es = c.esize();
-  char* mine = static_cast<char*>(out) + rank_ * count * es;
+  char* mine = static_cast<char*>(out) + c.rank * count * es;
   if (mine != in) copy(mine, nullptr, in, count * es, c.out_store);
-  if (algo_ == Algo::kRing || !topo_.uniform()) {
+  if (hier.flat || !topo.uniform()) {
     c.path = Path::kFlat;
-    const std::vector<int> order = topo_.host_order();
-    Group w(*this, c, order);
+    const std::vector<int> order = topo.host_order();
+    Group w(c, order);
     ring_all_gather_map(w.ctx, out, blocks_of(order, count));
     return w.done(c);
   }
   c.path = Path::kHier;
-  const std::vector<int> rail = topo_.rail(rank_);
-  Group across(*this, c, rail);
+  const std::vector<int> rail = topo.rail(c.rank);
+  Group across(c, rail);
   ring_all_gather_map(across.ctx, out, blocks_of(rail, count));
   across.done(c);
-  if (nlocal_ == 1) return;
-  const int nh = topo_.nhosts();
+  if (nlocal == 1) return;
+  const int nh = topo.nhosts();
   BlockMap m;  // local rank j's block: rank (h, j)'s of every host h
   m.nsegs = nh;
-  for (int j = 0; j < nlocal_; ++j)
+  for (int j = 0; j < nlocal; ++j)
     for (int h = 0; h < nh; ++h) {
-      m.off.push_back(static_cast<size_t>(topo_.members(h)[j]) * count);
+      m.off.push_back(static_cast<size_t>(topo.members(h)[j]) * count);
       m.len.push_back(count);
     }
-  Group local(*this, c, locals_);
+  Group local(c, locals);
   ring_all_gather_map(local.ctx, out, m);
   local.done(c);
 }
 
-void Communicator::mh_broadcast(OpCtx& c, void* buf, size_t count, int root) {
-  confirm_hosts(c);  // every rank agrees on the root before any data moves
+void hier_broadcast(OpCtx& c, const Hier& hier, void* buf, size_t count, int root) {
+  const Topology& topo = hier.topo;
+  const std::vector<int>& locals = topo.locals();
+  const int nlocal = static_cast<int>(locals.size());
+  hier.host.confirm_hosts(c);  // every rank agrees on the root before any data moves
   if (count == 0) return;
-  if (algo_ == Algo::kRing) {
+  if (hier.flat) {
     c.path = Path::kFlat;
     return chain_broadcast(c, buf, count, root);
   }
   c.path = Path::kHier;
   const size_t bytes = count * c.esize();
-  const int i0 = topo_.local(root), h0 = topo_.host(root);
-  if (topo_.uniform() && bytes <= layout_.oneshot_bytes) {
-    if (topo_.local(rank_) == i0) {  // the root's rail: one message per host
-      Group across(*this, c, topo_.rail(rank_));
+  const int i0 = topo.local(root), h0 = topo.host(root);
+  if (topo.uniform() && bytes <= hier.oneshot_bytes) {
+    if (topo.local(c.rank) == i0) {  // the root's rail: one message per host
+      Group across(c, topo.rail(c.rank));
       chain_broadcast(across.ctx, buf, count, h0);
       across.done(c);
     }
-    if (nlocal_ == 1) return;
-    Group local(*this, c, locals_);
-    if (oneshot(local.ctx, bytes)) {
-      oneshot_broadcast(local.ctx, oneshot_, buf, count, i0);
-      if (topo_.local(rank_) != i0) saw_flags(c.tag.seq, locals_[i0]);
+    if (nlocal == 1) return;
+    Group local(c, locals);
+    if (hier.host.oneshot(local.ctx, bytes)) {
+      oneshot_broadcast(local.ctx, hier.host.oneshot_areas(), buf, count, i0);
+      if (topo.local(c.rank) != i0) hier.host.saw_flags(c.tag.seq, locals[i0]);
     } else {
       chain_broadcast(local.ctx, buf, count, i0);
     }
@@ -285,101 +262,36 @@ void Communicator::mh_broadcast(OpCtx& c, void* buf, size_t count, int root) {
   }
   // A pipelined chain: the root, its host's ranks, then host after host.
   std::vector<int> order = {root};
-  for (int p : topo_.members(h0))
+  for (int p : topo.members(h0))
     if (p != root) order.push_back(p);
-  for (int h = 0; h < topo_.nhosts(); ++h)
-    if (h != h0) order.insert(order.end(), topo_.members(h).begin(), topo_.members(h).end());
-  Group w(*this, c, order);
+  for (int h = 0; h < topo.nhosts(); ++h)
+    if (h != h0) order.insert(order.end(), topo.members(h).begin(), topo.members(h).end());
+  Group w(c, order);
   chain_broadcast(w.ctx, buf, count, 0);
   w.done(c);
 }
 
-void Communicator::mh_reduce(OpCtx& c, void* buf, size_t count, int root) {
-  confirm_hosts(c);
+void hier_reduce(OpCtx& c, const Hier& hier, void* buf, size_t count, int root) {
+  const int n = c.nranks;
+  const Topology& topo = hier.topo;
+  hier.host.confirm_hosts(c);
   if (count == 0) return;
-  if (algo_ == Algo::kRing) {
+  if (hier.flat) {
     c.path = Path::kFlat;
     return chain_reduce(c, buf, count, root);
   }
   // A pipelined chain that ends at the root: host after host, the root's last.
   c.path = Path::kHier;
-  const int h0 = topo_.host(root);
+  const int h0 = topo.host(root);
   std::vector<int> order;
-  for (int h = 0; h < topo_.nhosts(); ++h)
-    if (h != h0) order.insert(order.end(), topo_.members(h).begin(), topo_.members(h).end());
-  for (int p : topo_.members(h0))
+  for (int h = 0; h < topo.nhosts(); ++h)
+    if (h != h0) order.insert(order.end(), topo.members(h).begin(), topo.members(h).end());
+  for (int p : topo.members(h0))
     if (p != root) order.push_back(p);
   order.push_back(root);
-  Group w(*this, c, order);
-  chain_reduce(w.ctx, buf, count, n_ - 1);
+  Group w(c, order);
+  chain_reduce(w.ctx, buf, count, n - 1);
   w.done(c);
-}
-
-// ---- what the network thread asks ----
-
-bool Communicator::adopt_abort(int kind, int from, const std::string& msg) {
-  std::lock_guard<std::mutex> lk(abort_mu_);
-  if (aborted()) return false;
-  if (kind <= static_cast<int>(AbortKind::kNone) || kind > static_cast<int>(AbortKind::kMismatch))
-    kind = static_cast<int>(AbortKind::kError);
-  RankCtl* me = ctl(rank_);
-  me->abort_kind = kind;
-  me->abort_from = from;
-  std::strncpy(me->abort_msg, msg.c_str(), sizeof(me->abort_msg) - 1);
-  me->abort_msg[sizeof(me->abort_msg) - 1] = '\0';
-  uint32_t expect = 0;
-  return hdr_->abort_rank.compare_exchange_strong(expect, static_cast<uint32_t>(rank_) + 1);
-}
-
-std::vector<CtlStatusEntry> Communicator::host_status() {
-  const int64_t now =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-  std::vector<CtlStatusEntry> out;
-  for (int p : locals_) {
-    const RankCtl* r = ctl(p);
-    CtlStatusEntry e{};
-    e.rank = p;
-    e.started = r->started.value.load(std::memory_order_acquire);
-    e.done = r->done.load(std::memory_order_acquire);
-    e.waiting = r->waiting.load(std::memory_order_relaxed);
-    const int64_t beat = r->beat_ns.load(std::memory_order_relaxed);
-    e.idle_ns = beat != 0 ? now - beat : std::numeric_limits<int64_t>::max() / 2;
-    out.push_back(e);
-  }
-  return out;
-}
-
-void Communicator::peer_status(const CtlStatusEntry& e) {
-  const int64_t now =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-  // idle_ns comes from another host: clamped to [0, a day] (a longer idle
-  // reads the same), so that the subtraction cannot overflow.
-  constexpr int64_t kMaxIdleNs = int64_t{86400} * 1000000000;
-  const int64_t idle = std::min(std::max(e.idle_ns, int64_t{0}), kMaxIdleNs);
-  RankCtl* m = mirrors_[e.rank].get();
-  m->started.value.store(e.started, std::memory_order_relaxed);
-  m->done.store(e.done, std::memory_order_relaxed);
-  m->waiting.store(e.waiting, std::memory_order_relaxed);
-  m->beat_ns.store(now - idle, std::memory_order_relaxed);
-  m->attached.store(1, std::memory_order_release);  // heard from
-}
-
-std::string Communicator::silent_note(int p) {
-  const int link = net_ ? net_->silent_link(p) : -2;
-  if (link == p)
-    return " (on another host: it did not answer this rank's question over TCP though its "
-           "connection is up: stopped, or its process stuck)";
-  if (link >= 0)
-    return " (on another host: not heard from, as rank " + std::to_string(link) +
-           ", this rank's link to its host, did not answer)";
-  return " (on another host: not heard from, this rank's connection to its host being gone)";
-}
-
-void Communicator::refresh_remote(std::chrono::milliseconds wait) {
-  if (!net_) return;
-  for (auto& m : mirrors_)
-    if (m) m->attached.store(0, std::memory_order_relaxed);
-  net_->query_status(Clock::now() + wait);
 }
 
 }  // namespace pyc
