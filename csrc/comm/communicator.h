@@ -19,6 +19,7 @@
 #include "algo/algorithms.h"
 #include "algo/hierarchical.h"
 #include "comm/cma_choice.h"
+#include "comm/control.h"
 #include "comm/progress.h"
 #include "core/clock.h"
 #include "core/function_ref.h"
@@ -207,10 +208,8 @@ class Communicator final : public Links, public NetHost, public HierHost {
   RecvConn& recv_from(int peer) override { return *recv_[peer]; }
   [[noreturn]] void tag_mismatch(int peer, const SlotTag& got, const SlotTag& want) override;
 
-  // NetHost (the network thread's questions; control.cc)
-  bool adopt_abort(int kind, int from, const std::string& msg) override;
-  std::vector<CtlStatusEntry> host_status() override;
-  void peer_status(const CtlStatusEntry& e) override;
+  // NetHost: a control frame of another host's rank (control.cc).
+  void on_control(int peer, uint32_t type, const char* body, uint32_t bytes) override;
 
  private:
   friend class OpMonitor;
@@ -333,6 +332,17 @@ class Communicator final : public Links, public NetHost, public HierHost {
   void set_abort(AbortKind kind, const std::string& msg);
   [[noreturn]] void throw_abort() const;
   bool aborted() const;
+  // Across hosts (control.cc): sends an error to every control peer but
+  // `except`; raises here an error another host reported (the first error
+  // wins), returning whether it was taken (then it is passed on); where this
+  // host's ranks are (another host's question); another host's answer about
+  // one of its ranks.
+  void send_abort(int kind, int from, const std::string& msg, int except = -1);
+  bool adopt_abort(int kind, int from, const std::string& msg);
+  std::vector<CtlStatusEntry> host_status();
+  void peer_status(const CtlStatusEntry& e);
+  // After refresh_remote: StatusQuery::silent_link.
+  int silent_link(int p) { return query_.silent_link(topo_, p); }
   // Peer liveness through its robust mutex (a rank of this host) or its
   // connections (another host's): returns a description if gone.
   std::string peer_gone(int peer);
@@ -372,6 +382,7 @@ class Communicator final : public Links, public NetHost, public HierHost {
   std::vector<std::unique_ptr<ShmRecvConn>> shm_recv_;
   std::vector<SendConn*> send_;  // by rank: shared memory within the host, TCP across
   std::vector<RecvConn*> recv_;
+  StatusQuery query_;  // refresh_remote's questions (before net_: its thread answers into it)
   std::unique_ptr<TcpNet> net_;           // across hosts
   Clock::time_point connect_deadline_{};  // connect_out()'s, for connect_in()
   std::string net_hint_;  // HostSetup::hint, for the communicators split from this one

@@ -1,9 +1,12 @@
 // Communicator: its control plane. The abort word that every rank of a host
 // shares (the first error wins, and becomes every rank's exception), whether
 // a peer is gone (died, closed with a goodbye, or its host unreachable), and
-// across hosts what the network thread carries for it (transport/tcp/tcp_net.h):
-// errors reported on other hosts, the questions a timeout asks of another host
-// (where its ranks are) and their answers.
+// across hosts the frames of the control connections that the network thread
+// hands up (transport/tcp/tcp_net.h, NetHost): errors reported on other hosts,
+// passed on to the rest, and the questions a timeout asks of another host
+// (where its ranks are: StatusQuery, control.h) and their answers.
+#include "comm/control.h"
+
 #include <errno.h>
 #include <pthread.h>
 
@@ -12,6 +15,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -44,7 +48,7 @@ void Communicator::set_abort(AbortKind kind, const std::string& msg) {
     if (!hdr_->abort_rank.compare_exchange_strong(expect, static_cast<uint32_t>(rank_) + 1)) return;
   }
   // The other hosts raise it too (each passes it on to the ranks of its host).
-  if (net_) net_->send_abort(static_cast<int>(kind), rank_, msg);
+  if (net_) send_abort(static_cast<int>(kind), rank_, msg);
 }
 
 void Communicator::abort(const std::string& msg) {
@@ -86,7 +90,41 @@ std::string Communicator::peer_gone(int p) {
   return "died (pid " + std::to_string(c->pid) + ", exited without closing the communicator)";
 }
 
-// ---- what the network thread asks (NetHost): errors and questions of other hosts ----
+// ---- across hosts: the frames of the control connections (NetHost) ----
+
+void Communicator::on_control(int peer, uint32_t type, const char* body, uint32_t bytes) {
+  switch (static_cast<CtlType>(type)) {
+    case CtlType::kAbort: {
+      if (bytes < sizeof(CtlAbort)) return;
+      CtlAbort a;
+      std::memcpy(&a, body, sizeof(a));
+      const std::string msg(body + sizeof(a), bytes - sizeof(a));
+      if (a.from >= 0 && a.from < topo_.size() && adopt_abort(a.kind, a.from, msg))
+        send_abort(a.kind, a.from, msg, peer);  // on to the other hosts
+      return;
+    }
+    case CtlType::kQuery: {
+      if (bytes < sizeof(CtlQuery)) return;
+      const std::vector<CtlStatusEntry> st = host_status();
+      net_->send_ctl(peer, static_cast<uint32_t>(CtlType::kStatus), body, sizeof(CtlQuery),
+                     st.data(), static_cast<uint32_t>(st.size() * sizeof(CtlStatusEntry)));
+      return;
+    }
+    case CtlType::kStatus:
+      query_.answer(topo_, peer, body, bytes, [this](const CtlStatusEntry& e) { peer_status(e); });
+      return;
+    case CtlType::kClose:  // the transport's own (TcpNet::peer_gone)
+      return;
+  }
+}
+
+void Communicator::send_abort(int kind, int from, const std::string& msg, int except) {
+  CtlAbort a{kind, from};
+  const uint32_t len = static_cast<uint32_t>(std::min<size_t>(msg.size(), 4096));
+  for (int q : net_->control_peers())
+    if (q != except)
+      net_->send_ctl(q, static_cast<uint32_t>(CtlType::kAbort), &a, sizeof(a), msg.data(), len);
+}
 
 bool Communicator::adopt_abort(int kind, int from, const std::string& msg) {
   std::lock_guard<std::mutex> lk(abort_mu_);
@@ -136,7 +174,7 @@ void Communicator::peer_status(const CtlStatusEntry& e) {
 }
 
 std::string Communicator::silent_note(int p) {
-  const int link = net_ ? net_->silent_link(p) : -2;
+  const int link = net_ ? silent_link(p) : -2;
   if (link == p)
     return " (on another host: it did not answer this rank's question over TCP though its "
            "connection is up: stopped, or its process stuck)";
@@ -150,7 +188,57 @@ void Communicator::refresh_remote(std::chrono::milliseconds wait) {
   if (!net_) return;
   for (auto& m : mirrors_)
     if (m) m->attached.store(0, std::memory_order_relaxed);
-  net_->query_status(Clock::now() + wait);
+  query_.ask(*net_, topo_, Clock::now() + wait);
+}
+
+// ---- StatusQuery ----
+
+void StatusQuery::ask(TcpNet& net, const Topology& topo, Clock::time_point deadline) {
+  int asked = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    const CtlQuery q{id_.fetch_add(1) + 1};
+    answers_.store(0);
+    asked_.assign(topo.nhosts(), -2);
+    answered_.assign(topo.nhosts(), false);
+    for (int p : net.control_peers()) {  // one control peer per host (its first alive one)
+      const int h = topo.host(p);
+      if (asked_[h] >= 0 || !net.peer_alive(p)) continue;
+      asked_[h] = p;
+      net.send_ctl(p, static_cast<uint32_t>(CtlType::kQuery), &q, sizeof(q));
+      ++asked;
+    }
+  }
+  while (answers_.load() < asked && Clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+void StatusQuery::answer(const Topology& topo, int peer, const char* body, uint32_t bytes,
+                         FunctionRef<void(const CtlStatusEntry&)> take) {
+  if (bytes < sizeof(CtlQuery)) return;
+  CtlQuery q;
+  std::memcpy(&q, body, sizeof(q));
+  const int h = topo.host(peer);
+  std::lock_guard<std::mutex> lk(mu_);
+  // Only the answer to the latest question, from the rank it asked, once.
+  if (q.id != id_.load() || asked_.empty() || asked_[h] != peer || answered_[h]) return;
+  for (size_t off = sizeof(q); off + sizeof(CtlStatusEntry) <= bytes;
+       off += sizeof(CtlStatusEntry)) {
+    CtlStatusEntry e;
+    std::memcpy(&e, body + off, sizeof(e));
+    // Only its own host's ranks: it speaks for no other.
+    if (e.rank >= 0 && e.rank < topo.size() && topo.host(e.rank) == h) take(e);
+  }
+  answered_[h] = true;
+  answers_.fetch_add(1);
+}
+
+int StatusQuery::silent_link(const Topology& topo, int p) {
+  if (topo.same_host(p)) return -1;
+  std::lock_guard<std::mutex> lk(mu_);
+  if (asked_.empty()) return -2;
+  const int h = topo.host(p);
+  return answered_[h] ? -1 : asked_[h];
 }
 
 }  // namespace pyc

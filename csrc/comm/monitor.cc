@@ -164,7 +164,7 @@ void OpMonitor::timed_out() {
     std::vector<int> silent, unknown;
     for (int p = 0; p < c_.n_; ++p) {
       if (!c_.heard(p)) {
-        (c_.net_->silent_link(p) == p ? silent : unknown).push_back(p);
+        (c_.silent_link(p) == p ? silent : unknown).push_back(p);
       } else if (!reached(c_.ctl(p)->started.value.load(), seq_)) {
         os << sep << p;
         sep = ", ";
