@@ -103,7 +103,7 @@ void reduce_all(OpCtx& c, void* dst, const void* const* srcs, size_t count);
 void finish_gathered(OpCtx& c, Counter* const* gathered);
 
 // Single-copy collectives on plain buffers (see cma.cc): ranks read and write
-// each other's buffers with process_vm_readv/writev (transport/cma.h), sharing
+// each other's buffers with process_vm_readv/writev (transport/cma/cma.h), sharing
 // the work out in chunks. addr[p] and out[p] are rank p's input and output in
 // its own process (all-reduce: both the buffer); next[p] counts the claimed
 // chunks of part p. scratch: nranks * chunk bytes of this rank's.
@@ -146,7 +146,7 @@ struct P2POp {
   SlotTag tag;
   // Single copy: the send posts only the buffer's address through its slots;
   // the receive reads the bytes straight out of the sender's process
-  // (transport/cma.h) and raises the pair's counter to the message's sequence
+  // (transport/cma/cma.h) and raises the pair's counter to the message's sequence
   // number, which the send waits for before its buffer may change. On a send:
   // it goes across (the sender's choice: by size, then its tuner; a single
   // send, p2p_send, always takes the slots). On a receive: it may come across

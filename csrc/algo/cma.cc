@@ -37,7 +37,7 @@
 // before each chunk it copies, and says while it may still copy (v.busy);
 // the aborting rank waits for its peers' flags to drop (Communicator::
 // wait_peers_copied).
-#include "transport/cma.h"
+#include "transport/cma/cma.h"
 
 #include <algorithm>
 #include <atomic>

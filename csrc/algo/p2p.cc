@@ -15,7 +15,7 @@
 #include "algo/algorithms.h"
 #include "algo/prims.h"
 #include "core/error.h"
-#include "transport/cma.h"
+#include "transport/cma/cma.h"
 
 namespace pyc {
 namespace {

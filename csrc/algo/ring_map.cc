@@ -1,7 +1,7 @@
 // Ring reduce-scatter and all-gather over blocks laid out by a BlockMap: a
 // rank's block is a list of segments anywhere in the buffer, of any length
 // (the schedules of ring.cc, where block b is the b-th run of `count`
-// elements). The hierarchical collectives (comm/multihost.cc) use them for a
+// elements). The hierarchical collectives (algo/hierarchical.cc) use them for a
 // host's part of a world-sized buffer (its ranks' blocks of every host), or
 // for shards of uneven length.
 //

@@ -46,7 +46,8 @@ void bind_cuda_comm(py::module_& m) {
       .def("is_completed", &CudaWork::is_completed);
   m.def(
       "cuda_all_reduce",
-      [](C& c, uintptr_t buf, size_t n, int dt, int op, int dev, uintptr_t stream, bool async_op, double to) {
+      [](C& c, uintptr_t buf, size_t n, int dt, int op, int dev, uintptr_t stream, bool async_op,
+         double to) {
         return cuda_all_reduce(c, address(buf), n, checked_dtype(dt, "cuda collective"),
                                checked_op(op, "cuda collective"), call(dev, stream, async_op, to));
       },
@@ -55,9 +56,9 @@ void bind_cuda_comm(py::module_& m) {
       "cuda_reduce_scatter",
       [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, int op, int dev, uintptr_t stream,
          bool async_op, double to) {
-        return cuda_reduce_scatter(c, address(out), address(in), n,
-                                   checked_dtype(dt, "cuda collective"),
-                                   checked_op(op, "cuda collective"), call(dev, stream, async_op, to));
+        return cuda_reduce_scatter(
+            c, address(out), address(in), n, checked_dtype(dt, "cuda collective"),
+            checked_op(op, "cuda collective"), call(dev, stream, async_op, to));
       },
       G());
   m.def(
@@ -65,12 +66,14 @@ void bind_cuda_comm(py::module_& m) {
       [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, int dev, uintptr_t stream,
          bool async_op, double to) {
         return cuda_all_gather(c, address(out), address(in), n,
-                               checked_dtype(dt, "cuda collective"), call(dev, stream, async_op, to));
+                               checked_dtype(dt, "cuda collective"),
+                               call(dev, stream, async_op, to));
       },
       G());
   m.def(
       "cuda_broadcast",
-      [](C& c, uintptr_t buf, size_t n, int dt, int root, int dev, uintptr_t stream, bool async_op, double to) {
+      [](C& c, uintptr_t buf, size_t n, int dt, int root, int dev, uintptr_t stream, bool async_op,
+         double to) {
         return cuda_broadcast(c, address(buf), n, checked_dtype(dt, "cuda collective"), root,
                               call(dev, stream, async_op, to));
       },
@@ -80,7 +83,8 @@ void bind_cuda_comm(py::module_& m) {
       [](C& c, uintptr_t buf, size_t n, int dt, int op, int root, int dev, uintptr_t stream,
          bool async_op, double to) {
         return cuda_reduce(c, address(buf), n, checked_dtype(dt, "cuda collective"),
-                           checked_op(op, "cuda collective"), root, call(dev, stream, async_op, to));
+                           checked_op(op, "cuda collective"), root,
+                           call(dev, stream, async_op, to));
       },
       G());
   m.def(
@@ -88,19 +92,22 @@ void bind_cuda_comm(py::module_& m) {
       [](C& c, uintptr_t out, uintptr_t in, size_t n, int dt, int dev, uintptr_t stream,
          bool async_op, double to) {
         return cuda_all_to_all(c, address(out), address(in), n,
-                               checked_dtype(dt, "cuda collective"), call(dev, stream, async_op, to));
+                               checked_dtype(dt, "cuda collective"),
+                               call(dev, stream, async_op, to));
       },
       G());
   m.def(
       "cuda_send",
-      [](C& c, uintptr_t buf, size_t n, int dt, int peer, int dev, uintptr_t stream, bool async_op, double to) {
+      [](C& c, uintptr_t buf, size_t n, int dt, int peer, int dev, uintptr_t stream, bool async_op,
+         double to) {
         return cuda_send(c, address(buf), n, checked_dtype(dt, "cuda collective"), peer,
                          call(dev, stream, async_op, to));
       },
       G());
   m.def(
       "cuda_recv",
-      [](C& c, uintptr_t buf, size_t n, int dt, int peer, int dev, uintptr_t stream, bool async_op, double to) {
+      [](C& c, uintptr_t buf, size_t n, int dt, int peer, int dev, uintptr_t stream, bool async_op,
+         double to) {
         return cuda_recv(c, address(buf), n, checked_dtype(dt, "cuda collective"), peer,
                          call(dev, stream, async_op, to));
       },

@@ -18,12 +18,12 @@
 #include "bindings/reduce_bindings.h"
 #include "bindings/tensor_view.h"
 #include "comm/communicator.h"
-#include "comm/topology.h"
 #include "core/cpu_probe.h"
 #include "core/error.h"
 #include "core/sha256.h"
+#include "core/topology.h"
 #include "reduce/reduce.h"
-#include "transport/ptracer.h"
+#include "transport/cma/ptracer.h"
 
 namespace py = pybind11;
 using namespace pyc;

@@ -16,7 +16,7 @@ std::shared_ptr<Work> Communicator::all_reduce(void* buf, size_t count, DataType
   return collective(
       sig, timeout_s, async,
       [this, buf, count, win, where](OpCtx& c) {
-        if (multi_host()) return mh_all_reduce(c, buf, count);
+        if (multi_host()) return hier_all_reduce(c, hier(), buf, count);
         const size_t bytes = count * c.esize();
         // One-shot first: its one handshake beats the direct path's two as long as
         // the whole buffer fits the one-shot areas.
@@ -46,7 +46,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter(void* out, const void* in, si
   return collective(
       sig, timeout_s, async,
       [this, out, in, count, win, where](OpCtx& c) {
-        if (multi_host()) return mh_reduce_scatter(c, out, in, count);
+        if (multi_host()) return hier_reduce_scatter(c, hier(), out, in, count);
         const size_t bytes = count * c.esize();
         if (direct(c, win.get(), bytes, where)) {
           c.path = Path::kDirect;
@@ -73,7 +73,7 @@ std::shared_ptr<Work> Communicator::all_gather(void* out, const void* in, size_t
   return collective(
       sig, timeout_s, async,
       [this, out, in, count, win, where](OpCtx& c) {
-        if (multi_host()) return mh_all_gather(c, out, in, count);
+        if (multi_host()) return hier_all_gather(c, hier(), out, in, count);
         const size_t bytes = count * c.esize();
         // Single copy before one-shot: from 32 KiB per rank (with 2 ranks)
         // one kernel copy per peer beats the one-shot areas' copy in and out.
@@ -101,7 +101,7 @@ std::shared_ptr<Work> Communicator::broadcast(void* buf, size_t count, DataType 
   return collective(
       sig, timeout_s, async,
       [this, buf, count, root](OpCtx& c) {
-        if (multi_host()) return mh_broadcast(c, buf, count, root);
+        if (multi_host()) return hier_broadcast(c, hier(), buf, count, root);
         const size_t bytes = count * c.esize();
         if (cma(c)) {  // every rank announced the same operation, root included
           c.path = Path::kCma;
@@ -129,7 +129,7 @@ std::shared_ptr<Work> Communicator::reduce(void* buf, size_t count, DataType dt,
   return collective(
       sig, timeout_s, async,
       [this, buf, count, root](OpCtx& c) {
-        if (multi_host()) return mh_reduce(c, buf, count, root);
+        if (multi_host()) return hier_reduce(c, hier(), buf, count, root);
         if (cma(c)) {
           c.path = Path::kCma;
           cma_reduce(c, cma_view(c.tag.seq), buf, count, root);

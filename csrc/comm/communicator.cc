@@ -20,7 +20,7 @@
 #include "core/env.h"
 #include "core/error.h"
 #include "core/process.h"
-#include "transport/ptracer.h"
+#include "transport/cma/ptracer.h"
 
 namespace pyc {
 

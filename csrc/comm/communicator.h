@@ -17,22 +17,24 @@
 #include <vector>
 
 #include "algo/algorithms.h"
+#include "algo/hierarchical.h"
 #include "comm/cma_choice.h"
+#include "comm/control.h"
 #include "comm/progress.h"
-#include "comm/topology.h"
 #include "core/clock.h"
 #include "core/function_ref.h"
 #include "core/process.h"
+#include "core/topology.h"
 #include "core/types.h"
-#include "transport/shm_fifo.h"
-#include "transport/shm_segment.h"
-#include "transport/shm_window.h"
-#include "transport/tcp_net.h"
+#include "transport/shm/shm_fifo.h"
+#include "transport/shm/shm_segment.h"
+#include "transport/shm/shm_window.h"
+#include "transport/tcp/tcp_net.h"
 
 namespace pyc {
 
 class CudaPath;      // cuda/cuda_path.h: the CUDA transport of a communicator
-class PtracerGrant;  // transport/ptracer.h
+class PtracerGrant;  // transport/cma/ptracer.h
 
 // A check that never fails (Communicator's default `check`).
 inline const auto kNoCheck = [] {};
@@ -85,7 +87,7 @@ struct OpStats {
 
 enum class AbortKind : int32_t { kNone = 0, kError, kTimeout, kPeerFailure, kMismatch };
 
-class Communicator final : public Links, public NetHost {
+class Communicator final : public Links, public NetHost, public HierHost {
  public:
   // The creator (rank 0 of the group, or of its host when `hosts` is given)
   // makes segment `name`; the others of its host open it (only a segment of
@@ -206,10 +208,8 @@ class Communicator final : public Links, public NetHost {
   RecvConn& recv_from(int peer) override { return *recv_[peer]; }
   [[noreturn]] void tag_mismatch(int peer, const SlotTag& got, const SlotTag& want) override;
 
-  // NetHost (the network thread's questions)
-  bool adopt_abort(int kind, int from, const std::string& msg) override;
-  std::vector<CtlStatusEntry> host_status() override;
-  void peer_status(const CtlStatusEntry& e) override;
+  // NetHost: a control frame of another host's rank (control.cc).
+  void on_control(int peer, uint32_t type, const char* body, uint32_t bytes) override;
 
  private:
   friend class OpMonitor;
@@ -327,36 +327,37 @@ class Communicator final : public Links, public NetHost {
   // Waits until every peer has started collective `seq` (or a later one).
   void wait_started(uint32_t seq, WaitMonitor& mon);
   void account(const OpSig& sig, const OpCtx& c, uint64_t ns);
-  // Whether this operation of `bytes` per rank takes the one-shot path; if so,
-  // first waits until every peer has started operation seq-1.
-  bool oneshot(OpCtx& c, size_t bytes);
-  // Records that peers (or just `only`) were seen in operation `seq`.
-  void saw_flags(uint32_t seq, int only = -1);
 
-  // Abort state shared by all ranks: the first error wins.
+  // Abort state shared by all ranks: the first error wins (control.cc).
   void set_abort(AbortKind kind, const std::string& msg);
   [[noreturn]] void throw_abort() const;
   bool aborted() const;
+  // Across hosts (control.cc): sends an error to every control peer but
+  // `except`; raises here an error another host reported (the first error
+  // wins), returning whether it was taken (then it is passed on); where this
+  // host's ranks are (another host's question); another host's answer about
+  // one of its ranks.
+  void send_abort(int kind, int from, const std::string& msg, int except = -1);
+  bool adopt_abort(int kind, int from, const std::string& msg);
+  std::vector<CtlStatusEntry> host_status();
+  void peer_status(const CtlStatusEntry& e);
+  // After refresh_remote: StatusQuery::silent_link.
+  int silent_link(int p) { return query_.silent_link(topo_, p); }
   // Peer liveness through its robust mutex (a rank of this host) or its
   // connections (another host's): returns a description if gone.
   std::string peer_gone(int peer);
 
-  // ---- across hosts (multihost.cc, hier.cc) ----
-  // A context for a schedule over `members` (global ranks, this one among
-  // them) with the operation's tag and monitor; links through `sub`.
-  struct Group;
-  // Every rank of this host announced the same operation, and every
-  // cross-host peer sent the same tag: the ranks of every host alike, for
-  // operations that move no data across (barrier, empty ones, the roots'
-  // check of broadcast and reduce).
-  void confirm_hosts(OpCtx& c);
-  void mh_all_reduce(OpCtx& c, void* buf, size_t count);
-  void mh_reduce_scatter(OpCtx& c, void* out, const void* in, size_t count);
-  void mh_all_gather(OpCtx& c, void* out, const void* in, size_t count);
-  void mh_broadcast(OpCtx& c, void* buf, size_t count, int root);
-  void mh_reduce(OpCtx& c, void* buf, size_t count, int root);
-  // A scratch buffer of at least `bytes` (kept until close).
-  char* scratch(size_t bytes);
+  // ---- across hosts: what the hierarchical schedules ask (algo/hierarchical.h) ----
+  // Whether this operation of `bytes` per rank takes the one-shot path; if so,
+  // first waits until every peer has started operation seq-1.
+  bool oneshot(OpCtx& c, size_t bytes) override;
+  const OneShotAreas& oneshot_areas() const override { return oneshot_; }
+  // Records that peers (or just `only`) were seen in operation `seq`.
+  void saw_flags(uint32_t seq, int only = -1) override;
+  char* scratch(size_t bytes) override;
+  void confirm_hosts(OpCtx& c) override;
+  // Where this communicator's hierarchical schedules run.
+  Hier hier() { return Hier{topo_, *this, algo_ == Algo::kRing, layout_.oneshot_bytes}; }
 
   int rank_, n_;
   Topology topo_;
@@ -381,6 +382,7 @@ class Communicator final : public Links, public NetHost {
   std::vector<std::unique_ptr<ShmRecvConn>> shm_recv_;
   std::vector<SendConn*> send_;  // by rank: shared memory within the host, TCP across
   std::vector<RecvConn*> recv_;
+  StatusQuery query_;  // refresh_remote's questions (before net_: its thread answers into it)
   std::unique_ptr<TcpNet> net_;           // across hosts
   Clock::time_point connect_deadline_{};  // connect_out()'s, for connect_in()
   std::string net_hint_;  // HostSetup::hint, for the communicators split from this one

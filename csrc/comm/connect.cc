@@ -14,8 +14,8 @@
 #include "core/env.h"
 #include "core/error.h"
 #include "core/process.h"
-#include "transport/cma.h"
-#include "transport/ptracer.h"
+#include "transport/cma/cma.h"
+#include "transport/cma/ptracer.h"
 
 namespace pyc {
 

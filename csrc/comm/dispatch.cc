@@ -220,6 +220,40 @@ void Communicator::confirm_alike(OpCtx& c) {
   }
 }
 
+char* Communicator::scratch(size_t bytes) {
+  if (scratch_.size() < bytes + 64) scratch_.resize(bytes + 64);
+  const auto p = reinterpret_cast<uintptr_t>(scratch_.data());
+  return reinterpret_cast<char*>((p + 63) / 64 * 64);
+}
+
+void Communicator::confirm_hosts(OpCtx& c) {
+  const uint32_t seq = c.tag.seq;
+  wait_started(seq, *c.mon);  // this host's ranks, as confirm_alike
+  for (int p : locals_) {
+    if (p == rank_) continue;
+    const SigEntry& e = ctl(p)->sig[seq % kSigHistory];
+    if (e.seq.load(std::memory_order_acquire) != seq) continue;
+    const SlotTag got{seq, e.w0.load(std::memory_order_relaxed),
+                      e.w1.load(std::memory_order_relaxed)};
+    if (!(got == c.tag)) tag_mismatch(p, got, c.tag);
+  }
+  // Every cross-host peer sent its tag after its own host's ranks had all
+  // started: once every one came, every rank of every host has started this
+  // operation, alike (the peers link every pair of hosts).
+  const std::vector<int> peers = topo_.xpeers(rank_);
+  for (int q : peers) {
+    SendConn& s = send_to(q);
+    (void)s.acquire(*c.mon);
+    s.post(c.tag, 0);
+  }
+  for (int q : peers) {
+    RecvConn& r = recv_from(q);
+    const RecvSlot s = r.wait(*c.mon);
+    if (!(s.tag == c.tag)) tag_mismatch(q, s.tag, c.tag);
+    r.release();
+  }
+}
+
 void Communicator::sync(const OpSig& sig, double timeout_s) {
   collective(sig, timeout_s, false, [this](OpCtx& c) { confirm_alike(c); });
 }

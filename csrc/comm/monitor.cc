@@ -1,11 +1,8 @@
-// Timeouts, dead peers, mismatched collectives and the shared abort word.
+// Timeouts, dead peers and mismatched collectives (the abort word they set: control.cc).
 #include "comm/monitor.h"
-
-#include <errno.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -167,7 +164,7 @@ void OpMonitor::timed_out() {
     std::vector<int> silent, unknown;
     for (int p = 0; p < c_.n_; ++p) {
       if (!c_.heard(p)) {
-        (c_.net_->silent_link(p) == p ? silent : unknown).push_back(p);
+        (c_.silent_link(p) == p ? silent : unknown).push_back(p);
       } else if (!reached(c_.ctl(p)->started.value.load(), seq_)) {
         os << sep << p;
         sep = ", ";
@@ -255,71 +252,7 @@ void OpMonitor::check_closing(Clock::time_point now) {
   throw Aborted(os.str());
 }
 
-// ---- Communicator: abort state, liveness and mismatch reports ----
-
-bool Communicator::aborted() const { return hdr_->abort_rank.load(std::memory_order_acquire) != 0; }
-
-void Communicator::set_abort(AbortKind kind, const std::string& msg) {
-  // The record goes into this rank's own control block, then one CAS of the
-  // header's word publishes it: a rank killed at any point leaves no abort
-  // (its death is seen through its mutex) or a complete one, never a claim
-  // that blocks every later abort. The record is written only while no abort
-  // is set, and only by this process (the lock: its threads), so nobody reads
-  // it while it changes.
-  {
-    std::lock_guard<std::mutex> lk(abort_mu_);
-    if (aborted()) return;  // the first error wins
-    RankCtl* me = ctl(rank_);
-    me->abort_kind = static_cast<int32_t>(kind);
-    me->abort_from = rank_;
-    std::strncpy(me->abort_msg, msg.c_str(), sizeof(me->abort_msg) - 1);
-    me->abort_msg[sizeof(me->abort_msg) - 1] = '\0';
-    uint32_t expect = 0;
-    // seq_cst: an aborting rank then reads its peers' cma_busy (wait_peers_copied).
-    if (!hdr_->abort_rank.compare_exchange_strong(expect, static_cast<uint32_t>(rank_) + 1)) return;
-  }
-  // The other hosts raise it too (each passes it on to the ranks of its host).
-  if (net_) net_->send_abort(static_cast<int>(kind), rank_, msg);
-}
-
-void Communicator::abort(const std::string& msg) {
-  if (closed_.load()) return;
-  set_abort(AbortKind::kError, msg);
-}
-
-void Communicator::throw_abort() const {
-  const uint32_t word = hdr_->abort_rank.load(std::memory_order_acquire);
-  PYC_ASSERT(word != 0 && word <= static_cast<uint32_t>(n_));
-  const RankCtl* rec = ctl(static_cast<int>(word) - 1);  // a rank of this host
-  const int from = rec->abort_from;                      // the rank that reported it
-  std::string msg(rec->abort_msg, strnlen(rec->abort_msg, sizeof(rec->abort_msg)));
-  if (from != rank_)
-    msg += " [reported by rank " + std::to_string(from) + "; raised on rank " +
-           std::to_string(rank_) + "]";
-  switch (static_cast<AbortKind>(rec->abort_kind)) {
-    case AbortKind::kTimeout:
-      throw TimeoutError(msg);
-    case AbortKind::kPeerFailure:
-      throw PeerFailure(msg);
-    case AbortKind::kMismatch:
-      throw Mismatch(msg);
-    default:
-      throw Aborted(msg);
-  }
-}
-
-std::string Communicator::peer_gone(int p) {
-  if (!topo_.same_host(p)) return net_ ? net_->peer_gone(p) : "";
-  RankCtl* c = ctl(p);
-  const int rc = pthread_mutex_trylock(&c->alive);
-  if (rc == EBUSY) return "";
-  if (rc != 0 && rc != EOWNERDEAD)
-    detail::throw_sys(__FILE__, __LINE__, "pthread_mutex_trylock", rc);
-  if (rc == EOWNERDEAD) PYC_ERRCHECK(pthread_mutex_consistent(&c->alive));
-  PYC_ERRCHECK(pthread_mutex_unlock(&c->alive));
-  if (c->closed.load() != 0) return "closed its communicator";
-  return "died (pid " + std::to_string(c->pid) + ", exited without closing the communicator)";
-}
+// ---- Communicator: mismatch reports ----
 
 void Communicator::tag_mismatch(int peer, const SlotTag& got, const SlotTag& want) {
   OpSig g = OpSig::unpack(got.w0, got.w1), w = OpSig::unpack(want.w0, want.w1);

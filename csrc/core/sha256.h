@@ -1,5 +1,5 @@
 // SHA-256 (FIPS 180-4) and HMAC-SHA256 (RFC 2104), for the handshakes of the
-// TCP transport (transport/tcp_auth.h); no OpenSSL dependency. Also the
+// TCP transport (transport/tcp/tcp_auth.h); no OpenSSL dependency. Also the
 // constant-time comparison of MACs and ids, and random bytes from the kernel
 // (getrandom: the nonces, the ids, the keys' material).
 #pragma once

@@ -15,7 +15,7 @@
 #include "cuda/cuda_path.h"
 #include "cuda/cuda_transport.h"
 #include "cuda/ipc_direct.h"
-#include "transport/shm_segment.h"
+#include "transport/shm/shm_segment.h"
 
 namespace pyc {
 

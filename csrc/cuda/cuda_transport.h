@@ -24,7 +24,7 @@
 
 #include "algo/context.h"
 #include "reduce/reduce.h"
-#include "transport/shm_layout.h"
+#include "transport/shm/shm_layout.h"
 
 namespace pyc {
 

@@ -1,5 +1,5 @@
 // Shared-memory slot FIFO (see shm_fifo.h).
-#include "transport/shm_fifo.h"
+#include "transport/shm/shm_fifo.h"
 
 namespace pyc {
 

@@ -1,5 +1,5 @@
 // Hosts and their ranks (see topology.h).
-#include "comm/topology.h"
+#include "core/topology.h"
 
 #include <sys/stat.h>
 

@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "transport/shm_segment.h"
+#include "transport/shm/shm_segment.h"
 
 namespace pyc {
 

@@ -1,4 +1,4 @@
-#include "transport/shm_window.h"
+#include "transport/shm/shm_window.h"
 
 #include <cstdint>
 

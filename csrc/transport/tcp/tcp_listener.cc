@@ -1,6 +1,6 @@
 // The listening socket and the accepting side of the handshakes (see
 // tcp_listener.h).
-#include "transport/tcp_listener.h"
+#include "transport/tcp/tcp_listener.h"
 
 #include <netinet/in.h>
 #include <sys/epoll.h>

@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "core/clock.h"
-#include "transport/tcp_auth.h"
+#include "transport/tcp/tcp_auth.h"
 
 namespace pyc {
 

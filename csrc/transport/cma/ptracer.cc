@@ -1,5 +1,5 @@
 // The process's Yama ptracer, following its communicators' grants (ptracer.h).
-#include "transport/ptracer.h"
+#include "transport/cma/ptracer.h"
 
 #include <sys/prctl.h>
 #include <unistd.h>

@@ -1,6 +1,6 @@
 // The authenticated handshake of the TCP transport: the MACs, and the
 // connecting side (see tcp_auth.h; the accepting side is tcp_listener.cc).
-#include "transport/tcp_auth.h"
+#include "transport/tcp/tcp_auth.h"
 
 #include <netinet/in.h>
 #include <poll.h>
@@ -12,7 +12,7 @@
 
 #include "core/clock.h"
 #include "core/error.h"
-#include "transport/tcp_conn.h"
+#include "transport/tcp/tcp_conn.h"
 
 namespace pyc {
 namespace {

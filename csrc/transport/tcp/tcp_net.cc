@@ -1,6 +1,6 @@
 // The network thread, the listening socket and the control connections of a
 // communicator that spans hosts (see tcp_net.h).
-#include "transport/tcp_net.h"
+#include "transport/tcp/tcp_net.h"
 
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -103,8 +103,6 @@ TcpNet::TcpNet(const Topology& topo, const NetConfig& cfg, const uint8_t comm_id
   // peer, every stripe of a data connection from every rank of another host.
   for (int q : xpeers_) expected_in_ += q < rank_ ? 1 : 0;
   for (int p = 0; p < n; ++p) expected_in_ += topo.same_host(p) ? 0 : cfg.nsocks;
-  asked_.assign(topo.nhosts(), -2);
-  answered_.assign(topo.nhosts(), false);
 }
 
 TcpNet::~TcpNet() { close(); }
@@ -347,46 +345,10 @@ void TcpNet::on_control(int peer, uint32_t events) {
 }
 
 void TcpNet::handle_frame(int peer, uint32_t type, const char* body, uint32_t bytes) {
-  switch (static_cast<CtlType>(type)) {
-    case CtlType::kAbort: {
-      if (bytes < sizeof(CtlAbort)) return;
-      CtlAbort a;
-      std::memcpy(&a, body, sizeof(a));
-      const std::string msg(body + sizeof(a), bytes - sizeof(a));
-      if (a.from >= 0 && a.from < topo_.size() && host_.adopt_abort(a.kind, a.from, msg))
-        send_abort(a.kind, a.from, msg, peer);  // on to the other hosts
-      return;
-    }
-    case CtlType::kClose:
-      peers_[peer]->fail(PeerState::kClosed, "closed its communicator");
-      return;
-    case CtlType::kQuery: {
-      if (bytes < sizeof(CtlQuery)) return;
-      const std::vector<CtlStatusEntry> st = host_.host_status();
-      send_ctl(peer, static_cast<uint32_t>(CtlType::kStatus), body, sizeof(CtlQuery), st.data(),
-               static_cast<uint32_t>(st.size() * sizeof(CtlStatusEntry)));
-      return;
-    }
-    case CtlType::kStatus: {
-      if (bytes < sizeof(CtlQuery)) return;
-      CtlQuery q;
-      std::memcpy(&q, body, sizeof(q));
-      const int h = topo_.host(peer);
-      std::lock_guard<std::mutex> lk(query_mu_);
-      // Only the answer to the latest question, from the rank it asked, once.
-      if (q.id != query_id_.load() || asked_[h] != peer || answered_[h]) return;
-      for (size_t off = sizeof(q); off + sizeof(CtlStatusEntry) <= bytes;
-           off += sizeof(CtlStatusEntry)) {
-        CtlStatusEntry e;
-        std::memcpy(&e, body + off, sizeof(e));
-        // Only its own host's ranks: it speaks for no other.
-        if (e.rank >= 0 && e.rank < topo_.size() && topo_.host(e.rank) == h) host_.peer_status(e);
-      }
-      answered_[h] = true;
-      answers_.fetch_add(1);
-      return;
-    }
-  }
+  if (static_cast<CtlType>(type) == CtlType::kClose)
+    peers_[peer]->fail(PeerState::kClosed, "closed its communicator");
+  else
+    host_.on_control(peer, type, body, bytes);
 }
 
 void TcpNet::control_failed(int peer, int err) {
@@ -504,40 +466,8 @@ std::string TcpNet::peer_gone(int p) {
   return s.why();
 }
 
-void TcpNet::send_abort(int kind, int from, const std::string& msg, int except) {
-  CtlAbort a{kind, from};
-  const uint32_t len = static_cast<uint32_t>(std::min<size_t>(msg.size(), 4096));
-  for (int q : xpeers_)
-    if (q != except)
-      send_ctl(q, static_cast<uint32_t>(CtlType::kAbort), &a, sizeof(a), msg.data(), len);
-}
-
-void TcpNet::query_status(Clock::time_point deadline) {
-  int asked = 0;
-  {
-    std::lock_guard<std::mutex> lk(query_mu_);
-    const CtlQuery q{query_id_.fetch_add(1) + 1};
-    answers_.store(0);
-    std::fill(asked_.begin(), asked_.end(), -2);
-    std::fill(answered_.begin(), answered_.end(), false);
-    for (int p : xpeers_) {  // one control peer per host (its first alive one)
-      const int h = topo_.host(p);
-      if (asked_[h] >= 0 || peers_[p]->state.load() != static_cast<int>(PeerState::kAlive))
-        continue;
-      asked_[h] = p;
-      send_ctl(p, static_cast<uint32_t>(CtlType::kQuery), &q, sizeof(q));
-      ++asked;
-    }
-  }
-  while (answers_.load() < asked && Clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-}
-
-int TcpNet::silent_link(int p) {
-  if (topo_.same_host(p)) return -1;
-  std::lock_guard<std::mutex> lk(query_mu_);
-  const int h = topo_.host(p);
-  return answered_[h] ? -1 : asked_[h];
+bool TcpNet::peer_alive(int p) const {
+  return peers_[p]->state.load() == static_cast<int>(PeerState::kAlive);
 }
 
 void TcpNet::close() {

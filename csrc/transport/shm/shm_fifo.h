@@ -4,7 +4,7 @@
 #pragma once
 
 #include "transport/conn.h"
-#include "transport/shm_layout.h"
+#include "transport/shm/shm_layout.h"
 
 namespace pyc {
 

@@ -25,7 +25,7 @@
 #include <string>
 
 #include "core/sha256.h"
-#include "transport/tcp_socket.h"
+#include "transport/tcp/tcp_socket.h"
 
 namespace pyc {
 

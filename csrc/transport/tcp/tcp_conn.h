@@ -29,8 +29,8 @@
 
 #include "core/function_ref.h"
 #include "transport/conn.h"
-#include "transport/tcp_auth.h"
-#include "transport/tcp_socket.h"
+#include "transport/tcp/tcp_auth.h"
+#include "transport/tcp/tcp_socket.h"
 
 namespace pyc {
 

@@ -5,10 +5,10 @@
 // single-copy path.
 //
 // It needs ptrace access to the peer (same user; Yama's ptrace_scope <= 1 with
-// the peer's consent, which a PtracerGrant gives, transport/ptracer.h) and a
+// the peer's consent, which a PtracerGrant gives, transport/cma/ptracer.h) and a
 // seccomp profile that allows the calls; cma_probe tells whether a given peer
 // is accessible. The pids and addresses come from the peers' announcements in
-// the shared segment (of this user only, transport/shm_segment.h); the pids
+// the shared segment (of this user only, transport/shm/shm_segment.h); the pids
 // are checked at connect (same user) and kept privately from then on.
 #pragma once
 

@@ -1,5 +1,5 @@
 // Offsets of the shared-memory segment (see shm_layout.h).
-#include "transport/shm_layout.h"
+#include "transport/shm/shm_layout.h"
 
 #include "core/error.h"
 

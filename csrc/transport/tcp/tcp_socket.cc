@@ -1,5 +1,5 @@
 // TCP addresses, interfaces and socket options (see tcp_socket.h).
-#include "transport/tcp_socket.h"
+#include "transport/tcp/tcp_socket.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

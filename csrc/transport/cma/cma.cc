@@ -1,4 +1,4 @@
-#include "transport/cma.h"
+#include "transport/cma/cma.h"
 
 #include <sys/uio.h>
 

@@ -1,6 +1,6 @@
 // POSIX shared memory (shm_open + mmap) with checked calls and a clear error
 // when /dev/shm is too small.
-#include "transport/shm_segment.h"
+#include "transport/shm/shm_segment.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

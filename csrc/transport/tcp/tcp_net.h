@@ -8,9 +8,10 @@
 // kind and the stripe:
 // - a control connection with each of its cross-host peers (Topology::xpeers:
 //   one rank on every other host), made at connect() by the lower rank. The
-//   network thread reads them: the errors a rank reports (so that every host
-//   aborts, not just the ones that saw it), goodbyes (close()), and the
-//   questions a timeout asks of another host (who is late). Keepalive probes
+//   network thread reads them: goodbyes (close()), and the frames it hands
+//   the communicator's control plane (NetHost, comm/control.cc): the errors a
+//   rank reports (so that every host aborts, not just the ones that saw it)
+//   and the questions a timeout asks of another host (who is late). Keepalive probes
 //   and TCP_USER_TIMEOUT find a dead host or a cut link within
 //   PYCOLL_NET_TIMEOUT;
 // - data connections, one direction each (tcp_conn.h), made by the sender the
@@ -29,25 +30,22 @@
 #include <thread>
 #include <vector>
 
-#include "comm/topology.h"
 #include "core/clock.h"
 #include "core/function_ref.h"
-#include "transport/tcp_conn.h"
-#include "transport/tcp_listener.h"
+#include "core/topology.h"
+#include "transport/tcp/tcp_conn.h"
+#include "transport/tcp/tcp_listener.h"
 
 namespace pyc {
 
-// What the network thread needs from its communicator.
+// What the network thread hands its communicator (comm/control.cc): every
+// control frame from a control peer (rank `peer`, of another host) but the
+// goodbye, which the transport takes itself (peer_gone). Called on the network
+// thread; `body` holds `bytes` (at most kMaxCtlBody) as they came, unchecked.
 class NetHost {
  public:
   virtual ~NetHost() = default;
-  // A rank of another host reported an error: raise it here too (the first
-  // error wins). Returns whether it was taken (then it is passed on).
-  virtual bool adopt_abort(int kind, int from, const std::string& msg) = 0;
-  // Where this host's ranks are (for another host's timeout verdict).
-  virtual std::vector<CtlStatusEntry> host_status() = 0;
-  // Another host's answer about one of its ranks.
-  virtual void peer_status(const CtlStatusEntry& e) = 0;
+  virtual void on_control(int peer, uint32_t type, const char* body, uint32_t bytes) = 0;
 };
 
 class TcpNet final : public ListenerHost {
@@ -79,11 +77,15 @@ class TcpNet final : public ListenerHost {
   // Why peer p (of another host) is gone, or "" while it is not known to be.
   // A clean close is reported only once its data to this rank has been read.
   std::string peer_gone(int p);
-  // Sends an error to every control peer but `except`.
-  void send_abort(int kind, int from, const std::string& msg, int except = -1);
-  // Asks a control peer on every other host where its host's ranks are;
-  // returns once all answered (NetHost::peer_status) or at `deadline`.
-  void query_status(Clock::time_point deadline);
+  // Queues a control frame of `type` (CtlType) to control peer `peer`: `body`
+  // then `more` (either may be empty); the thread sends what the kernel does
+  // not take at once. Dropped if the connection is gone (the read side reports it).
+  void send_ctl(int peer, uint32_t type, const void* body, uint32_t bytes,
+                const void* more = nullptr, uint32_t more_bytes = 0);
+  // The ranks this rank keeps a control connection with (Topology::xpeers).
+  const std::vector<int>& control_peers() const { return xpeers_; }
+  // Whether peer p is not known to be gone (died, unreachable or closed).
+  bool peer_alive(int p) const;
   // A data connection has frames queued: the thread writes them as it can.
   void want_write(int peer);
   // Connections refused so far (handshakes that failed, evicted or expired).
@@ -94,10 +96,6 @@ class TcpNet final : public ListenerHost {
   size_t control_buffer_peak() const { return ctl_in_peak_.load(); }
   // The communicator's key (split derives its children's from it).
   const NetKey& key() const { return env_.key; }
-  // After query_status: -1 if rank p's host answered (or p is of this
-  // host); else the rank of p's host that was asked and did not answer, or
-  // -2 if none could be asked (its connection gone).
-  int silent_link(int p);
   // Payload bytes sent to and received from other hosts so far.
   std::pair<uint64_t, uint64_t> bytes() const;
   // Writes what is queued (bounded), says goodbye to the control peers,
@@ -114,8 +112,6 @@ class TcpNet final : public ListenerHost {
   void loop();
   void on_control(int peer, uint32_t events);
   void handle_frame(int peer, uint32_t type, const char* body, uint32_t bytes);
-  void send_ctl(int peer, uint32_t type, const void* body, uint32_t bytes,
-                const void* more = nullptr, uint32_t more_bytes = 0);
   void flush_ctl(Ctl& c);
   void register_ctl(int peer, int fd);
   void control_failed(int peer, int err);
@@ -145,11 +141,6 @@ class TcpNet final : public ListenerHost {
   std::atomic<bool> stop_{false};
   std::atomic<bool> closed_{false};
   std::atomic<size_t> ctl_in_peak_{0};
-  std::atomic<uint64_t> query_id_{0};
-  std::atomic<int> answers_{0};
-  std::mutex query_mu_;
-  std::vector<int> asked_;      // by host: the rank the last query asked (-2: none)
-  std::vector<bool> answered_;  // by host: whether it answered
   std::mutex fatal_mu_;
   std::string fatal_;  // the thread failed: every peer is unreachable from here
   std::thread thread_;

@@ -1,5 +1,5 @@
 // Links between hosts over TCP (see tcp_conn.h).
-#include "transport/tcp_conn.h"
+#include "transport/tcp/tcp_conn.h"
 
 #include <poll.h>
 #include <sys/socket.h>
@@ -12,7 +12,7 @@
 
 #include "core/clock.h"
 #include "core/error.h"
-#include "transport/tcp_net.h"
+#include "transport/tcp/tcp_net.h"
 
 namespace pyc {
 namespace {
