@@ -69,7 +69,7 @@ __all__ = [
 
 FORMAT, VERSION, INDEX = "pycollectives-checkpoint", 1, "index.json"
 # safetensors dtype names and their sizes (this module imports torch only to
-# write or name torch dtypes: consolidate.py runs without it)
+# write or name torch dtypes: consolidation.py itself uses none)
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1}
 ITEMSIZE.update({"U8": 1, "BOOL": 1})
 CHUNK = 16 << 20  # bytes per write call

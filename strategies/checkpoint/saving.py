@@ -1,5 +1,5 @@
 """save(): a model and its optimizer, in whatever layout they are, as a
-sharded checkpoint that loads into any other layout (load.py).
+sharded checkpoint that loads into any other layout (loading.py).
 
     from pycollectives.strategies.checkpoint import save, load
     save("ckpt/step-100", comm, model, zero, extra={"step": 100})   # ZeRO-3 on 4 ranks
