@@ -35,11 +35,11 @@ _WHERE = {
     "Piece": "pieces",
     "consolidate": "consolidation",
     "load": "loading",
-    "load_pieces": "sharded",
+    "load_pieces": "piece_files",
     "read_index": "format",
     "read_stats": "format",
     "save": "saving",
-    "save_pieces": "sharded",
+    "save_pieces": "piece_files",
 }
 __all__ = [
     "CheckpointError",
