@@ -40,9 +40,9 @@ SETTINGS = {"kept": False, "regathered": True}  # label: reshard_after_backward
 
 def job(rank: int, world: int, schedules: list[str], steps: int) -> list[dict]:
     import pycollectives as pc
-    from pycollectives.strategies.mesh import ParallelDims
     from pycollectives.strategies.models import GPTConfig
     from pycollectives.strategies.parallel3d import Trainer3D, TrainOptions
+    from pycollectives.strategies.parallel_dims import ParallelDims
 
     comm = pc.init(timeout=300)
     out = []

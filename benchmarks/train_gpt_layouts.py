@@ -55,9 +55,9 @@ def layouts(world: int) -> list[tuple[int, int, int]]:
 
 def job_layouts(rank: int, world: int, steps: int) -> list[dict]:
     import pycollectives as pc
-    from pycollectives.strategies.mesh import ParallelDims
     from pycollectives.strategies.models import GPTConfig
     from pycollectives.strategies.parallel3d import Trainer3D, TrainOptions
+    from pycollectives.strategies.parallel_dims import ParallelDims
 
     comm = pc.init(timeout=300)
     config = GPTConfig(**MODEL)
@@ -77,7 +77,7 @@ def job_layouts(rank: int, world: int, steps: int) -> list[dict]:
 
 def job_tp_layers(rank: int, world: int, reps: int, d: int, tokens: int) -> dict:
     import pycollectives as pc
-    from pycollectives.strategies.mesh import ParallelDims
+    from pycollectives.strategies.parallel_dims import ParallelDims
     from pycollectives.strategies.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     comm = pc.init(timeout=300)

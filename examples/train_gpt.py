@@ -167,8 +167,8 @@ class Progress:
 
 def train(args: argparse.Namespace) -> int:
     """One rank's training (RANK, WORLD_SIZE, MASTER_ADDR/PORT set); returns the exit code."""
-    from pycollectives.strategies.mesh import ParallelDims
     from pycollectives.strategies.parallel3d import Trainer3D, full_shapes
+    from pycollectives.strategies.parallel_dims import ParallelDims
 
     comm = pc.init(timeout=args.timeout)
     rank = comm.rank

@@ -22,9 +22,9 @@ import torch
 
 import pycollectives as pc
 from pycollectives.strategies.data import GlobalBatches, SyntheticSequences
-from pycollectives.strategies.mesh import ParallelDims
 from pycollectives.strategies.models import GPT, GPTConfig
 from pycollectives.strategies.parallel3d import Trainer3D, TrainOptions
+from pycollectives.strategies.parallel_dims import ParallelDims
 
 STEPS = 20
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, n_layer=4, n_head=2, d_model=16, seed=5)

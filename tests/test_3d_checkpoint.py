@@ -17,9 +17,9 @@ pytest.importorskip("pycollectives.strategies.checkpoint")
 
 from test_3d import CONFIG, OPTIONS  # noqa: E402
 
-from pycollectives.strategies.mesh import ParallelDims  # noqa: E402
 from pycollectives.strategies.parallel3d import Trainer3D  # noqa: E402
 from pycollectives.strategies.parallel3d.checkpoint import load_trainer, save_trainer  # noqa: E402
+from pycollectives.strategies.parallel_dims import ParallelDims  # noqa: E402
 
 STEPS, SAVE_AT = 6, 3
 

@@ -29,7 +29,7 @@ from pycollectives.strategies.checkpoint import (
     save,
 )
 from pycollectives.strategies.checkpoint import format as fmt
-from pycollectives.strategies.checkpoint.sharded import save_pieces
+from pycollectives.strategies.checkpoint.piece_files import save_pieces
 from pycollectives.strategies.models.gpt import GPT
 
 ROOT = Path(__file__).resolve().parent.parent

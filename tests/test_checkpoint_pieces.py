@@ -219,12 +219,12 @@ def test_tensor_parallel_boxes_load_as_flat_shards(pool, tmp_path):
 def test_save_replaces_a_checkpoint(tmp_path, monkeypatch, exchange):
     """A second save to the same path replaces the first (renameat2 exchange,
     or the two renames where it is unavailable) and leaves nothing beside it."""
-    from pycollectives.strategies.checkpoint import sharded
+    from pycollectives.strategies.checkpoint import piece_files
 
     if not exchange:
-        monkeypatch.setattr(sharded, "_rename_exchange", lambda a, b: False)
+        monkeypatch.setattr(piece_files, "_rename_exchange", lambda a, b: False)
     else:
-        assert sharded._rename_exchange(tmp_path / "x", tmp_path / "y") is False  # no such paths
+        assert piece_files._rename_exchange(tmp_path / "x", tmp_path / "y") is False  # no such paths
     save_pieces(None, tmp_path / "ck", [Piece.whole("w", torch.zeros(3))], extra=1)
     save_pieces(None, tmp_path / "ck", [Piece.whole("w", torch.ones(3))], extra=2)
     w = torch.zeros(3)

@@ -6,7 +6,7 @@ new communicator runs every collective and point-to-point messages, over
 shared memory within a host and TCP between hosts (its own listening
 addresses, its handshakes carrying its own id). A failure on one rank of a
 color raises on every rank of that color, naming it, while the other colors
-and the parent go on. Then strategies.mesh.ParallelDims(dp=2, tp=2): TP
+and the parent go on. Then strategies.parallel_dims.ParallelDims(dp=2, tp=2): TP
 within a host, DP across hosts, each checked against torch."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from multihost_jobs import run_on_hosts
 from test_multihost_faults import _address
 
 import pycollectives as pc
-from pycollectives.strategies.mesh import ParallelDims
+from pycollectives.strategies.parallel_dims import ParallelDims
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
 

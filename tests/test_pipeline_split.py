@@ -13,8 +13,8 @@ from pipeline_cases import B, T, config, microbatches
 from torch import nn
 
 import pycollectives as pc
-from pycollectives.strategies.mesh import ParallelDims
 from pycollectives.strategies.models import GPT
+from pycollectives.strategies.parallel_dims import ParallelDims
 from pycollectives.strategies.pipeline import (
     AutogradStage,
     PipelineRuntime,

@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import pycollectives as pc
-from pycollectives.strategies.mesh import ParallelDims
+from pycollectives.strategies.parallel_dims import ParallelDims
 from pycollectives.strategies.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -22,8 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import pycollectives as pc
 from pycollectives.strategies.data import GlobalBatches, SyntheticSequences
 from pycollectives.strategies.data_parallel.ddp import DistributedDataParallel
-from pycollectives.strategies.mesh import ParallelDims
 from pycollectives.strategies.models import GPT, GPTConfig
+from pycollectives.strategies.parallel_dims import ParallelDims
 from pycollectives.strategies.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

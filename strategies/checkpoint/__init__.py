@@ -7,7 +7,7 @@ tensor parallel, one process), on pycollectives.
 
     format.py       the on-disk format: one safetensors file per rank + index.json (why: there)
     pieces.py       Piece: a box of a global tensor, optionally narrowed to a flat range
-    sharded.py      save_pieces / load_pieces: the low-level, layout-free entry points
+    piece_files.py  save_pieces / load_pieces: the low-level, layout-free entry points
     state.py        a model and optimizer (ZeRO, FSDP, plain) as named entries on this rank
     saving.py       save(): a model and optimizer in any layout -> pieces
     loading.py      load(): pieces -> a model and optimizer in any layout
@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from .consolidation import consolidate
     from .format import read_index, read_stats
     from .loading import load
+    from .piece_files import load_pieces, save_pieces
     from .pieces import Piece
     from .saving import save
-    from .sharded import load_pieces, save_pieces
     from .validate import CheckpointError
 
 # Imported on first use (PEP 562): `python -m pycollectives.strategies.checkpoint consolidate`
@@ -35,11 +35,11 @@ _WHERE = {
     "Piece": "pieces",
     "consolidate": "consolidation",
     "load": "loading",
-    "load_pieces": "sharded",
+    "load_pieces": "piece_files",
     "read_index": "format",
     "read_stats": "format",
     "save": "saving",
-    "save_pieces": "sharded",
+    "save_pieces": "piece_files",
 }
 __all__ = [
     "CheckpointError",

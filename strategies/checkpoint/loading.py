@@ -23,9 +23,9 @@ from torch import nn
 from pycollectives import Communicator
 
 from .format import dtype_from_name
+from .piece_files import load_from, load_pieces
 from .pieces import Piece
 from .saving import OPTIM
-from .sharded import load_from, load_pieces
 from .state import Entry, Layout, collect
 from .validate import Checkpoint, CheckpointError
 

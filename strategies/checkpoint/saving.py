@@ -26,8 +26,8 @@ from torch import nn
 
 from pycollectives import Communicator
 
+from .piece_files import _agree, save_pieces
 from .pieces import Piece
-from .sharded import _agree, save_pieces
 from .state import Layout, collect, jsonable, state_of
 
 __all__ = ["OPTIM", "save"]

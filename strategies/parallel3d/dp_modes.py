@@ -31,8 +31,8 @@ from torch import nn
 from ..data_parallel.fsdp import fully_shard
 from ..data_parallel.grad_average import StepGradAverager
 from ..data_parallel.zero import ZeroOptimizer
-from ..mesh import ParallelDims
 from ..models.gpt import Block
+from ..parallel_dims import ParallelDims
 from ..pipeline import PipelineRuntime
 from .fsdp_pipeline import reduce_after_step, shard_stages, unsynced
 

@@ -61,8 +61,8 @@ from pycollectives import PyCollectivesError, ReduceOp
 from pycollectives._buffers import cuda_built
 
 from ..data import GlobalBatches, SyntheticSequences
-from ..mesh import ParallelDims
 from ..models.gpt import Block, Embedding, GPTConfig, LMHead
+from ..parallel_dims import ParallelDims
 from ..pipeline import PipelineError, PipelineRuntime, build, deferred_parameters, gpt_stages
 from ..pipeline.communications import agree, digest
 from ..pipeline.gpt_stage import TIED

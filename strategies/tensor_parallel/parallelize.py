@@ -31,8 +31,8 @@ from torch import nn
 from pycollectives import Communicator
 
 from ..autograd_threads import autograd_comm
-from ..mesh import ParallelDims
 from ..models.gpt import GPT, Block
+from ..parallel_dims import ParallelDims
 from .communications import (
     column_parallel_linear,
     gather_from_tp_region,

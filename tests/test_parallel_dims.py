@@ -1,4 +1,4 @@
-"""strategies.mesh.ParallelDims: the dp x tp x pp grid, its sub-communicators,
+"""strategies.parallel_dims.ParallelDims: the dp x tp x pp grid, its sub-communicators,
 and clear errors on every rank for grids that do not fit."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pycollectives as pc
-from pycollectives.strategies.mesh import AXES, ParallelDims
+from pycollectives.strategies.parallel_dims import AXES, ParallelDims
 
 # Every factorization of 1..4 ranks into (dp, tp, pp).
 LAYOUTS = {
