@@ -224,7 +224,9 @@ def test_save_replaces_a_checkpoint(tmp_path, monkeypatch, exchange):
     if not exchange:
         monkeypatch.setattr(piece_files, "_rename_exchange", lambda a, b: False)
     else:
-        assert piece_files._rename_exchange(tmp_path / "x", tmp_path / "y") is False  # no such paths
+        assert (
+            piece_files._rename_exchange(tmp_path / "x", tmp_path / "y") is False
+        )  # no such paths
     save_pieces(None, tmp_path / "ck", [Piece.whole("w", torch.zeros(3))], extra=1)
     save_pieces(None, tmp_path / "ck", [Piece.whole("w", torch.ones(3))], extra=2)
     w = torch.zeros(3)
