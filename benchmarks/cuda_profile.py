@@ -22,7 +22,8 @@ It prints per row the median wall time of a call (slowest rank), the kernels'
 time, the rest (wall - kernels: launch, flags between the ranks, the host
 polling the kernels' completion, Python), the roofline (the fewest bytes each
 rank must read and write, times the ranks, over the device-to-device copy
-bandwidth measured in the same run; as benchmarks/cuda_collectives.py) and
+bandwidth measured in the same run: cuda_collectives.py's traffic() and
+copy_bandwidth()) and
 rank 0's costliest CUDA API calls. Without a CUDA device it says so and exits 2.
 """
 
@@ -39,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _ranks  # noqa: E402
+from cuda_collectives import copy_bandwidth, traffic  # noqa: E402
 
 COLLS = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -47,30 +49,6 @@ def parse_size(s: str) -> int:
     """'8' -> 8, '64K' -> 65536, '256M' -> 268435456, '1G' -> 1 << 30 (bytes)."""
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:].upper(), 1)
     return int(s[:-1] if mult > 1 else s) * mult
-
-
-def roofline_bytes(coll: str, size: int, n: int) -> int:
-    """Bytes every rank must read and write at least, times the n ranks."""
-    return n * (2 * size if coll == "all_reduce" else size * (n + 1) // n)
-
-
-def copy_bandwidth(nbytes: int = 256 << 20, iters: int = 20) -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second."""
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        dst.copy_(src)
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3)
-    return 2 * nbytes / statistics.median(times)
 
 
 def _trace_summary(path: str, calls: int) -> dict:
@@ -208,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         prof = row["profile"] or {}
         kern = prof.get("kernel_us", float("nan"))
-        roof = roofline_bytes(row["coll"], row["size"], args.ranks) / bw
+        roof = args.ranks * traffic(row["coll"], row["size"], args.ranks) / bw
         api = ", ".join(f"{k} {v}" for k, v in prof.get("api_us", {}).items())
         print(
             f"| {row['coll']} | {row['size']} | {sync * 1e6:.1f} | {aw * 1e6:.1f} | {kern:.1f} | "
