@@ -62,9 +62,12 @@ def _fake_rank1(port: int, d: str, scenario: str) -> str:
     proof = a.recv_exact(conn, 32)
     assert proof == a.mac(key, False, hello, nonce, mine), "rank 0's proof"
     conn.sendall(a.ACK.pack(a.MAGIC, 1, 0))
+    # rank 0's address before "connected": rank 0 lets its store go once every
+    # rank has said so (a read after it failed once under load, and rank 0
+    # then waited for a file that never came)
+    target = a.store_address(store.get(k + "addr/0").decode())
     store.add(k + "connected", 1)
     if scenario == "duplicate":  # rank 1's data connection to rank 0, twice
-        target = a.store_address(store.get(k + "addr/0").decode())
         first, got1 = a.connect_as(key, comm_id, target, 1, 0)
         second, got2 = a.connect_as(key, comm_id, target, 1, 0)
         Path(d, "streamed").write_text(f"{got1} {got2}")
@@ -104,7 +107,9 @@ def _pair(rank: int, world: int, hosts: list[str], d: str, scenario: str):
     comm = pc.init(timeout=30)
     try:
         if scenario in ("stream", "duplicate"):
+            deadline = time.monotonic() + 60
             while not Path(d, "streamed").exists():
+                assert time.monotonic() < deadline, "rank 1 never said it was done"
                 time.sleep(0.01)
             time.sleep(0.5)  # the last bytes are read
             if scenario == "duplicate":
