@@ -206,6 +206,13 @@ def test_bench_interleave_spreads_trials(tmp_path):
         assert r["wrong"] == 0, r
         assert len(r["trials_us"]) == 3 and all(t > 0 for t in r["trials_us"]), r
         assert r["time_us"] == statistics.median(r["trials_us"]), r
+        # pycollectives' rows say which path their timed calls took (-n 2 x 3 trials; the
+        # planner's cost model fits each path apart); gloo's say nothing
+        want = 6 if r["backend"] == "pycoll" else 0
+        assert sum(r["paths"].values()) == want and set(r["paths"]) <= PATHS, r
+
+
+PATHS = {"slots", "oneshot", "direct", "cma", "hierarchical", "flat"}
 
 
 class _FakeRunner(Runner):

@@ -37,6 +37,9 @@ class Row:
     note: str = ""  #: why the row is n/a
     #: per trial, the slowest rank's time per call (us), in the order run; time_us is their median
     trials_us: list[float] = field(default_factory=list)
+    #: pycollectives: rank 0's calls of the timed trials by the path they took (comm.stats()
+    #: "paths": slots, oneshot, direct, cma, hierarchical, flat); empty for other backends
+    paths: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """JSON-ready dict."""

@@ -68,6 +68,11 @@ class Runner:
         """Sum of an integer over ranks."""
         raise NotImplementedError
 
+    def paths(self, coll: str) -> dict[str, int]:
+        """This rank's calls of `coll` so far by the path they took (empty where the backend
+        does not say)."""
+        return {}
+
     def describe(self) -> list[str]:
         """Header lines describing the backend."""
         return []
@@ -142,6 +147,9 @@ class PycollRunner(Runner):
         t = torch.tensor([value], dtype=torch.int64)
         self.comm.all_reduce(t, self.ops["sum"])
         return int(t.item())
+
+    def paths(self, coll):  # noqa: D102
+        return dict(self.comm.stats().get(coll, {}).get("paths", {}))
 
     def describe(self):  # noqa: D102
         simd = self.pc.simd_level() if hasattr(self.pc, "simd_level") else "?"

@@ -104,7 +104,11 @@ class _Sweep:
             return
         for _ in range(self.rewarm if point.per_iter else self.args.warmup_iters):
             point.fn()
+        before = self.runner.paths(self.spec.name)
         point.per_iter.append(time_trial(self.runner, point.fn, self.args.iters, self.sync))
+        for path, calls in self.runner.paths(self.spec.name).items():
+            if calls > before.get(path, 0):
+                point.row.paths[path] = point.row.paths.get(path, 0) + calls - before.get(path, 0)
 
     def finish(self, size: int) -> str:
         """Records a size once its trials are done: per trial the slowest rank's time per call,
