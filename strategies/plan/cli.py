@@ -6,7 +6,8 @@
 
 prints the inputs as understood, the best layouts by predicted step time (memory and time
 itemized) and the rejected ones with their reason; --json FILE writes all of it.
---bench-json FILE fits the intra-host link to a `pycollectives-bench --json` run.
+--bench-json FILE fits the intra-host link to a `pycollectives-bench --json` run (per path
+the communicator took and cache regime, strategies/plan/fitted.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import json
 import sys
 from typing import Any
 
-from .costs import LinkCost, fit, load_bench_json, ring_vs_hierarchical
+from .costs import LinkCost, load_bench_json, ring_vs_hierarchical
+from .fitted import CostModel, fit_model
 from .inputs import Request, parse_request
 from .layout import Layout, Priced, Rejected, price
 from .units import PlanInputError
@@ -25,18 +27,20 @@ from .units import PlanInputError
 __all__ = ["main", "plan"]
 
 
-def _links(req: Request, bench: str | None) -> dict[str, LinkCost]:
+def _links(req: Request, bench: str | None) -> dict[str, LinkCost | CostModel]:
     c = req.cluster
     links = {
         "intra": LinkCost(c.intra.latency, 1 / c.intra.bandwidth, f"given {c.intra.text}"),
         "inter": LinkCost(c.inter.latency, 1 / c.inter.bandwidth, f"given {c.inter.text}"),
     }
     if bench:
-        links["intra"] = fit(load_bench_json(bench), source=bench)
+        links["intra"] = fit_model(load_bench_json(bench), "shm", source=bench)
     return links
 
 
-def plan(req: Request, links: dict[str, LinkCost]) -> tuple[list[Priced], list[Rejected]]:
+def plan(
+    req: Request, links: dict[str, LinkCost | CostModel]
+) -> tuple[list[Priced], list[Rejected]]:
     """Every allowed layout of req priced: (those that fit, fastest first; the rejected)."""
     a, n = req.allowed, req.cluster.devices
     fits: list[Priced] = []
@@ -69,7 +73,11 @@ def _row(p: Priced) -> str:
 
 
 def report(
-    req: Request, links: dict[str, LinkCost], fits: list[Priced], rejected: list[Rejected], top: int
+    req: Request,
+    links: dict[str, LinkCost | CostModel],
+    fits: list[Priced],
+    rejected: list[Rejected],
+    top: int,
 ) -> str:
     """The text report: inputs as understood, the best `top` layouts, the rejected ones."""
     lines = ["# inputs as understood"] + [f"#   {k}: {v}" for k, v in req.echo().items()]
@@ -110,13 +118,23 @@ def report(
     return "\n".join(lines)
 
 
+def _link_json(link: LinkCost | CostModel) -> dict[str, Any]:
+    if isinstance(link, CostModel):
+        return {"transport": link.transport, "cache_bytes": link.cache_bytes,
+                **link.overall.__dict__, "fitted": link.describe()}  # fmt: skip
+    return dict(link.__dict__)
+
+
 def as_json(
-    req: Request, links: dict[str, LinkCost], fits: list[Priced], rejected: list[Rejected]
+    req: Request,
+    links: dict[str, LinkCost | CostModel],
+    fits: list[Priced],
+    rejected: list[Rejected],
 ) -> dict[str, Any]:
     """Everything, JSON-ready (bytes and seconds)."""
     return {
         "inputs": req.echo(),
-        "links": {k: v.__dict__ for k, v in links.items()},
+        "links": {k: _link_json(v) for k, v in links.items()},
         "layouts": [
             {
                 "layout": p.layout.__dict__,

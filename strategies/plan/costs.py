@@ -60,7 +60,10 @@ def _terms(collective: str, n: int, size: float) -> tuple[float, float]:
 
 
 def ring_time(collective: str, n: int, size: float, link: LinkCost) -> float:
-    """Seconds of a ring `collective` over `n` ranks of a `size`-byte (full) buffer."""
+    """Seconds of a ring `collective` over `n` ranks of a `size`-byte (full) buffer; `link`
+    may also be a fitted.CostModel, whose per-path costs then price it."""
+    if hasattr(link, "time"):
+        return link.time(collective, n, size)
     if n <= 1 or size <= 0:
         return 0.0
     steps, wire = _terms(collective, n, size)

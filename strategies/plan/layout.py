@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pycollectives.strategies.pipeline import build, simulate
 
 from .costs import LinkCost, hierarchical_time, ring_time
 from .inputs import DTYPES, Request
 from .memory import activation_bytes_per_layer, model_states, reduce_window_bytes
+
+if TYPE_CHECKING:
+    from .fitted import CostModel
 
 __all__ = ["SLOT_BYTES", "Layout", "Priced", "Rejected", "price"]
 
@@ -111,7 +115,7 @@ def _check(req: Request, lo: Layout) -> str | None:
     return None
 
 
-def price(req: Request, lo: Layout, links: dict[str, LinkCost]) -> Priced | Rejected:
+def price(req: Request, lo: Layout, links: dict[str, LinkCost | CostModel]) -> Priced | Rejected:
     """Memory and step time of `lo` under `req`, or why it is rejected (see the module
     docstring for the rank order; links: {"intra": LinkCost, "inter": LinkCost})."""
     why = _check(req, lo)
