@@ -159,3 +159,18 @@ def test_plan_ranks_and_cli(tmp_path, capsys):
     assert "memory_per_device='16G'" in capsys.readouterr().err
     assert main([*argv, "--memory-per-device=1MB"]) == 1
     assert "nothing fits" in capsys.readouterr().out
+
+
+def test_cli_piped_to_a_reader_that_leaves(tmp_path):
+    """`pycollectives-plan ... | head -1`: the reader closes the pipe before the report is
+    written; the CLI exits quietly (no BrokenPipeError traceback), with its usual status."""
+    import subprocess
+    import sys
+
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in REQ.items()]
+    code = "import sys; from pycollectives.strategies.plan.cli import main; sys.exit(main())"
+    p = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=tmp_path)  # fmt: skip
+    p.stdout.close()  # before the child has written anything: its writes fail with EPIPE
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0 and err == "", err

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from typing import Any
 
@@ -217,7 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(as_json(req, links, fits, rejected), f, indent=1)
             f.write("\n")
-    print(report(req, links, fits, rejected, args.top))
+    try:
+        print(report(req, links, fits, rejected, args.top))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader left (`| head`): exit quietly, as cat does, instead of a traceback
+        # here and another at interpreter exit when Python flushes stdout again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if fits else 1
 
 
