@@ -420,6 +420,13 @@ class ShardingEngine:
         parameters (full buffers now allocated), the sharded parameters, the
         gradients (shards, ZeRO-1 windows, no_sync buffers), the reduce-scatter
         window pool, and the optimizer's state if given."""
+        return count_storage(self.storage_roles(optimizer))
+
+    def storage_roles(
+        self, optimizer: torch.optim.Optimizer | None = None
+    ) -> dict[str, list[torch.Tensor]]:
+        """The tensors `storage` counts, by role (to count several engines' and other
+        tensors together, each storage once: count_storage)."""
         roles: dict[str, list[torch.Tensor]] = {
             k: [] for k in ("params", "param_shards", "grads", "reduce_buffers", "optimizer")
         }
@@ -440,7 +447,7 @@ class ShardingEngine:
                 for t in st.values()
                 if isinstance(t, torch.Tensor)
             ]
-        return count_storage(roles)
+        return roles
 
 
 def count_storage(roles: dict[str, list[torch.Tensor]]) -> dict[str, int]:
