@@ -9,8 +9,6 @@ from typing import Any
 
 import torch
 
-from pycollectives.strategies.data_parallel.sharding.engine import count_storage
-
 ROLES = ("params", "param_shards", "grads", "optimizer", "reduce_buffers")
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbh1")
 
@@ -43,30 +41,8 @@ def layouts(world: int, layers: int, heads: int) -> list[dict[str, Any]]:
 
 
 def trainer_storage(trainer: Any) -> dict[str, int]:
-    """Bytes of tensor storage `trainer` (a Trainer3D) holds on this rank by role (ROLES):
-    the sharding engines' own roles (ZeroOptimizer's, each FSDP root's), the parameters,
-    their gradients, the optimizer's state and the dp all-reduce buckets."""
-    roles: dict[str, list[torch.Tensor]] = {r: [] for r in ROLES}
-    engines = []
-    if trainer.zero is not None:
-        engines.append(trainer.zero.engine)
-    roots = list(trainer.fsdp_roots) or ([trainer.dp.root] if hasattr(trainer.dp, "root") else [])
-    engines += [root.sharding_unit.engine for root in roots]
-    for engine in engines:
-        for role, tensors in engine.storage_roles(trainer.optimizer).items():
-            roles[role] += tensors
-    params = [p for _, p in trainer.named_params]
-    roles["params"] += params
-    roles["grads"] += [p.grad for p in params if p.grad is not None]
-    roles["optimizer"] += [
-        t
-        for st in trainer.optimizer.state.values()
-        for t in st.values()
-        if isinstance(t, torch.Tensor)
-    ]
-    if trainer.averager is not None:
-        roles["reduce_buffers"] += list(trainer.averager._buffers)
-    return count_storage(roles)
+    """Bytes of tensor storage `trainer` (a Trainer3D) holds on this rank by role (ROLES)."""
+    return trainer.storage()
 
 
 def options(lo: dict[str, Any], global_batch: int = 32, microbatches: int = 4) -> Any:

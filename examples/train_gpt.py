@@ -39,6 +39,7 @@ from pycollectives.strategies.models import GPTConfig
 from pycollectives.strategies.parallel3d import SCHEDULES, TrainOptions, problems
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPE_BYTES = {"float32": 4, "float64": 8}
 PROG = "train_gpt.py"
 DEFAULT_TIMEOUT = inspect.signature(pc.init).parameters["timeout"].default  # the library's
 
@@ -77,7 +78,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10, help="plain progress lines")
     p.add_argument("--save", metavar="DIR", help="save a checkpoint at the end")
     p.add_argument("--resume", metavar="DIR", help="start from a checkpoint")
+    p.add_argument("--plan", type=int, metavar="RANKS",
+                   help="let the planner pick dp, tp, pp, --zero/--fsdp and --schedule for "
+                   "RANKS ranks on this machine (replacing those flags), and print its "
+                   "prediction beside what the run measures")  # fmt: skip
+    p.add_argument(
+        "--bench-json",
+        metavar="FILE",
+        help="with --plan: price collectives from this pycollectives-bench --json run",
+    )
     return p.parse_args(argv)
+
+
+def plan_layout(args: argparse.Namespace) -> list[str]:
+    """--plan: sets args' layout to the planner's fastest one for args.plan local ranks
+    that this script accepts (check()); returns the lines that say what was measured and
+    predicted, or raises PlanInputError (nothing fits, bad input)."""
+    from pycollectives.strategies.plan import PlanInputError, plan
+    from pycollectives.strategies.plan.local import SCHEDULE_NAMES, choose, local_request
+    from pycollectives.strategies.plan.trainer import trainer_storage
+
+    if args.plan < 1:
+        raise PlanInputError(f"--plan {args.plan} must be >= 1 ranks")
+    model = dict(layers=args.layers, hidden=args.d_model, heads=args.heads, vocab=args.vocab,
+                 seq=args.seq_len)  # fmt: skip
+    req, links, said = local_request(model, args.batch, args.plan, args.microbatches,
+                                     args.bench_json)  # fmt: skip
+    fits, rejected = plan(req, links)
+
+    def apply(lo) -> argparse.Namespace:  # noqa: ANN001
+        zero = {"none": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 0}[lo.sharding]
+        return argparse.Namespace(**{**vars(args), "dp": lo.dp, "tp": lo.tp, "pp": lo.pp,
+            "zero": zero, "fsdp": lo.sharding == "fsdp",
+            "schedule": SCHEDULE_NAMES[lo.schedule] if lo.pp > 1 else "1f1b"})  # fmt: skip
+
+    best = choose(fits, lambda lo: not check(apply(lo), None))
+    if best is None:
+        why = "; ".join(sorted({r.reason for r in rejected}))[:400] or "no layout left"
+        raise PlanInputError(f"--plan {args.plan}: no layout fits ({why})")
+    vars(args).update(vars(apply(best.layout)))
+    lo = best.layout
+    mode = "zero0" if lo.sharding == "none" else lo.sharding
+    storage = trainer_storage(req.model, lo.dp, lo.tp, lo.pp, mode,
+                              lo.schedule if lo.pp > 1 else "1f1b", DTYPE_BYTES[args.dtype])  # fmt: skip
+    args.predicted = {"step_s": best.step_s, "storage": max(sum(r.values()) for r in storage)}
+    return [f"plan: {line}" for line in said] + [
+        f"plan: {len(fits)} layouts fit, {len(rejected)} rejected; picked {lo.name()}: "
+        f"predicted step {best.step_s * 1e3:.2f} ms (compute {best.time['compute'] * 1e3:.2f}, "
+        f"bubble {best.time['pipeline_bubble'] * 1e3:.2f}, dp exposed "
+        f"{best.time['dp_exposed'] * 1e3:.2f}), tensor storage "
+        f"{args.predicted['storage'] / 2**20:.2f} MiB per rank"
+    ]
 
 
 def config_of(args: argparse.Namespace) -> GPTConfig:
@@ -200,6 +251,8 @@ def train(args: argparse.Namespace) -> int:
     progress.close()
     if args.save:
         save(trainer, args.save)
+    if getattr(args, "predicted", None) and rates:
+        report_plan(args.predicted, trainer, comm, rates)
     if rank == 0 and rates:
         # The first step (warm-up: allocations, the first messages) is left out
         # when there are others; the progress line shows every step's rate.
@@ -212,16 +265,58 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rank_main(argv: list[str], world: int) -> int:
-    """A rank started by spawn(): RANK, WORLD_SIZE, MASTER_ADDR/PORT are set."""
+def report_plan(predicted: dict, trainer, comm, rates: list[float]) -> None:  # noqa: ANN001
+    """--plan: rank 0 prints the prediction beside what this run measured: the median step
+    time (rank 0's, the first step left out when there are others), the tensor storage
+    and the peak RSS of the busiest rank (collective)."""
+    import resource
+
+    tokens = trainer.opts.global_batch * trainer.config.seq_len
+    step_s = statistics.median([tokens / r for r in (rates[1:] or rates)])
+    worst = torch.tensor([float(sum(trainer.storage().values())),
+                          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0],
+                         dtype=torch.float64)  # fmt: skip
+    comm.all_reduce(worst, pc.ReduceOp.MAX)
+    storage, rss = worst.tolist()
+    if comm.rank == 0:
+        print(f"plan: predicted step {predicted['step_s'] * 1e3:.2f} ms, measured "
+              f"{step_s * 1e3:.2f} ms (x{step_s / predicted['step_s']:.2f}); tensor storage "
+              f"predicted {predicted['storage'] / 2**20:.2f} MiB, measured {storage / 2**20:.2f} "
+              f"MiB per rank (x{storage / predicted['storage']:.3f}); peak RSS {rss / 2**20:.0f} "
+              f"MiB (busiest rank: interpreter, torch and the communicator included)",
+              flush=True)  # fmt: skip
+
+
+def _rank_main(argv: list[str], world: int, planned: dict | None = None) -> int:
+    """A rank started by spawn(): RANK, WORLD_SIZE, MASTER_ADDR/PORT are set. `planned`:
+    the layout --plan chose before the ranks started (the same on every rank)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    return train(parse_args(argv))
+    args = parse_args(argv)
+    if planned:
+        vars(args).update(planned)
+    return train(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    planned = None
+    if args.plan is not None:
+        from pycollectives.strategies.plan import PlanInputError
+
+        if torchrun:
+            print(f"{PROG}: error: --plan picks the layout before the ranks start: run it "
+                  "without torchrun (it starts --plan RANKS local ranks)", file=sys.stderr)  # fmt: skip
+            return 2
+        try:
+            said = plan_layout(args)
+        except PlanInputError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
+        print("\n".join(said), flush=True)
+        keys = ("dp", "tp", "pp", "zero", "fsdp", "schedule", "predicted")
+        planned = {k: getattr(args, k) for k in keys}
     found = check(args, int(os.environ["WORLD_SIZE"]) if torchrun else None)
     if found:  # before any rank starts (under torchrun: each rank, before init)
         if not torchrun or os.environ.get("RANK") == "0":
@@ -230,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     if torchrun:
         return run_rank(lambda: train(args), PROG)
     world = args.dp * args.tp * args.pp
-    return spawn(_rank_main, world, (argv, world), prog=PROG)
+    return spawn(_rank_main, world, (argv, world, planned), prog=PROG)
 
 
 if __name__ == "__main__":

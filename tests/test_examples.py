@@ -107,6 +107,24 @@ def test_train_gpt_example_bad_input():
             assert f"--device cuda: rank {r}: torch sees no CUDA device" in p.stderr, p.stderr
 
 
+def test_train_gpt_plan_picks_its_layout_and_reports_beside_the_run():
+    """--plan 2: the planner picks a 2-rank layout this script accepts, the ranks train it,
+    and rank 0 prints the prediction beside the measurement (the tensor storage within 5%:
+    strategies/plan/trainer.py). Refused: --plan 0, --plan under torchrun, nothing fits."""
+    p = _train_gpt("--plan", "2", "--steps", "3")
+    assert p.returncode == 0, p.stdout + p.stderr
+    picked = re.search(r"picked dp(\d) tp(\d) pp(\d)", p.stdout)
+    assert picked and int(picked[1]) * int(picked[2]) * int(picked[3]) == 2, p.stdout
+    assert f"dp={picked[1]} x tp={picked[2]} x pp={picked[3]} = 2 ranks" in p.stdout, p.stdout
+    got = re.search(r"tensor storage predicted [\d.]+ MiB, measured [\d.]+ MiB per rank \(x([\d.]+)\)", p.stdout)  # fmt: skip
+    assert got and abs(float(got[1]) - 1) <= 0.05, p.stdout
+    assert re.search(r"plan: predicted step [\d.]+ ms, measured [\d.]+ ms", p.stdout), p.stdout
+    p = _train_gpt("--plan", "0")
+    assert p.returncode == 2 and "--plan 0 must be >= 1" in p.stderr, p.stdout + p.stderr
+    p = _train_gpt("--plan", "2", "--batch", "3")  # 3 samples over dp x 4 micro-batches: none
+    assert p.returncode == 2 and "--plan 2: no layout fits" in p.stderr, p.stdout + p.stderr
+
+
 def test_checkpoint_example_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            str(ROOT / "examples" / "checkpoint_resume.py"), "--dir", str(tmp_path)]  # fmt: skip

@@ -97,6 +97,10 @@ class StepGradAverager:
             if id(p) not in late_ids
         ]
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The buckets' buffers (the gradients' copies the all-reduces run on)."""
+        return list(self._buffers)
+
     def _reset(self) -> None:
         self._count = [0] * len(self.params)
         self._sent = [False] * len(self.params)

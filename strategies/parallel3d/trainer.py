@@ -61,6 +61,7 @@ from pycollectives import PyCollectivesError, ReduceOp
 from pycollectives._buffers import cuda_built
 
 from ..data import GlobalBatches, SyntheticSequences
+from ..data_parallel.sharding.engine import count_storage
 from ..models.gpt import Block, Embedding, GPTConfig, LMHead
 from ..parallel_dims import ParallelDims
 from ..pipeline import PipelineError, PipelineRuntime, build, deferred_parameters, gpt_stages
@@ -322,6 +323,33 @@ class Trainer3D:
                 (loss / m).backward()
             losses.append(float(loss.detach()))
         return losses
+
+    def storage(self) -> dict[str, int]:
+        """Bytes of tensor storage this rank holds by role (params, param_shards, grads,
+        optimizer, reduce_buffers), each storage counted once: the sharding engines' own
+        roles (ZeroOptimizer's, each FSDP root's), the parameters, their gradients, the
+        optimizer's state and the dp all-reduce buckets. Local; no communication."""
+        roles: dict[str, list[torch.Tensor]] = {
+            r: [] for r in ("params", "param_shards", "grads", "optimizer", "reduce_buffers")
+        }
+        roots = list(self.fsdp_roots) or ([self.dp.root] if hasattr(self.dp, "root") else [])
+        engines = [root.sharding_unit.engine for root in roots]
+        engines += [self.zero.engine] if self.zero is not None else []
+        for engine in engines:
+            for role, tensors in engine.storage_roles(self.optimizer).items():
+                roles[role] += tensors
+        params = [p for _, p in self.named_params]
+        roles["params"] += params
+        roles["grads"] += [p.grad for p in params if p.grad is not None]
+        roles["optimizer"] += [
+            t
+            for st in self.optimizer.state.values()
+            for t in st.values()
+            if isinstance(t, torch.Tensor)
+        ]
+        if self.averager is not None:
+            roles["reduce_buffers"] += self.averager.buffers()
+        return count_storage(roles)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Collective over dims.tp_comm (and dims.dp_comm with --zero 2/3 or
