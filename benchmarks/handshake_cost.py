@@ -3,7 +3,7 @@ more round trip than the unauthenticated one, and two HMAC-SHA256 per side)
 at set-up, as a paired A/B against another source tree built in place
 (--old-tree: e.g. main before it, `git archive main | tar -x -C /tmp/main`
 then `python setup.py build_ext --inplace` there), 2 hosts x 1 rank over veth
-(tests/netns.py; root only):
+(tests/support/netns.py; root only):
 
 - init: `pc.init` with a store the job keeps (rank 0 serves it), from a
   barrier to the slower rank's return (a control connection, the store's
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import netns  # noqa: E402

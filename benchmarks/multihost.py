@@ -1,5 +1,5 @@
 """Across hosts: hosts made of network namespaces joined by veth pairs on a
-bridge (tests/netns.py; root only), the ranks of a host sharing memory, TCP
+bridge (tests/support/netns.py; root only), the ranks of a host sharing memory, TCP
 between hosts.
 
 1. 2 hosts x 1 rank: all-reduce, reduce-scatter and all-gather busbw of
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import _doc  # noqa: E402

@@ -1,5 +1,5 @@
 """A/B of two builds of the extension, or of two settings, across hosts: 2 hosts
-x 1 rank over veth (tests/netns.py; root only), all-reduce, all-gather and
+x 1 rank over veth (tests/support/netns.py; root only), all-reduce, all-gather and
 reduce-scatter at 2 and 16 MiB with pycollectives only (benchmarks/
 multihost.py's job_sweep).
 
@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import netns  # noqa: E402

@@ -1,7 +1,7 @@
 """Does torch FSDP2 clip as torch DDP does? torch's own fully_shard against
 torch's DistributedDataParallel, both over gloo, with
 torch.nn.utils.clip_grad_norm_: the same tiny GPT, data and AdamW as
-tests/test_zero.py's clipping test (3 micro-batches, no_sync on the first 2).
+tests/strategies/data_parallel/test_zero.py's clipping test (3 micro-batches, no_sync on the first 2).
 
     python benchmarks/torch_fsdp2_clip.py [--ranks 2] [--steps 10] [--clip 0.05]
 
@@ -30,8 +30,8 @@ from _doc import free_port  # noqa: E402
 
 def train(mode: str, rank: int, world: int, args: argparse.Namespace) -> tuple[list, dict]:
     """(total norms per step, full parameters by name) of `mode` ("ddp" or "fsdp2")."""
-    from test_zero_common import CFG, OPT, local_batch
     from torch.distributed.fsdp import fully_shard
+    from zero_common import CFG, OPT, local_batch
 
     from pycollectives.strategies.models.gpt import GPT
 
@@ -71,7 +71,7 @@ def train(mode: str, rank: int, world: int, args: argparse.Namespace) -> tuple[l
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     (dn, dp), (fn, fp) = (train(m, rank, world, args) for m in ("ddp", "fsdp2"))

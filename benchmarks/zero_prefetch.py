@@ -68,7 +68,7 @@ def render(m: dict) -> list[str]:
         "",
         f"Prefetch 0 -> 2: {'; '.join(saved)}. All-gathers in flight within the bound in "
         f"every step of every setup: {'yes' if ok else 'NO'} (the most over the timed steps "
-        "of rank 0; tests/test_fsdp.py asserts the exact count). Step: median of the slowest "
+        "of rank 0; tests/strategies/data_parallel/test_fsdp.py asserts the exact count). Step: median of the slowest "
         "rank; forward + backward (zero_grad, forward, backward and the communication it waits "
         "for): median of rank 0; above one process: that less the one-process forward + "
         "backward. collectives' own time: comm.stats() time_s, overlapped or not.",
