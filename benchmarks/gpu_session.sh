@@ -12,7 +12,7 @@
 #   test   python -m pytest -q -m cuda tests/ (every CUDA test, part 2's included),
 #          then the unmarked tests of tests/cuda/test_cuda_kernels.py (device queries,
 #          the clear error without a visible device).
-#   bench  every benchmarks/cuda_*.py (cuda_collectives, cuda_kernels, cuda_profile: where a
+#   bench  every benchmarks/cuda/cuda_*.py (cuda_collectives, cuda_kernels, cuda_profile: where a
 #          collective's time goes, cuda_staging: what host staging across hosts costs), each
 #          under `timeout` (cuda_collectives' sweep takes minutes: its first 2-rank run, checked
 #          with -c 1 up to 1 GiB, had not ended after 55 s on 2026-11-27); a script whose --help
@@ -133,7 +133,7 @@ do_test() {
 do_bench() {
   ensure_built || return
   local f name extra
-  for f in benchmarks/cuda_*.py; do
+  for f in benchmarks/cuda/cuda_*.py; do
     [ -e "$f" ] || continue
     name=$(basename "$f" .py)
     extra=()

@@ -265,11 +265,11 @@ def test_bench_sweep_probes_the_first_call(interleave):
 
 
 def test_cpu_compare_targets_check_every_recorded_size(monkeypatch):
-    """benchmarks/cpu_compare.py's targets(): each target is checked at every size recorded in
+    """benchmarks/collectives/cpu_compare.py's targets(): each target is checked at every size recorded in
     its range (sizes taken from the rows) against pycollectives from the peer's own invocation
     (gloo: pycoll-G); one size below the target makes it MISSED and is named with its ratio, a
     size without a peer is named as n/a."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks", "collectives"))
     cpu_compare = importlib.import_module("cpu_compare")
     kib, mib = 1 << 10, 1 << 20
 
@@ -394,7 +394,7 @@ def test_bench_bad_flags():
 
 
 def test_cuda_collectives_renders_saved_runs(tmp_path):
-    """benchmarks/cuda_collectives.py --render rewrites its docs section from a
+    """benchmarks/cuda/cuda_collectives.py --render rewrites its docs section from a
     saved measurement (no GPU needed): the recorded H100 runs give a table per
     collective and world size and a verdict per target."""
     out = tmp_path / "benchmarks.md"
@@ -402,7 +402,7 @@ def test_cuda_collectives_renders_saved_runs(tmp_path):
         "before\n<!-- cuda_collectives:begin -->\nold\n<!-- cuda_collectives:end -->\nafter\n"
     )
     saved = os.path.join(ROOT, "docs", "data", "cuda_collectives-2026-11-22.json")
-    script = os.path.join(ROOT, "benchmarks", "cuda_collectives.py")
+    script = os.path.join(ROOT, "benchmarks", "cuda", "cuda_collectives.py")
     p = subprocess.run(
         [sys.executable, script, "--render", saved, "--out", str(out)],
         capture_output=True, text=True, timeout=60,

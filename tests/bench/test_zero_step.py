@@ -1,4 +1,4 @@
-"""benchmarks/zero_step.py's options and its cells in ranks of their own (--isolate, as
+"""benchmarks/data_parallel/zero_step.py's options and its cells in ranks of their own (--isolate, as
 --device cuda runs them), on the CPU: a cell that fails or passes --cell-timeout is reported
 in the table as "not run: <why>" and the other cells still run."""
 
@@ -16,8 +16,8 @@ import torch
 pytest.importorskip("pycollectives", reason="pycollectives (and its extension) cannot be imported")
 
 ROOT = str(paths.ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import zero_step  # noqa: E402 - benchmarks/zero_step.py
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "data_parallel"))
+import zero_step  # noqa: E402 - benchmarks/data_parallel/zero_step.py
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "64", "--seq", "8"]
 TINY += ["--rounds", "1", "--warmup", "1", "--steps", "1", "--no-write"]
@@ -25,7 +25,7 @@ TINY += ["--rounds", "1", "--warmup", "1", "--steps", "1", "--no-write"]
 
 def run(*flags: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """zero_step.py with these flags, from the repository's root; fails the test on a timeout."""
-    script = os.path.join(ROOT, "benchmarks", "zero_step.py")
+    script = os.path.join(ROOT, "benchmarks", "data_parallel", "zero_step.py")
     return subprocess.run(
         [sys.executable, script, *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )

@@ -454,16 +454,18 @@ def test_cuda_mixed_message_names_argument():
 
 @pytest.mark.skipif(CUDA_OK, reason="checks the GPU-less exit")
 def test_bench_device_cuda_exits_clearly_without_gpu():
-    """`pycollectives-bench --device cuda` and benchmarks/cuda_collectives.py
+    """`pycollectives-bench --device cuda` and benchmarks/cuda/cuda_collectives.py
     exit with status 2 and say why, before starting any rank."""
     import os
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    import paths
+
+    root = str(paths.ROOT)
     for cmd in (
         [sys.executable, "-m", "pycollectives.bench", "--device", "cuda", "--nproc", "2"],
-        [sys.executable, os.path.join(root, "benchmarks", "cuda_collectives.py")],
+        [sys.executable, os.path.join(root, "benchmarks", "cuda", "cuda_collectives.py")],
     ):
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root)
         assert r.returncode == 2, (cmd, r.returncode, r.stderr)

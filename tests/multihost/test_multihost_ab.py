@@ -1,4 +1,4 @@
-"""benchmarks/multihost_ab.py's settings (--old-env / --new-env NAME=VALUE):
+"""benchmarks/multihost/multihost_ab.py's settings (--old-env / --new-env NAME=VALUE):
 parsed into each side's environment, and a malformed one refused by name
 before any host is made."""
 
@@ -12,7 +12,7 @@ import paths
 import pytest
 
 ROOT = paths.ROOT
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "multihost"))
 
 import multihost_ab  # noqa: E402
 
@@ -31,7 +31,13 @@ def test_parse_env_refuses_an_item_without_a_name_or_value(bad):
 def test_bad_setting_fails_before_any_host_is_made():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run(
-        [sys.executable, "benchmarks/multihost_ab.py", "--new-env", "NOEQUALS", "--no-write"],
+        [
+            sys.executable,
+            "benchmarks/multihost/multihost_ab.py",
+            "--new-env",
+            "NOEQUALS",
+            "--no-write",
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -1,4 +1,4 @@
-"""The TCP transport's handshake seen from outside (csrc/transport/tcp_auth.h,
+"""The TCP transport's handshake seen from outside (csrc/transport/tcp/tcp_auth.h,
 written here again from its description, with Python's hmac), for the tests
 that attack a job: a Hello of either protocol version, the MACs a key holder
 computes, the key a job derives, the frames an injector would send.

@@ -4,7 +4,7 @@ namespace before it imports anything that opens a socket, then calls
 job(comm, *args) on a communicator made by pycollectives.init (the torchrun
 way: MASTER_ADDR is host 0's address, where rank 0 serves the store). With
 `tree`, the ranks import pycollectives from that source tree instead (an A/B
-against another build: benchmarks/multihost_ab.py)."""
+against another build: benchmarks/multihost/multihost_ab.py)."""
 
 from __future__ import annotations
 

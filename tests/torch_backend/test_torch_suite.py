@@ -1,5 +1,5 @@
 """PyTorch's own distributed test suite (torch/testing/_internal/distributed/
-distributed_test.py) on the "pycoll" backend, through benchmarks/torch_suite/:
+distributed_test.py) on the "pycoll" backend, through benchmarks/torch_backend/torch_suite/:
 a selection of its tests that gloo passes and pycoll must pass too, with 2 and 3
 ranks. The tests torch gates by backend name (gloo only) run with the gate
 bypassed: the suite sees BACKEND=gloo while every default group is pycoll's
@@ -20,9 +20,9 @@ import time
 import paths
 import pytest
 
-sys.path.insert(0, str(paths.BENCH))
+sys.path.insert(0, str(paths.BENCH / "torch_backend"))
 
-import torch_suite  # noqa: E402 - the package benchmarks/torch_suite/: its runner, no torch import
+import torch_suite  # noqa: E402 - the package benchmarks/torch_backend/torch_suite/: its runner, no torch import
 
 TORCH_TIMEOUT = 20.0  # seconds per suite test (these take 2 s at most with gloo)
 BUDGET = 85.0  # seconds for the whole module

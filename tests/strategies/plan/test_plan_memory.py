@@ -29,7 +29,7 @@ def test_zero_paper_exact_bytes_and_items():
     s = model_states(p, n, "zero1", "bf16-mixed")
     assert (s.params, s.grads, s.master, s.optimizer) == (2 * p, 2 * p, 4 * p / n, 8 * p / n)
     fp32 = model_states(p, n, "zero1", "fp32")
-    assert fp32.total == 8 * p + 8 * p / n  # benchmarks/zero_memory.py's fp32 row
+    assert fp32.total == 8 * p + 8 * p / n  # benchmarks/data_parallel/zero_memory.py's fp32 row
 
 
 def test_project_accounting_differs_where_the_strategies_do():

@@ -1,7 +1,7 @@
 """The planner's model states against what this project's strategies store (2 and 4 ranks).
 
 Each rank trains a small GPT one step with strategies.DDP, ZeroOptimizer stages 1-3 and
-fully_shard (the setups of benchmarks/zero_memory.py, which also count the storage), in
+fully_shard (the setups of benchmarks/data_parallel/zero_memory.py, which also count the storage), in
 fp32 and in bf16 with fp32 master weights; the planner's prediction must be within 5%."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from pycollectives.strategies.plan import ModelSpec
 from pycollectives.strategies.plan.memory import storage_per_rank
 
-BENCH = str(paths.BENCH)
+BENCH = str(paths.BENCH / "data_parallel")
 SPEC = ModelSpec(layers=2, hidden=64, heads=4, vocab=256, seq=16)
 MODES = ("dp", "zero1", "zero2", "zero3", "fsdp")
 
