@@ -1,4 +1,4 @@
-"""A torch call planned for the core: what to issue and how to complete it."""
+"""A torch call planned for the core (`Launch`): what to issue and how to complete it."""
 
 from __future__ import annotations
 
