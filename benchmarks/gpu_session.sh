@@ -10,16 +10,16 @@
 #          PYCOLL_CUDA=1 (the device machine has no network; its python3 has torch,
 #          pybind11 and nvcc 13.0), then checks that _C.cuda_built() is True.
 #   test   python -m pytest -q -m cuda tests/ (every CUDA test, part 2's included),
-#          then the unmarked tests of tests/test_cuda_kernels.py (device queries,
+#          then the unmarked tests of tests/cuda/test_cuda_kernels.py (device queries,
 #          the clear error without a visible device).
-#   bench  every benchmarks/cuda_*.py (cuda_collectives, cuda_kernels, cuda_profile: where a
+#   bench  every benchmarks/cuda/cuda_*.py (cuda_collectives, cuda_kernels, cuda_profile: where a
 #          collective's time goes, cuda_staging: what host staging across hosts costs), each
 #          under `timeout` (cuda_collectives' sweep takes minutes: its first 2-rank run, checked
 #          with -c 1 up to 1 GiB, had not ended after 55 s on 2026-11-27); a script whose --help
 #          mentions --json is given --json $OUT/<name>.json. docs/benchmarks.md
 #          (whose sections the scripts rewrite) is copied to $OUT.
 #   sanitize  (optional) compute-sanitizer memcheck over a subset of
-#          tests/test_cuda_kernels.py (out-of-bounds and misaligned accesses).
+#          tests/cuda/test_cuda_kernels.py (out-of-bounds and misaligned accesses).
 # `test`, `bench` and `sanitize` build first when the extension there is missing or has no
 # CUDA (a fresh machine), so each can run alone in its own call.
 #
@@ -127,13 +127,13 @@ do_test() {
   "$PY" -c 'import xdist' 2>/dev/null && par=(-n 4)
   run test_cuda "$TEST_TIMEOUT" "$PY" -m pytest -v -m cuda -rfEs --tb=short "${par[@]}" \
     --continue-on-collection-errors tests/
-  run test_cuda_kernels_nodevice 90 "$PY" -m pytest -q -m "not cuda" tests/test_cuda_kernels.py
+  run test_cuda_kernels_nodevice 90 "$PY" -m pytest -q -m "not cuda" tests/cuda/test_cuda_kernels.py
 }
 
 do_bench() {
   ensure_built || return
   local f name extra
-  for f in benchmarks/cuda_*.py; do
+  for f in benchmarks/cuda/cuda_*.py; do
     [ -e "$f" ] || continue
     name=$(basename "$f" .py)
     extra=()
@@ -155,7 +155,7 @@ do_sanitize() {
     return
   fi
   run sanitize "$BENCH_TIMEOUT" "$cs" --tool memcheck --error-exitcode 99 "$PY" -m pytest -q -m cuda \
-    tests/test_cuda_kernels.py -k "test_copy or float32-sum or bfloat16-max or int8-prod or side_stream"
+    tests/cuda/test_cuda_kernels.py -k "test_copy or float32-sum or bfloat16-max or int8-prod or side_stream"
 }
 
 for s in "${steps[@]}"; do

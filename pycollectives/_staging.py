@@ -7,7 +7,7 @@ to the CUDA buffers on that stream.
 
 The device side (pinned allocation, copies, events, stream waits) goes through
 a `DeviceOps` object, so the orchestration here runs on the CPU with a fake
-one in tests (tests/test_staging.py); `TorchCudaOps` is the real one.
+one in tests (tests/multihost/test_staging.py); `TorchCudaOps` is the real one.
 """
 
 from __future__ import annotations

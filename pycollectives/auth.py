@@ -1,4 +1,4 @@
-"""The secret that the TCP handshakes between hosts prove (csrc/transport/tcp_auth.h).
+"""The secret that the TCP handshakes between hosts prove (csrc/transport/tcp/tcp_auth.h).
 
 By default each job makes its own: rank 0 puts 32 random bytes in the
 bootstrap store, every rank reads them, and the last to read deletes them

@@ -1,4 +1,10 @@
-"""Shared fixtures: a pool of live ranks per world size (see spawn.py)."""
+"""Shared fixtures: a pool of live ranks per world size (support/spawn.py).
+
+tests/ mirrors the source tree (core/, cuda/, multihost/, strategies/<part>/,
+...); support/ holds the helpers (no tests). Every folder goes on sys.path,
+support/ first: the helpers import by name, and a test may reuse another
+folder's jobs (multihost/ runs core/'s collectives across hosts), whichever
+files pytest was asked to run. The ranks inherit this sys.path."""
 
 from __future__ import annotations
 
@@ -7,7 +13,15 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(_HERE, "support")] + sorted(
+    root
+    for root, _, files in os.walk(_HERE)
+    if "__pycache__" not in root
+    and root != _HERE
+    and "support" not in root
+    and any(f.startswith("test_") for f in files)
+)
 
 from spawn import RankPool  # noqa: E402
 

@@ -10,8 +10,8 @@ import torch
 
 from ..communicator import Communicator
 from .args import Args
-from .launch import Launch, outside_autograd
 from .options import CallOptions, check_complex
+from .planned_call import Launch, outside_autograd
 
 
 def _scale(ts: list[torch.Tensor], factor: Any) -> None:

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .launch import outside_autograd
+from .planned_call import outside_autograd
 
 
 class Completer:

@@ -12,8 +12,8 @@ import torch
 
 from ..communicator import Communicator
 from .args import Args
-from .launch import Launch, outside_autograd
 from .options import CallOptions
+from .planned_call import Launch, outside_autograd
 
 
 def batch(c: Communicator, ops: list, async_op: bool, timeout: float | None = None) -> list:

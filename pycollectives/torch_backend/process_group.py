@@ -27,10 +27,10 @@ from . import groups
 from . import p2p_collectives as p2pc
 from .args import Args
 from .completion import Completer
-from .launch import Launch
 from .monitored_barrier import monitored_barrier as run_monitored_barrier
 from .options import CallOptions, call_options
 from .p2p import P2P_FLUSH_DELAY_S, DeferredP2P
+from .planned_call import Launch
 from .registration import BACKEND_NAME
 from .sparse import is_sparse, sparse_allreduce
 from .work import PycollWork

@@ -8,8 +8,8 @@ import torch
 
 from ..communicator import Communicator, ReduceOp
 from .args import Args
-from .launch import Launch, outside_autograd
 from .options import CallOptions
+from .planned_call import Launch, outside_autograd
 
 
 def is_sparse(t: object) -> bool:

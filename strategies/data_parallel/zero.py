@@ -11,8 +11,8 @@ pycollectives' own collectives.
 
 The model is cut into units: each element of the model's ModuleLists (the
 transformer blocks), and the root (the rest: embeddings, final norm, the tied
-head). Per rank, with P parameters and N ranks, Adam (tests/test_zero.py
-measures these exactly, and tests/test_zero_ledger.py the traffic, in bytes of
+head). Per rank, with P parameters and N ranks, Adam (tests/strategies/data_parallel/test_zero.py
+measures these exactly, and tests/strategies/data_parallel/test_zero_ledger.py the traffic, in bytes of
 the parameters as the collectives carry them):
 
     stage  sharded                               fp32          param_dtype=bf16   traffic per step

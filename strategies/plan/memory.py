@@ -8,7 +8,7 @@ parallel ranks, ZeRO-2 also the gradients, ZeRO-3 also the parameters:
     baseline (2 + 2 + K) P, ZeRO-1 4P + KP/N, ZeRO-2 2P + (2 + K)P/N, ZeRO-3 (4 + K)P/N.
 
 `accounting="pycollectives"` counts what this project's strategies hold instead (see
-benchmarks/zero_memory.py): in bf16, ZeroOptimizer's stage 3 keeps no 16-bit parameter
+benchmarks/data_parallel/zero_memory.py): in bf16, ZeroOptimizer's stage 3 keeps no 16-bit parameter
 shard (14P/N) and fully_shard keeps fp32 gradient shards (16P/N); ZeRO-2/3 and FSDP add a
 pool of reduce-scatter windows (3 of the largest unit, padded to N).
 
@@ -140,7 +140,7 @@ def activation_bytes_per_layer(
 def storage_per_rank(spec: ModelSpec, n: int, sharding: str, dtype: str) -> dict[str, float]:
     """Bytes of tensor storage one of `n` data-parallel ranks holds between steps for the
     whole `spec` model, as this project's strategies count it (the roles of
-    benchmarks/_zero_setups.py: parameters, master copies / shards, gradients, optimizer
+    benchmarks/data_parallel/_zero_setups.py: parameters, master copies / shards, gradients, optimizer
     state, reduce-scatter windows). Sharding units are the blocks and the root
     (embeddings, final LN, tied head), as ZeroOptimizer and fully_shard group them."""
     states = model_states(spec.params(), n, sharding, dtype, "pycollectives")
