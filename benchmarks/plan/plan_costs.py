@@ -122,7 +122,7 @@ def main() -> int:
     if not args.no_write:
         DATA.mkdir(exist_ok=True)
         (DATA / f"plan_costs-{date}.json").write_text(json.dumps({
-            "summary": summary, "command": "python benchmarks/plan_costs.py " + " ".join(sys.argv[1:]),
+            "summary": summary, "command": "python benchmarks/plan/plan_costs.py " + " ".join(sys.argv[1:]),
             "machine": f"{cpu_model()}, {os.cpu_count()} cores", "date": date,
             "load_start": load0, "load_end": load1, "fitted": model.describe(), "rows": out_rows,
         }, indent=1) + "\n")  # fmt: skip

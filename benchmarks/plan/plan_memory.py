@@ -1,9 +1,9 @@
 """The planner's memory per rank against what examples/train_gpt.py's layouts hold.
 
-    python benchmarks/plan_memory.py [--worlds 4,8] [--no-write]
+    python benchmarks/plan/plan_memory.py [--worlds 4,8] [--no-write]
 
 1. Tensor storage: every layout train_gpt.py runs at 4 and 8 ranks (dp x tp x pp, ZeRO
-   0-3, FSDP, every schedule; benchmarks/_plan_layouts.py) with its default model, one
+   0-3, FSDP, every schedule; benchmarks/plan/_plan_layouts.py) with its default model, one
    step, the storage a rank's Trainer3D holds by role against
    strategies/plan/trainer.py's prediction (the busiest rank of each). Target: within 5%.
 2. Peak RSS at 4 ranks, one fresh set of processes per (dp, tp, pp, mode) with 1F1B, a
@@ -30,8 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "common"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _doc import cpu_model, emit_section  # noqa: E402
 from _plan_layouts import layouts, measure_layouts, options, trainer_storage  # noqa: E402
@@ -184,12 +185,12 @@ def main() -> int:
     if not args.no_write:
         DATA.mkdir(exist_ok=True)
         (DATA / f"plan_memory-{date}.json").write_text(json.dumps({
-            "summary": summary, "command": "python benchmarks/plan_memory.py " + " ".join(sys.argv[1:]),
+            "summary": summary, "command": "python benchmarks/plan/plan_memory.py " + " ".join(sys.argv[1:]),
             "machine": f"{cpu_model()}, {os.cpu_count()} cores", "date": date, "load_start": load0,
             "load_end": load1, "storage": rows, "rss": rss_rows}, indent=1) + "\n")  # fmt: skip
     argv = " ".join(sys.argv[1:])
     emit_section(BEGIN, END, "Planner: memory per rank against train_gpt.py's layouts",
-                 f"`python benchmarks/plan_memory.py{' ' + argv if argv else ''}` "
+                 f"`python benchmarks/plan/plan_memory.py{' ' + argv if argv else ''}` "
                  f"(data: docs/data/plan_memory-{date}.json)", notes, tables, not args.no_write)  # fmt: skip
     return 0
 

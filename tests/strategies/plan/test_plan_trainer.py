@@ -1,20 +1,20 @@
 """The planner's tensor storage per rank of the layouts examples/train_gpt.py runs at 4 ranks
 (dp x tp x pp, ZeRO 0-3, FSDP; 1F1B and interleaved schedules) against what a built
-Trainer3D holds after one step, counted by role (benchmarks/_plan_layouts.py): within 5%.
-benchmarks/plan_memory.py runs every layout of 4 and 8 ranks, every schedule, and peak RSS."""
+Trainer3D holds after one step, counted by role (benchmarks/plan/_plan_layouts.py): within 5%.
+benchmarks/plan/plan_memory.py runs every layout of 4 and 8 ranks, every schedule, and peak RSS."""
 
 from __future__ import annotations
 
-import os
 import sys
 
+import paths
 import pytest
 
 from pycollectives.strategies.plan import ModelSpec
 from pycollectives.strategies.plan.trainer import stage_params, trainer_storage
 from pycollectives.strategies.plan.units import PlanInputError
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+BENCH = str(paths.BENCH / "plan")
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 from _plan_layouts import layouts, measure_layouts  # noqa: E402

@@ -1,0 +1,195 @@
+"""The planner's step-time ranking of train_gpt.py's 4-rank layouts against measured steps.
+
+    python benchmarks/plan/plan_ranking.py [--steps 4] [--bench-json FILE] [--no-write]
+
+Every layout train_gpt.py runs at 4 ranks (dp x tp x pp, ZeRO 0-3, FSDP, every schedule;
+benchmarks/plan/_plan_layouts.py) trains the GPT of benchmarks/pipeline/train_gpt_layouts.py (d_model
+128, 8 layers, 8 heads, vocab 256, 64 tokens, global batch 32 in 4 micro-batches per dp
+rank): one warm-up step, then --steps steps, the step time the median of the slowest
+rank's. The planner prices the same layouts for this machine (strategies/plan/local.py:
+a block's forward and backward timed at the micro-batch's shape, a copy bandwidth or the
+fit of --bench-json). Reported: Spearman's rho between the predicted and measured orders,
+and the measured step of the predicted best against the measured best (target: within
+10%). Writes docs/benchmarks.md's section, docs/data/plan_ranking-DATE.json and
+docs/data/plan_ranking-DATE.png (tensor storage per layout by role, predicted; the
+predicted step by part beside the measured step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "common"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _doc import cpu_model, emit_section  # noqa: E402
+from _plan_layouts import layouts, options  # noqa: E402
+from spawn import RankPool  # noqa: E402
+
+from pycollectives.strategies.plan.layout import Layout, Priced, price  # noqa: E402
+from pycollectives.strategies.plan.local import local_request  # noqa: E402
+from pycollectives.strategies.plan.trainer import trainer_storage  # noqa: E402
+
+BEGIN, END = "<!-- plan_ranking:begin -->", "<!-- plan_ranking:end -->"
+MODEL = dict(layers=8, hidden=128, heads=8, vocab=256, seq=64)
+BATCH, MICRO = 32, 4
+PIPE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zbh1": "zb-h1"}
+DATA = ROOT / "docs" / "data"
+
+
+def job_steps(comm, lays: list[dict], steps: int) -> list[float]:  # noqa: ANN001
+    """Per layout: this rank's median step seconds after one warm-up step."""
+    import torch
+
+    from pycollectives.strategies.models import GPTConfig
+    from pycollectives.strategies.parallel3d import Trainer3D
+    from pycollectives.strategies.parallel_dims import ParallelDims
+
+    torch.set_num_threads(1)
+    m = MODEL
+    cfg = GPTConfig(vocab_size=m["vocab"], seq_len=m["seq"], n_layer=m["layers"],
+                    n_head=m["heads"], d_model=m["hidden"])  # fmt: skip
+    out = []
+    for lo in lays:
+        with ParallelDims(comm, dp=lo["dp"], tp=lo["tp"], pp=lo["pp"]) as dims:
+            trainer = Trainer3D(dims, cfg, options(lo, BATCH, MICRO))
+            trainer.step()
+            out.append(statistics.median(trainer.step().seconds for _ in range(steps)))
+            del trainer
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+
+    def ranks(x: list[float]) -> list[float]:
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def plot(path: Path, names: list[str], priced: list[Priced], storage: list[dict], measured: list[float]) -> None:  # fmt: skip
+    """Two panels: predicted tensor storage per layout by role; step time by part
+    (predicted) with the measured step as a marker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 9), sharex=True)
+    x = range(len(names))
+    bottom = [0.0] * len(names)
+    for role in ("params", "grads", "optimizer", "reduce_buffers"):
+        vals = [s[role] / 2**20 for s in storage]
+        ax1.bar(x, vals, bottom=bottom, label=role)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax1.set_ylabel("tensor storage, busiest rank (MiB)")
+    ax1.legend(fontsize=8)
+    bottom = [0.0] * len(names)
+    for part in ("compute", "pipeline_bubble", "dp_exposed"):
+        vals = [p.time[part] * 1e3 for p in priced]
+        ax2.bar(x, vals, bottom=bottom, label=f"predicted {part}")
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax2.plot(list(x), [t * 1e3 for t in measured], "k_", markersize=14, mew=2, label="measured")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("step time (ms)")
+    ax2.legend(fontsize=8)
+    ax2.set_xticks(list(x))
+    ax2.set_xticklabels(names, rotation=75, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--bench-json")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    load0, t0 = os.getloadavg(), time.perf_counter()
+    lays = layouts(4, MODEL["layers"], MODEL["heads"])
+    req, links, said = local_request(MODEL, BATCH, 4, MICRO, args.bench_json)
+    pool = RankPool(4)
+    try:
+        per_rank = pool.run(job_steps, lays, args.steps, timeout=900)
+    finally:
+        pool.close()
+    measured = [max(r[i] for r in per_rank) for i in range(len(lays))]
+    priced, storage, names = [], [], []
+    for lo in lays:
+        sharding = "none" if lo["mode"] == "zero0" else lo["mode"]
+        sched = PIPE[lo["schedule"]] if lo["pp"] > 1 else "none"
+        p = price(req, Layout(lo["dp"], lo["tp"], lo["pp"], sharding, sched, MICRO, "none"), links)
+        if not isinstance(p, Priced):
+            raise SystemExit(f"the planner rejects a layout train_gpt.py runs: {lo}: {p.reason}")
+        priced.append(p)
+        st = trainer_storage(req.model, lo["dp"], lo["tp"], lo["pp"], lo["mode"],
+                             sched if lo["pp"] > 1 else "1f1b")  # fmt: skip
+        storage.append(max(st, key=lambda r: sum(r.values())))
+        names.append(f"dp{lo['dp']} tp{lo['tp']} pp{lo['pp']} {lo['mode']}"
+                     + (f" {lo['schedule']}" if lo["pp"] > 1 else ""))  # fmt: skip
+    predicted = [p.step_s for p in priced]
+    rho = spearman(predicted, measured)
+    best_pred = min(range(len(lays)), key=lambda i: predicted[i])
+    best_meas = min(range(len(lays)), key=lambda i: measured[i])
+    gap = measured[best_pred] / measured[best_meas] - 1
+    summary = (
+        f"4 ranks, {len(lays)} layouts: Spearman rho {rho:.2f}; predicted best {names[best_pred]} "
+        f"measures {measured[best_pred] * 1e3:.1f} ms, {gap:+.0%} against the measured best "
+        f"{names[best_meas]} ({measured[best_meas] * 1e3:.1f} ms; target within 10%)"
+    )
+    table = ["| layout | predicted ms | measured ms | predicted rank | measured rank |",
+             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    rp = {i: k + 1 for k, i in enumerate(sorted(range(len(lays)), key=lambda i: predicted[i]))}
+    rm = {i: k + 1 for k, i in enumerate(sorted(range(len(lays)), key=lambda i: measured[i]))}
+    for i in sorted(range(len(lays)), key=lambda i: measured[i]):
+        table.append(f"| {names[i]} | {predicted[i] * 1e3:.2f} | {measured[i] * 1e3:.1f} | "
+                     f"{rp[i]} | {rm[i]} |")  # fmt: skip
+    load1 = os.getloadavg()
+    date = datetime.date.today().isoformat()
+    notes = [f"Result: {summary}.", *[f"Planner input: {s}." for s in said],
+             f"Load average at start {', '.join(f'{x:.2f}' for x in load0)}, at end "
+             f"{', '.join(f'{x:.2f}' for x in load1)}; {time.perf_counter() - t0:.0f} s in all."]  # fmt: skip
+    if not args.no_write:
+        DATA.mkdir(exist_ok=True)
+        plot(DATA / f"plan_ranking-{date}.png", names, priced, storage, measured)
+        (DATA / f"plan_ranking-{date}.json").write_text(json.dumps({
+            "summary": summary, "command": "python benchmarks/plan/plan_ranking.py " + " ".join(sys.argv[1:]),
+            "machine": f"{cpu_model()}, {os.cpu_count()} cores", "date": date,
+            "load_start": load0, "load_end": load1, "planner_inputs": said,
+            "layouts": [{"name": n, "predicted_s": p.step_s, "predicted_parts_s": p.time,
+                         "measured_s": m, "predicted_storage": s}
+                        for n, p, m, s in zip(names, priced, measured, storage, strict=True)],
+        }, indent=1) + "\n")  # fmt: skip
+        notes.append(f"Plot: docs/data/plan_ranking-{date}.png.")
+    argv = " ".join(sys.argv[1:])
+    emit_section(BEGIN, END, "Planner: step-time ranking of train_gpt.py's 4-rank layouts",
+                 f"`python benchmarks/plan/plan_ranking.py{' ' + argv if argv else ''}`", notes, table,
+                 not args.no_write)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
