@@ -90,9 +90,9 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else 0.0
 
 
-def plot(path: Path, names: list[str], priced: list[Priced], storage: list[dict], measured: list[float]) -> None:  # fmt: skip
+def plot(path: Path, names: list[str], parts: list[dict], storage: list[dict], measured: list[float]) -> None:  # fmt: skip
     """Two panels: predicted tensor storage per layout by role; step time by part
-    (predicted) with the measured step as a marker."""
+    (predicted: Priced.time) with the measured step as a marker."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,12 +108,11 @@ def plot(path: Path, names: list[str], priced: list[Priced], storage: list[dict]
     ax1.set_ylabel("tensor storage, busiest rank (MiB)")
     ax1.legend(fontsize=8)
     bottom = [0.0] * len(names)
-    for part in ("compute", "pipeline_bubble", "dp_exposed"):
-        vals = [p.time[part] * 1e3 for p in priced]
+    for part in ("compute", "tp_collectives", "pipeline_bubble", "dp_exposed"):
+        vals = [p[part] * 1e3 for p in parts]
         ax2.bar(x, vals, bottom=bottom, label=f"predicted {part}")
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax2.plot(list(x), [t * 1e3 for t in measured], "k_", markersize=14, mew=2, label="measured")
-    ax2.set_yscale("log")
     ax2.set_ylabel("step time (ms)")
     ax2.legend(fontsize=8)
     ax2.set_xticks(list(x))
@@ -127,7 +126,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--bench-json")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a recorded run")
     args = ap.parse_args()
+    if args.replot:
+        data = json.loads(Path(args.replot).read_text())
+        rows = data["layouts"]
+        plot(Path(args.replot).with_suffix(".png"), [r["name"] for r in rows],
+             [r["predicted_parts_s"] for r in rows], [r["predicted_storage"] for r in rows],
+             [r["measured_s"] for r in rows])  # fmt: skip
+        return 0
     load0, t0 = os.getloadavg(), time.perf_counter()
     lays = layouts(4, MODEL["layers"], MODEL["heads"])
     req, links, said = local_request(MODEL, BATCH, 4, MICRO, args.bench_json)
@@ -174,7 +181,7 @@ def main() -> int:
              f"{', '.join(f'{x:.2f}' for x in load1)}; {time.perf_counter() - t0:.0f} s in all."]  # fmt: skip
     if not args.no_write:
         DATA.mkdir(exist_ok=True)
-        plot(DATA / f"plan_ranking-{date}.png", names, priced, storage, measured)
+        plot(DATA / f"plan_ranking-{date}.png", names, [p.time for p in priced], storage, measured)
         (DATA / f"plan_ranking-{date}.json").write_text(json.dumps({
             "summary": summary, "command": "python benchmarks/plan/plan_ranking.py " + " ".join(sys.argv[1:]),
             "machine": f"{cpu_model()}, {os.cpu_count()} cores", "date": date,
