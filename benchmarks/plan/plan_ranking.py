@@ -179,6 +179,14 @@ def main() -> int:
     notes = [f"Result: {summary}.", *[f"Planner input: {s}." for s in said],
              f"Load average at start {', '.join(f'{x:.2f}' for x in load0)}, at end "
              f"{', '.join(f'{x:.2f}' for x in load1)}; {time.perf_counter() - t0:.0f} s in all."]  # fmt: skip
+    if max(load0[0], load1[0]) > (os.cpu_count() or 1) / 2:
+        notes.append(
+            f"The load average exceeded half of the {os.cpu_count()} cores: other processes "
+            "take the ranks' cores for tens of ms at a time, a layout's measured step moves "
+            "by more than the layouts differ, and the ranking cannot be judged; a quiet "
+            "rerun is needed. The planner prices FLOPs and bandwidth, not the latency of "
+            "ranks descheduled mid-collective."
+        )
     if not args.no_write:
         DATA.mkdir(exist_ok=True)
         plot(DATA / f"plan_ranking-{date}.png", names, [p.time for p in priced], storage, measured)
