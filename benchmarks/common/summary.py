@@ -107,8 +107,8 @@ def table(recs: list[dict], titles: dict[str, str]) -> str:
     ]
     if transcribed:
         lines.append(
-            "(t): transcribed from its section's tables on 2026-11-28: the run predates the "
-            "records."
+            "(t): transcribed on 2026-11-28 from its section (or its JSON), not written by the "
+            "run itself (the runs predate the records)."
         )
     return "\n".join([*lines, END])
 
