@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <utility>
 
 #include "core/env.h"
 #include "core/error.h"
@@ -70,17 +71,27 @@ void futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts
 
 std::atomic<InterruptCheck> g_interrupt_check{nullptr};
 
+thread_local BlockHook* t_block_hook = nullptr;
+
 }  // namespace
+
+BlockHook* set_block_hook(BlockHook* hook) { return std::exchange(t_block_hook, hook); }
+
+void before_block() {
+  if (t_block_hook != nullptr) t_block_hook->before_block();
+}
 
 void set_interrupt_check(InterruptCheck fn) { g_interrupt_check.store(fn); }
 InterruptCheck interrupt_check() { return g_interrupt_check.load(std::memory_order_relaxed); }
 
-uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon) {
+uint32_t wait_reached(Flag& c, uint32_t target, WaitMonitor& mon) {
   uint32_t v = c.value.load(std::memory_order_acquire);
   if (reached(v, target)) return v;
+  // A peer on this rank's own CPU runs only once this rank yields: no spin.
+  const bool mate = mon.shares_cpu_with(mon.peer);
   // Poll after every pause: a pause costs ~140 cycles on recent Intel cores,
   // and data that waits for a batch of them is noticed a microsecond late.
-  for (int i = 0; i < mon.spin_polls; ++i) {
+  for (int i = 0, polls = mate ? 0 : mon.spin_polls; i < polls; ++i) {
     PYC_PAUSE();
     v = c.value.load(std::memory_order_acquire);
     if (reached(v, target)) {
@@ -93,13 +104,14 @@ uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon) {
   // yielding was only late, and a longer spin would have caught it without a
   // system call: spin longer next time. Data that takes longer needed this
   // core (a peer on it ran) or a peer that was descheduled: spin less.
+  before_block();
   const auto yielded = std::chrono::steady_clock::now();
   auto slow_at = yielded + kSlowEvery;
   for (int r = 1;; ++r) {
     sched_yield();
     v = c.value.load(std::memory_order_acquire);
     if (reached(v, target)) {
-      adapt_spin(mon, std::chrono::steady_clock::now() - yielded < kLate);
+      if (!mate) adapt_spin(mon, std::chrono::steady_clock::now() - yielded < kLate);
       return v;
     }
     mon.check_fast();
@@ -111,7 +123,7 @@ uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon) {
       slow_at = now + kSlowEvery;
     }
   }
-  adapt_spin(mon, false);
+  if (!mate) adapt_spin(mon, false);
   const timespec slice{0, kSleepNs};
   for (;;) {
     c.sleepers.fetch_add(1, std::memory_order_seq_cst);
@@ -140,6 +152,7 @@ void wait_until(FunctionRef<bool()> ready, WaitMonitor& mon) {
     if ((i & 63) == 63) mon.check_fast();
   }
   using Clock = std::chrono::steady_clock;
+  before_block();
   const auto yielded = Clock::now();
   auto slow_at = yielded + kSlowEvery;
   auto checks = [&] {
@@ -164,7 +177,7 @@ void wait_until(FunctionRef<bool()> ready, WaitMonitor& mon) {
   }
 }
 
-void publish(Counter& c, uint32_t value) {
+void publish(Flag& c, uint32_t value) {
   c.value.store(value, std::memory_order_release);
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (c.sleepers.load(std::memory_order_relaxed) != 0)
