@@ -1,8 +1,9 @@
 """Small messages: the one-shot areas' inline line (a payload of up to 40 bytes
 travels in its flag's cache line, larger ones after it), the synchronous
 all_reduce as a C callable (Communicator.all_reduce without a Python frame),
-the GIL kept while a small call spins and let go once it blocks, and ranks
-pinned to one CPU waiting on each other (they yield at once)."""
+the GIL kept while a small call spins and let go once it blocks, ranks pinned
+to one CPU waiting on each other (they yield at once) and ranks pinned apart
+(they spin where they would yield)."""
 
 from __future__ import annotations
 
@@ -164,10 +165,49 @@ def job_one_cpu(comm: pc.Communicator) -> list[str]:
     return bad
 
 
+def job_pinned_apart(comm: pc.Communicator) -> list[str]:
+    """Every rank pinned to a CPU of its own (its waits spin instead of
+    yielding): a late peer is waited for, and a timeout still fires."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < comm.world_size:
+        return []  # needs a CPU per rank
+    bad = []
+    os.sched_setaffinity(0, {cpus[comm.rank]})
+    try:
+        sub = comm.split(0)
+        try:
+            if sub.rank == 1:
+                time.sleep(0.3)
+            t = torch.ones(2)
+            sub.all_reduce(t)  # rank 0 spins ~1 ms, then sleeps until rank 1 comes
+            if t.tolist() != [float(sub.world_size)] * 2:
+                bad.append(f"late peer: {t.tolist()}")
+            if sub.rank == 0:
+                start = time.monotonic()
+                try:
+                    sub.all_reduce(t, timeout=0.3)  # nobody else comes
+                    bad.append("no timeout")
+                except pc.CollectiveTimeout:
+                    if time.monotonic() - start > 10:
+                        bad.append(f"timed out after {time.monotonic() - start:.1f} s")
+            comm.barrier()
+        finally:
+            sub.close()
+    finally:
+        os.sched_setaffinity(0, set(cpus))
+    return bad
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize(
     "job",
-    [job_inline_boundary, job_fast_method, job_gil_released_while_waiting, job_one_cpu],
+    [
+        job_inline_boundary,
+        job_fast_method,
+        job_gil_released_while_waiting,
+        job_one_cpu,
+        job_pinned_apart,
+    ],
     ids=lambda j: j.__name__[4:],
 )
 def test_small_messages(pool, job, world_size):

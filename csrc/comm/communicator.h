@@ -405,6 +405,7 @@ class Communicator final : public Links, public NetHost, public HierHost {
   int spin_polls_ = 256;  // see WaitMonitor::spin_polls
   int max_spin_polls_ = 256;
   std::vector<unsigned char> shares_cpu_;  // see WaitMonitor::shares_cpu (set at connect)
+  bool spin_only_ = false;                 // see WaitMonitor::spin_only (set at connect)
   // Collectives issued: assigned under the engine's lock, read without it only
   // for a hint (prefetch_oneshot).
   std::atomic<uint32_t> seq_{0};

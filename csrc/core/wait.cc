@@ -38,7 +38,9 @@ namespace {
 // 7-12 us with ~1 ms. Alone on its core a yielding wait burns that core for as
 // long.
 // Liveness does not depend on it: the monitor's slow checks (timeouts, dead
-// peers, mismatches, Ctrl-C) run every kSlowEvery while yielding too.
+// peers, mismatches, Ctrl-C) run every kSlowEvery while yielding too. A wait
+// whose rank has its CPUs to itself (WaitMonitor::spin_only) spins this long
+// instead of yielding.
 // Range-checked by CommConfig::from_env before any wait.
 std::chrono::microseconds yield_for() {
   static const auto us =
@@ -108,7 +110,10 @@ uint32_t wait_reached(Flag& c, uint32_t target, WaitMonitor& mon) {
   const auto yielded = std::chrono::steady_clock::now();
   auto slow_at = yielded + kSlowEvery;
   for (int r = 1;; ++r) {
-    sched_yield();
+    if (mon.spin_only)
+      PYC_PAUSE();
+    else
+      sched_yield();
     v = c.value.load(std::memory_order_acquire);
     if (reached(v, target)) {
       if (!mate) adapt_spin(mon, std::chrono::steady_clock::now() - yielded < kLate);
@@ -164,9 +169,13 @@ void wait_until(FunctionRef<bool()> ready, WaitMonitor& mon) {
     }
     return now;
   };
-  for (;;) {
-    sched_yield();
+  for (int r = 1;; ++r) {
+    if (mon.spin_only)
+      PYC_PAUSE();
+    else
+      sched_yield();
     if (ready()) return;
+    if (mon.spin_only && r % 16 != 0) continue;
     if (checks() - yielded > yield_for()) break;
   }
   const timespec nap{0, kPollNs};

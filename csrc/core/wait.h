@@ -31,6 +31,10 @@ class WaitMonitor {
   // pinned to. Such a peer runs only once this rank gives the CPU up, so a
   // wait on it (peer) yields at once instead of spinning.
   const unsigned char* shares_cpu = nullptr;
+  // No other rank of this host may run on this rank's CPUs (every rank pinned
+  // apart): yielding cannot help a peer run, and hands the CPU to another
+  // process for a whole time slice, so the wait spins where it would yield.
+  bool spin_only = false;
   bool shares_cpu_with(int p) const { return p >= 0 && shares_cpu != nullptr && shares_cpu[p]; }
   // Called every few spins; must be cheap (one load).
   virtual void check_fast() = 0;
