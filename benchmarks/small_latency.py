@@ -27,7 +27,9 @@ COMM_SELF. The cache-line round trip between two CPUs (_C.cpu_round_trip_ns,
 the floor of any handshake) is measured before and after each world size.
 
 Writes a JSON file (command, machine, load, date, medians, ratios and a one-line
-"summary") and, unless --no-write, its section of docs/benchmarks.md.
+"summary") and, unless --no-write, its section of docs/benchmarks.md. Needs
+mpirun and mpi4py (`apt-get install openmpi-bin libopenmpi-dev && pip install
+mpi4py`).
 """
 
 from __future__ import annotations
@@ -363,7 +365,17 @@ def main() -> None:
         f"Machine shared with other jobs: load average (1 min) {doc['load']['before'][0]:.1f} "
         f"before, {doc['load']['after'][0]:.1f} after; only the paired ratios mean much",
         f"JSON: `{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}`",
+        "Rank r runs on CPU r mod ncpus (OpenMPI bound alike, as `pycollectives-bench --bind "
+        "auto` binds it); float32, sum, in place; OpenMPI: `Allreduce(IN_PLACE, array, SUM)` "
+        "on a numpy array made once",
     ]
+    if args.stages:
+        notes.append(
+            "Stages: `FastPath directly` calls `comm._fast.all_reduce(t, SUM)` through a lambda "
+            "(no method, one Python frame still); `one-rank communicator`: the same call on a "
+            "communicator of this rank alone (the call, checks and bookkeeping, no peer); "
+            "call - one rank: what the peers add (the handshake, waiting for the later rank)"
+        )
     _doc.emit_section(
         BEGIN, END, "Small-message all-reduce: this tree vs an older build vs OpenMPI",
         f"`{command}`", notes, tables(results, args.stages), not args.no_write,
