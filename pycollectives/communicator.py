@@ -8,9 +8,11 @@ copies (`_stage`, _staging.py). Its state, reports and lifetime: _base.py."""
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from . import _C
 from ._args import check_no_overlap, check_root, cuda_args, cuda_p2p_ops, p2p_ops
 from ._base import CommunicatorBase
 from ._buffers import ITEMSIZE, describe, is_cuda_buffer
@@ -47,6 +49,15 @@ def _op_code(op: Any, rank: int, name: str) -> int:
 
 class Communicator(CommunicatorBase):
     """A group of ranks (on one host or several); create with pycollectives.init() or split()."""
+
+    def __init__(self, core: Any) -> None:
+        super().__init__(core)
+        # comm.all_reduce(tensor[, op]), synchronous on a CPU tensor, goes straight
+        # into the core with no Python frame (~0.14 us of a ~0.8 us 8-byte
+        # all-reduce); any other call goes to the method below (fast_path.h).
+        self.all_reduce = _C.fast_method(
+            self._fast.all_reduce, Communicator.all_reduce, weakref.ref(self), ReduceOp.SUM
+        )
 
     # -- the prologue of every operation on buffers (the epilogues: _base.py) --
     def _buffers(self, name: str, *specs: tuple[Buffer, str, bool]) -> tuple[list, Any]:

@@ -61,6 +61,9 @@ class Pair:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
+                # `python -c` puts the working directory first on sys.path: run in
+                # the tree, or a driver started in another tree imports that one
+                cwd=tree,
             )
             for r in range(2)
         ]

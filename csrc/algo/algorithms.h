@@ -164,9 +164,15 @@ void p2p_batch(OpCtx& c, const std::vector<P2POp>& ops);
 // same bits. The caller waits until every peer has started operation seq-1.
 struct OneShotAreas {
   void* payload[2][64];  // [parity][rank]: at most kMaxOneShotRanks ranks
-  Counter* flag[2][64];  // the sequence-number flag of each area
+  void* small[2][64];    // the same area's payload of at most small_bytes, in the flag's line
+  Flag* flag[2][64];     // the sequence-number flag of each area
   uint64_t* sig[2][64];  // two words after the flag: the writer's OpSig
   size_t bytes = 0;      // payload capacity
+  size_t small_bytes = 0;
+  // Where a payload of `n` bytes goes in rank r's area of parity `par`.
+  void* area(int par, int r, size_t n) const {
+    return n <= small_bytes ? small[par][r] : payload[par][r];
+  }
 };
 constexpr int kMaxOneShotRanks = 64;
 // Whether `bytes` per rank fit the areas (and one-shot applies at all).

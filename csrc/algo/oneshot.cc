@@ -3,7 +3,8 @@
 // need and read the areas directly. One handshake instead of the ring's
 // 2(n-1) steps. An area is reused every other operation (by parity); the
 // caller makes sure every peer has started operation seq-1, i.e. finished
-// reading the areas of operation seq-2.
+// reading the areas of operation seq-2. A payload of up to a cache line's
+// spare bytes travels in the flag's line (shm_layout.h, OneShotHeader).
 #include "algo/algorithms.h"
 #include "core/error.h"
 #include "reduce/reduce.h"
@@ -15,7 +16,7 @@ namespace {
 void post_area(OpCtx& c, const OneShotAreas& a, const void* src, size_t bytes) {
   PYC_ASSERT(bytes <= a.bytes && c.nranks <= kMaxOneShotRanks);
   const int par = c.tag.seq & 1, r = c.rank;
-  copy(a.payload[par][r], nullptr, src, bytes);
+  copy(a.area(par, r, bytes), nullptr, src, bytes);
   a.sig[par][r][0] = c.tag.w0;
   a.sig[par][r][1] = c.tag.w1;
   publish(*a.flag[par][r], c.tag.seq);
@@ -30,7 +31,18 @@ const void* wait_area(OpCtx& c, const OneShotAreas& a, int p, size_t bytes) {
   SlotTag seen{got, a.sig[par][p][0], a.sig[par][p][1]};
   if (!(seen == c.tag)) c.links->tag_mismatch(p, seen, c.tag);
   c.bytes_recv += bytes;
-  return a.payload[par][p];
+  return a.area(par, p, bytes);
+}
+
+// Calls f(p) for every peer: first those pinned to this rank's CPU, which run
+// only once this rank yields (it does so at once for them) and then post
+// without delay, then the others, each group by rank. Waiting on a peer of
+// another CPU first would spin while this CPU's late peer cannot run.
+template <class F>
+void for_peers(const OpCtx& c, F f) {
+  for (int pass = 0; pass < 2; ++pass)
+    for (int p = 0; p < c.nranks; ++p)
+      if (p != c.rank && c.mon->shares_cpu_with(p) == (pass == 0)) f(p);
 }
 
 }  // namespace
@@ -49,9 +61,9 @@ void oneshot_all_reduce(OpCtx& c, const OneShotAreas& a, const void* in, void* o
   const size_t bytes = count * c.esize();
   post_area(c, a, in, bytes);
   const void* srcs[kMaxOneShotRanks];
-  for (int p = 0; p < c.nranks; ++p)
-    srcs[p] = p == c.rank ? a.payload[c.tag.seq & 1][p] : wait_area(c, a, p, bytes);
-  reduce_all(c, out, srcs, count);
+  srcs[c.rank] = a.area(c.tag.seq & 1, c.rank, bytes);
+  for_peers(c, [&](int p) { srcs[p] = wait_area(c, a, p, bytes); });
+  reduce_all(c, out, srcs, count);  // in rank order, whatever order the areas came in
 }
 
 void oneshot_reduce_scatter(OpCtx& c, const OneShotAreas& a, const void* in, void* out,
@@ -59,11 +71,11 @@ void oneshot_reduce_scatter(OpCtx& c, const OneShotAreas& a, const void* in, voi
   const size_t es = c.esize(), block = count * es;
   post_area(c, a, in, block * c.nranks);
   const void* srcs[kMaxOneShotRanks];
-  for (int p = 0; p < c.nranks; ++p) {
-    const void* area =
-        p == c.rank ? a.payload[c.tag.seq & 1][p] : wait_area(c, a, p, block * c.nranks);
-    srcs[p] = static_cast<const char*>(area) + c.rank * block;
-  }
+  const size_t posted = block * c.nranks;
+  srcs[c.rank] = static_cast<const char*>(a.area(c.tag.seq & 1, c.rank, posted)) + c.rank * block;
+  for_peers(c, [&](int p) {
+    srcs[p] = static_cast<const char*>(wait_area(c, a, p, posted)) + c.rank * block;
+  });
   reduce_all(c, out, srcs, count);
 }
 
@@ -72,8 +84,7 @@ void oneshot_all_gather(OpCtx& c, const OneShotAreas& a, const void* in, void* o
   post_area(c, a, in, block);
   char* dst = static_cast<char*>(out);
   if (dst + c.rank * block != in) copy(dst + c.rank * block, nullptr, in, block);
-  for (int p = 0; p < c.nranks; ++p)
-    if (p != c.rank) copy(dst + p * block, nullptr, wait_area(c, a, p, block), block);
+  for_peers(c, [&](int p) { copy(dst + p * block, nullptr, wait_area(c, a, p, block), block); });
 }
 
 void oneshot_broadcast(OpCtx& c, const OneShotAreas& a, void* buf, size_t count, int root) {

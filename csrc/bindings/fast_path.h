@@ -18,4 +18,12 @@ namespace pyc {
 // must handle.
 void bind_fast_path(pybind11::module_& m);
 
+// Adds the FastMethod type and fast_method(fast, method, self_ref,
+// default_arg) (fast_method.cc): a communicator's method as a C callable that
+// runs fast(a, b) for a call with one or two positional arguments and falls
+// back to the Python method (keywords, anything the fast path declines), so
+// that the common call has no Python frame. The communicator sets it on
+// itself (Communicator.__init__), holding the communicator only weakly.
+void bind_fast_method(pybind11::module_& m);
+
 }  // namespace pyc

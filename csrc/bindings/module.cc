@@ -186,6 +186,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("round_trips") = 20000, py::call_guard<py::gil_scoped_release>());
   bind_tensor_view(m);
   bind_fast_path(m);
+  bind_fast_method(m);
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def(

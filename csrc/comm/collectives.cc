@@ -11,6 +11,7 @@ namespace pyc {
 std::shared_ptr<Work> Communicator::all_reduce(void* buf, size_t count, DataType dt, ReduceOp op,
                                                bool async, double timeout_s) {
   OpSig sig{OpKind::kAllReduce, dt, op, -1, count};
+  prefetch_oneshot(count * dtype_size(dt));
   uint64_t where = 0;
   std::shared_ptr<ShmWindow> win = find_window(buf, count * dtype_size(dt), &where);
   return collective(

@@ -156,12 +156,14 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
   }
   if (nlocal_ <= kMaxOneShotRanks) {  // the one-shot areas of this host's ranks, by local index
     oneshot_.bytes = layout_.oneshot_bytes;
+    oneshot_.small_bytes = kOneShotInline;
     for (int par = 0; par < 2; ++par)
       for (int r = 0; r < nlocal_; ++r) {
         OneShotHeader* h = layout_.oneshot(base, r, par);
         oneshot_.flag[par][r] = &h->seq;
         oneshot_.sig[par][r] = &h->w0;
         oneshot_.payload[par][r] = reinterpret_cast<char*>(h) + sizeof(OneShotHeader);
+        oneshot_.small[par][r] = h->inline_data;
       }
   }
   known_started_.assign(n, 0);

@@ -284,6 +284,14 @@ class Communicator final : public Links, public NetHost, public HierHost {
   // need not take part).
   void run_op(const OpSig& sig, uint32_t seq, double timeout_s, bool collective, BodyRef body);
   void announce(uint32_t seq, const OpSig& sig, uint64_t where, uint64_t addr, uint64_t out);
+  // A one-shot operation that posts `bytes` is likely next: asks for this
+  // rank's flag line of the next operation's area in writable state now, so
+  // that the peers' copy of it is invalidated while the call does its checks
+  // and bookkeeping, not when it posts (a hint: nothing depends on it).
+  void prefetch_oneshot(size_t bytes) const {
+    if (bytes > 0 && bytes <= oneshot_.small_bytes && n_ > 1 && n_ == nlocal_)
+      __builtin_prefetch(oneshot_.flag[(seq_.load(std::memory_order_relaxed) + 1) & 1][rank_], 1);
+  }
   // The window holding [p, p + n) on this rank and its placement word, if any.
   std::shared_ptr<ShmWindow> find_window(const void* p, size_t n, uint64_t* where);
   // After every peer started operation c.tag.seq: whether all announced the
@@ -396,7 +404,11 @@ class Communicator final : public Links, public NetHost, public HierHost {
   int any_next_ = 0;      // where recv_any starts looking (round robin)
   int spin_polls_ = 256;  // see WaitMonitor::spin_polls
   int max_spin_polls_ = 256;
-  uint32_t seq_ = 0;  // collectives issued (assigned under the engine's lock)
+  std::vector<unsigned char> shares_cpu_;  // see WaitMonitor::shares_cpu (set at connect)
+  bool spin_only_ = false;                 // see WaitMonitor::spin_only (set at connect)
+  // Collectives issued: assigned under the engine's lock, read without it only
+  // for a hint (prefetch_oneshot).
+  std::atomic<uint32_t> seq_{0};
   std::array<OpStats, kNumOpKinds> stats_;
   std::unique_ptr<ProgressEngine> engine_;
   std::atomic<bool> closed_{false};
@@ -424,7 +436,11 @@ std::shared_ptr<Work> Communicator::collective(const OpSig& sig, double timeout_
   timeout_s = op_timeout(timeout_s, sig.kind);
   const uint64_t a = cma_ ? reinterpret_cast<uintptr_t>(in) : 0;
   const uint64_t o = cma_ ? reinterpret_cast<uintptr_t>(out) : 0;
-  auto next = [this] { return ++seq_; };
+  auto next = [this] {
+    const uint32_t s = seq_.load(std::memory_order_relaxed) + 1;
+    seq_.store(s, std::memory_order_relaxed);
+    return s;
+  };
   auto run = [this, sig, timeout_s, where, a, o](uint32_t seq, BodyRef b) {
     run_collective(sig, seq, timeout_s, b, where, a, o);
   };

@@ -74,6 +74,21 @@ void Communicator::connect_out(FunctionRef<void()> check, const std::vector<std:
   CPU_ZERO(&all);
   for (int p : locals_) CPU_OR(&all, &all, &ctl(p)->cpus);
   if (CPU_COUNT(&all) < nlocal_) spin_polls_ = max_spin_polls_ = 16;
+  // A peer pinned to the very CPU this rank is pinned to runs only once this
+  // rank gives that CPU up: waits on it yield at once (WaitMonitor::shares_cpu).
+  shares_cpu_.assign(n_, 0);
+  const cpu_set_t& mine = ctl(rank_)->cpus;
+  if (CPU_COUNT(&mine) == 1)
+    for (int p : locals_)
+      if (p != rank_ && CPU_EQUAL(&mine, &ctl(p)->cpus)) shares_cpu_[p] = 1;
+  // No other rank may run on this rank's CPUs: waits spin instead of yielding
+  // (WaitMonitor::spin_only), as MPI's do with a core per rank.
+  spin_only_ = true;
+  for (int p : locals_) {
+    cpu_set_t both;
+    CPU_AND(&both, &mine, &ctl(p)->cpus);
+    if (p != rank_ && CPU_COUNT(&both) != 0) spin_only_ = false;
+  }
   if (!multi_host()) return;
   // Across hosts: the TCP connections to the other hosts (tcp_net.h). Single
   // copy stays off (its paths assume every rank on this host).

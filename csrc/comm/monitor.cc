@@ -40,6 +40,9 @@ OpMonitor::OpMonitor(Communicator& comm, const OpSig& sig, uint32_t seq, bool co
   next_liveness_ = start_ + kLivenessPeriod;
   spin_polls = comm.spin_polls_;
   max_spin_polls = comm.max_spin_polls_;
+  // (by global rank: where every rank is on this host, contexts use those)
+  if (comm.n_ == comm.nlocal_ && !comm.shares_cpu_.empty()) shares_cpu = comm.shares_cpu_.data();
+  spin_only = comm.spin_only_;
 }
 
 OpMonitor::~OpMonitor() {

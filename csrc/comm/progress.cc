@@ -107,6 +107,7 @@ std::shared_ptr<Work> ProgressEngine::submit(const std::function<uint32_t()>& or
   lk.unlock();
   cv_.notify_all();
   if (async) return work;
+  before_block();  // the caller waits for the progress thread
   work->wait(-1, true);
   return nullptr;
 }

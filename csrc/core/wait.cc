@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <utility>
 
 #include "core/env.h"
 #include "core/error.h"
@@ -37,7 +38,9 @@ namespace {
 // 7-12 us with ~1 ms. Alone on its core a yielding wait burns that core for as
 // long.
 // Liveness does not depend on it: the monitor's slow checks (timeouts, dead
-// peers, mismatches, Ctrl-C) run every kSlowEvery while yielding too.
+// peers, mismatches, Ctrl-C) run every kSlowEvery while yielding too. A wait
+// whose rank has its CPUs to itself (WaitMonitor::spin_only) spins this long
+// instead of yielding.
 // Range-checked by CommConfig::from_env before any wait.
 std::chrono::microseconds yield_for() {
   static const auto us =
@@ -70,17 +73,27 @@ void futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts
 
 std::atomic<InterruptCheck> g_interrupt_check{nullptr};
 
+thread_local BlockHook* t_block_hook = nullptr;
+
 }  // namespace
+
+BlockHook* set_block_hook(BlockHook* hook) { return std::exchange(t_block_hook, hook); }
+
+void before_block() {
+  if (t_block_hook != nullptr) t_block_hook->before_block();
+}
 
 void set_interrupt_check(InterruptCheck fn) { g_interrupt_check.store(fn); }
 InterruptCheck interrupt_check() { return g_interrupt_check.load(std::memory_order_relaxed); }
 
-uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon) {
+uint32_t wait_reached(Flag& c, uint32_t target, WaitMonitor& mon) {
   uint32_t v = c.value.load(std::memory_order_acquire);
   if (reached(v, target)) return v;
+  // A peer on this rank's own CPU runs only once this rank yields: no spin.
+  const bool mate = mon.shares_cpu_with(mon.peer);
   // Poll after every pause: a pause costs ~140 cycles on recent Intel cores,
   // and data that waits for a batch of them is noticed a microsecond late.
-  for (int i = 0; i < mon.spin_polls; ++i) {
+  for (int i = 0, polls = mate ? 0 : mon.spin_polls; i < polls; ++i) {
     PYC_PAUSE();
     v = c.value.load(std::memory_order_acquire);
     if (reached(v, target)) {
@@ -93,13 +106,17 @@ uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon) {
   // yielding was only late, and a longer spin would have caught it without a
   // system call: spin longer next time. Data that takes longer needed this
   // core (a peer on it ran) or a peer that was descheduled: spin less.
+  before_block();
   const auto yielded = std::chrono::steady_clock::now();
   auto slow_at = yielded + kSlowEvery;
   for (int r = 1;; ++r) {
-    sched_yield();
+    if (mon.spin_only)
+      PYC_PAUSE();
+    else
+      sched_yield();
     v = c.value.load(std::memory_order_acquire);
     if (reached(v, target)) {
-      adapt_spin(mon, std::chrono::steady_clock::now() - yielded < kLate);
+      if (!mate) adapt_spin(mon, std::chrono::steady_clock::now() - yielded < kLate);
       return v;
     }
     mon.check_fast();
@@ -111,7 +128,7 @@ uint32_t wait_reached(Counter& c, uint32_t target, WaitMonitor& mon) {
       slow_at = now + kSlowEvery;
     }
   }
-  adapt_spin(mon, false);
+  if (!mate) adapt_spin(mon, false);
   const timespec slice{0, kSleepNs};
   for (;;) {
     c.sleepers.fetch_add(1, std::memory_order_seq_cst);
@@ -140,6 +157,7 @@ void wait_until(FunctionRef<bool()> ready, WaitMonitor& mon) {
     if ((i & 63) == 63) mon.check_fast();
   }
   using Clock = std::chrono::steady_clock;
+  before_block();
   const auto yielded = Clock::now();
   auto slow_at = yielded + kSlowEvery;
   auto checks = [&] {
@@ -151,9 +169,13 @@ void wait_until(FunctionRef<bool()> ready, WaitMonitor& mon) {
     }
     return now;
   };
-  for (;;) {
-    sched_yield();
+  for (int r = 1;; ++r) {
+    if (mon.spin_only)
+      PYC_PAUSE();
+    else
+      sched_yield();
     if (ready()) return;
+    if (mon.spin_only && r % 16 != 0) continue;
     if (checks() - yielded > yield_for()) break;
   }
   const timespec nap{0, kPollNs};
@@ -164,7 +186,7 @@ void wait_until(FunctionRef<bool()> ready, WaitMonitor& mon) {
   }
 }
 
-void publish(Counter& c, uint32_t value) {
+void publish(Flag& c, uint32_t value) {
   c.value.store(value, std::memory_order_release);
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (c.sleepers.load(std::memory_order_relaxed) != 0)

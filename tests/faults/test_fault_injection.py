@@ -325,8 +325,11 @@ def test_a_rank_killed_during_set_up_is_named_and_leaves_nothing(tmp_path, victi
     assert time.monotonic() - t0 < 30
 
 
-def test_liveness_does_not_wait_for_the_yield_phase():
-    (kind, msg, took), _ = run(jobs.job_yield, 2, timeout=40, env={"PYCOLL_YIELD_US": "10000000"})
+# PYCOLL_BIND=core: each rank on a CPU of its own, whose waits spin where they would yield.
+@pytest.mark.parametrize("bind", ["none", "core"])
+def test_liveness_does_not_wait_for_the_yield_phase(bind):
+    env = {"PYCOLL_YIELD_US": "10000000", "PYCOLL_BIND": bind}
+    (kind, msg, took), _ = run(jobs.job_yield, 2, timeout=40, env=env)
     assert kind == "CollectiveTimeout" and took < 2.0, (kind, msg, took)
 
 

@@ -104,11 +104,19 @@ struct alignas(64) SlotHeader {
   uint64_t bytes;
 };
 
-// One-shot area header: the sequence number is the ready flag.
+// How many payload bytes travel in a one-shot area's first cache line.
+constexpr size_t kOneShotInline = 40;
+
+// One-shot area header: the sequence number is the ready flag. A payload of at
+// most kOneShotInline bytes sits in the flag's cache line (`inline_data`), so
+// that a reader that sees the flag has the operation's tag and data with it
+// and the writer claims one line; a larger one follows the header, aligned.
 struct alignas(64) OneShotHeader {
-  Counter seq;
-  alignas(64) uint64_t w0, w1;
+  Flag seq;
+  uint64_t w0, w1;
+  unsigned char inline_data[kOneShotInline];
 };
+static_assert(sizeof(OneShotHeader) == 64, "a one-shot area's flag, tag and inline data: one line");
 
 // Byte offsets of every part of the segment, computed identically by all ranks.
 struct ShmLayout {
