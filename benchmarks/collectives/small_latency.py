@@ -45,10 +45,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "common"))
 
 BEGIN, END = "<!-- small_latency:begin -->", "<!-- small_latency:end -->"
+TITLE = "Small-message all-reduce: this tree vs an older build vs OpenMPI"
+ANCHOR = "small-message-all-reduce-this-tree-vs-an-older-build-vs-openmpi"
 
 # Every rank: pin, open its FIFOs, set up, then answer "variant nbytes calls"
 # lines with its mean microseconds per call.
@@ -326,12 +328,13 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true", help="leave docs/benchmarks.md alone")
     args = ap.parse_args()
     import _doc
+    import summary as summary_table
 
     from pycollectives.bench.meta import pycoll_version
 
     start = datetime.datetime.now(datetime.timezone.utc)
     results = [measure(args, int(n), b) for n in args.ranks.split(",") for b in (args.bytes or [8])]
-    command = "python benchmarks/small_latency.py " + shlex.join(sys.argv[1:])
+    command = "python benchmarks/collectives/small_latency.py " + shlex.join(sys.argv[1:])
     parts = []
     for r in results:
         new, mpi = r["us"]["new:call"]["median"], r["us"]["mpi:call"]["median"]
@@ -377,9 +380,17 @@ def main() -> None:
             "call - one rank: what the peers add (the handshake, waiting for the later rank)"
         )
     _doc.emit_section(
-        BEGIN, END, "Small-message all-reduce: this tree vs an older build vs OpenMPI",
+        BEGIN, END, TITLE,
         f"`{command}`", notes, tables(results, args.stages), not args.no_write,
     )  # fmt: skip
+    if not args.no_write:
+        load = f"load {doc['load']['before'][0]:.1f}-{doc['load']['after'][0]:.1f}"
+        summary_table.record(
+            "cpu_small_messages", order=20, compared="CPU small-message all-reduce vs OpenMPI "
+            "(mpi4py), Python call included", figures=summary, section="#" + ANCHOR,
+            run=f"{_doc.cpu_model()} VM, {start:%Y-%m-%d %H:%M} UTC, {load}", command=command,
+        )  # fmt: skip
+        summary_table.main([])
 
 
 if __name__ == "__main__":
