@@ -208,7 +208,7 @@ Communicator::Agreement Communicator::agree(uint32_t flag, double timeout_s) {
   me->entered.store(k, std::memory_order_release);
   fault_point("agree.entered");
   const auto deadline = deadline_after(Clock::now(), timeout_s);
-  for (;;) {
+  for (int polls = 0;;) {
     if (reached(number_of(hdr_->agreed.load(std::memory_order_acquire)), k)) break;
     bool all = true;
     for (int p = 0; p < n_ && all; ++p) {
@@ -224,7 +224,12 @@ Communicator::Agreement Communicator::agree(uint32_t flag, double timeout_s) {
     if (InterruptCheck interrupted = interrupt_check(); interrupted != nullptr && interrupted())
       throw Interrupted("pycollectives: rank " + std::to_string(rank_) +
                         " was interrupted (signal) in agreement #" + std::to_string(k));
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    // Yield first (the others usually enter within microseconds: a healthy
+    // agreement then costs a few of them), then sleep between looks.
+    if (++polls < 200)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   return adopt(k);
 }
@@ -243,8 +248,14 @@ Communicator::Shrunk Communicator::shrink(double timeout_s) {
         survivors.push_back(p);
       }
     // While building: a survivor that died, or that gave up and went on to
-    // the second agreement, ends the wait at once (not at the timeout).
+    // the second agreement, ends the wait at once; the build as a whole is
+    // bounded by this timeout (the new communicator's own is the parent's).
+    const auto build_deadline = deadline_after(Clock::now(), timeout_s);
     auto check = [&] {
+      if (Clock::now() > build_deadline)
+        PYC_THROW(TimeoutError, "pycollectives: rank "
+                                    << rank_ << ": shrink: the survivors did not all join the new "
+                                    << "communicator within " << timeout_s << " s");
       for (int p : survivors) {
         if (p == rank_) continue;
         const std::string gone = peer_gone(p);
