@@ -176,3 +176,35 @@ def test_second_death_during_recovery_recovers_too(step):
     kill = -signal.SIGKILL
     out = run(_second_death, 4, step, timeout=120, expect_exit={2: kill, 3: kill})
     assert out[:2] == [((0, 1), (2, 3))] * 2, out
+
+
+def _stopped_while_building(rank: int, world_size: int) -> str:
+    if rank == 2:  # stops once the first agreement of shrink has decided it is alive
+        os.environ["PYCOLL_TEST_STOP_AT"] = "agree.adopted"
+    comm = pc.init(timeout=60)
+    pids = torch.zeros(world_size, dtype=torch.int64)
+    comm.all_gather(pids, torch.tensor([os.getpid()]))
+    if rank == 0:
+        comm.revoke("rebuild")
+    if rank == 2:  # resumed after the survivors went on: fenced inside shrink
+        msg = expect(pc.CommunicatorAborted, lambda: comm.shrink(timeout=1.5), "fenced")
+        comm.close()
+        return msg
+    start = time.monotonic()
+    new = comm.shrink(timeout=1.5)
+    took = time.monotonic() - start
+    # Bounded by shrink's timeout (three of them at most per round), not by
+    # the communicator's (60 s): rank 2 never joined the first round's build.
+    assert took < 12.0, took
+    assert new.parent_ranks == (0, 1) and new.failed == (2,), (new.parent_ranks, new.failed)
+    _sum_check(new, (0, 1))
+    if rank == 0:
+        os.kill(int(pids[2]), signal.SIGCONT)
+    comm.close()
+    new.close()
+    return ""
+
+
+def test_rank_stopped_while_the_survivors_build_is_left_out_in_bounded_time():
+    msgs = run(_stopped_while_building, 3, timeout=90, env={"PYCOLL_CMA": "0"})
+    assert "fenced" in msgs[2], msgs
