@@ -83,10 +83,8 @@ class RecoveryMixin:
 
         Raises CommunicatorAborted on a fenced rank, and on every survivor
         alike PyCollectivesError if the survivors could not build it."""
-        from .communicator import Communicator
-
         child, survivors, codes = self._c.shrink(to_seconds(timeout))
-        comm = Communicator(child)
+        comm = type(self)(child)  # a Communicator, which this class is mixed into
         comm.parent_ranks = tuple(survivors)
         comm.failed = _failed(codes)
         return comm
