@@ -20,6 +20,7 @@ from .errors import (
     CollectiveMismatch,
     CollectiveTimeout,
     CommunicatorAborted,
+    CommunicatorRevoked,
     PeerFailure,
     PyCollectivesError,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "CollectiveTimeout",
     "Communicator",
     "CommunicatorAborted",
+    "CommunicatorRevoked",
     "PeerFailure",
     "PyCollectivesError",
     "ReduceOp",

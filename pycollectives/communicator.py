@@ -16,10 +16,11 @@ from . import _C
 from ._args import check_no_overlap, check_root, cuda_args, cuda_p2p_ops, p2p_ops
 from ._base import CommunicatorBase
 from ._buffers import ITEMSIZE, describe, is_cuda_buffer
+from ._recovery import Agreement, RecoveryMixin
 from ._staging import Staged
 from .work import CudaWork, Timeout, Work, to_seconds
 
-__all__ = ["Communicator", "CudaWork", "ReduceOp", "Timeout", "Work", "to_seconds"]
+__all__ = ["Agreement", "Communicator", "CudaWork", "ReduceOp", "Timeout", "Work", "to_seconds"]
 
 Buffer = Any  # torch.Tensor | numpy.ndarray | an object with __cuda_array_interface__
 
@@ -47,7 +48,7 @@ def _op_code(op: Any, rank: int, name: str) -> int:
     return code
 
 
-class Communicator(CommunicatorBase):
+class Communicator(CommunicatorBase, RecoveryMixin):
     """A group of ranks (on one host or several); create with pycollectives.init() or split()."""
 
     def __init__(self, core: Any) -> None:

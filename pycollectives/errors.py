@@ -23,3 +23,9 @@ class CollectiveMismatch(PyCollectivesError):
 
 class CommunicatorAborted(PyCollectivesError):
     """The communicator is unusable: closed, or aborted by an earlier error."""
+
+
+class CommunicatorRevoked(CommunicatorAborted):
+    """The communicator was revoked (Communicator.revoke(), or by the survivors
+    once an agreement found a rank failed): its operations raise, while
+    agree() and shrink() still work on it (docs/recovery.md)."""

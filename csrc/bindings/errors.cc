@@ -15,6 +15,7 @@ struct ErrorClasses {
   PyObject* peer = nullptr;
   PyObject* mismatch = nullptr;
   PyObject* aborted = nullptr;
+  PyObject* revoked = nullptr;
   PyObject* base = nullptr;
 };
 ErrorClasses g_cls;  // strong references, kept for the life of the process
@@ -32,6 +33,7 @@ void init_error_classes() {
   g_cls.peer = error_class(errors, "PeerFailure");
   g_cls.mismatch = error_class(errors, "CollectiveMismatch");
   g_cls.aborted = error_class(errors, "CommunicatorAborted");
+  g_cls.revoked = error_class(errors, "CommunicatorRevoked");
   g_cls.base = error_class(errors, "PyCollectivesError");
 }
 
@@ -48,6 +50,8 @@ void set_python_error(std::exception_ptr p) {
     PyErr_SetString(g_cls.mismatch, e.what());
   } catch (const Interrupted& e) {
     PyErr_SetString(PyExc_KeyboardInterrupt, e.what());
+  } catch (const Revoked& e) {
+    PyErr_SetString(g_cls.revoked, e.what());
   } catch (const Aborted& e) {
     PyErr_SetString(g_cls.aborted, e.what());
   } catch (const Error& e) {

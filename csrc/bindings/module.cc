@@ -373,6 +373,24 @@ PYBIND11_MODULE(_C, m) {
       .def("alloc_window", &C::alloc_window, py::arg("nbytes"), py::arg("timeout"), G())
       .def("barrier", &C::barrier, G())
       .def("split", &C::split, G())
+      // Recovery (comm/recovery.cc): agree returns (value, verdict by rank),
+      // shrink (communicator, survivors' old ranks, verdict by rank).
+      .def("revoke", &C::revoke, py::arg("message"), G())
+      .def(
+          "agree",
+          [](C& c, uint32_t flag, double timeout) {
+            C::Agreement a = c.agree(flag, timeout);
+            return std::make_tuple(a.value, std::vector<int>(a.verdicts.begin(), a.verdicts.end()));
+          },
+          py::arg("flag"), py::arg("timeout"), G())
+      .def(
+          "shrink",
+          [](C& c, double timeout) {
+            C::Shrunk s = c.shrink(timeout);
+            return std::make_tuple(s.comm, s.survivors,
+                                   std::vector<int>(s.verdicts.begin(), s.verdicts.end()));
+          },
+          py::arg("timeout"), G())
       .def("stats", &stats_dict)
       .def("cma_tuning", &cma_tuning_dict);
 }

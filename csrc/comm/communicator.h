@@ -85,7 +85,7 @@ struct OpStats {
   std::array<std::atomic<uint64_t>, kNumPaths> paths{};  // calls by Path
 };
 
-enum class AbortKind : int32_t { kNone = 0, kError, kTimeout, kPeerFailure, kMismatch };
+enum class AbortKind : int32_t { kNone = 0, kError, kTimeout, kPeerFailure, kMismatch, kRevoked };
 
 class Communicator final : public Links, public NetHost, public HierHost {
  public:
@@ -199,6 +199,38 @@ class Communicator final : public Links, public NetHost, public HierHost {
   // Collective; returns nullptr for color < 0.
   std::shared_ptr<Communicator> split(int color, int key, double timeout_s);
 
+  // ---- recovery from a lost rank (comm/recovery.cc; ranks on one host) ----
+  // Revokes the communicator on every rank (MPIX_Comm_revoke): their pending
+  // and later operations raise Revoked carrying `msg` (the first abort wins).
+  // agree() and shrink() still work on it.
+  void revoke(const std::string& msg);
+  // What a fault-tolerant agreement decided, alike on every survivor: the
+  // AND of the survivors' flags, and every rank's verdict (AgreeVerdict).
+  struct Agreement {
+    uint32_t value = 0;
+    std::vector<uint8_t> verdicts;  // by rank
+    std::string name;               // a fresh segment name (shrink's)
+    uint32_t number = 0;            // which agreement of this communicator
+  };
+  // Collective over the ranks not failed in an earlier agreement
+  // (MPIX_Comm_agree): works on an aborted or revoked communicator, and
+  // whoever dies meanwhile. A rank that has not entered it within timeout_s
+  // (stopped, stuck) is declared failed (unresponsive) and fenced: when it
+  // comes back, its agree() and shrink() raise, and so does any operation on
+  // this communicator, which the survivors revoke once a rank failed.
+  Agreement agree(uint32_t flag, double timeout_s);
+  // Collective (MPIX_Comm_shrink): a new communicator of the ranks that did
+  // not fail, renumbered in order; `survivors` their ranks here. Agrees on the
+  // failed ranks, builds it, and agrees that every survivor could; a rank
+  // that fails meanwhile restarts the round without it. Bounded: each round
+  // takes at most about three timeouts, and each one but the last loses a rank.
+  struct Shrunk {
+    std::shared_ptr<Communicator> comm;
+    std::vector<int> survivors;
+    std::vector<uint8_t> verdicts;
+  };
+  Shrunk shrink(double timeout_s);
+
   const OpStats& stats(OpKind k) const { return stats_[static_cast<int>(k)]; }
   // This rank's single-copy tuner, for comm.cma_tuning().
   const CmaTuner& cma_tuner() const { return cma_tuner_; }
@@ -251,6 +283,13 @@ class Communicator final : public Links, public NetHost, public HierHost {
   template <class Ready>
   void wait_all(const char* what, Clock::time_point deadline, FunctionRef<void()> check,
                 Ready ready);
+  // recovery.cc: the checks of agree() and shrink() (`what`), their timeout
+  // (< 0: the default), one round of agreement, and its record in AgreeCtl.
+  double recovery_timeout(double timeout_s, const char* what) const;
+  void check_recovery(const char* what) const;
+  void propose(uint32_t number, uint32_t flag);
+  Agreement adopt(uint32_t number);
+  [[noreturn]] void fenced(const std::string& why);
   // The collective point of alloc_window: every rank reached it (kind
   // kAllocShared, so a rank in another collective gets a mismatch).
   void sync(const OpSig& sig, double timeout_s);
@@ -419,6 +458,11 @@ class Communicator final : public Links, public NetHost, public HierHost {
   // Created by the first CUDA operation (cuda/); released by close() once the
   // engine has stopped. Stays null in a CPU-only build.
   std::shared_ptr<CudaPath> cuda_;
+  // recovery.cc: agreements entered, the verdicts of the latest (empty: none
+  // yet, every rank alive), and why this rank was fenced (empty: it was not).
+  uint32_t agreements_ = 0;
+  std::vector<uint8_t> verdicts_;
+  std::string fenced_;
   bool cma_ = false;             // agreed by every rank in connect()
   std::vector<pid_t> peer_pid_;  // checked in connect(): CMA copies go to these only
   std::unique_ptr<PtracerGrant> ptracer_;

@@ -72,6 +72,8 @@ void Communicator::throw_abort() const {
       throw PeerFailure(msg);
     case AbortKind::kMismatch:
       throw Mismatch(msg);
+    case AbortKind::kRevoked:
+      throw Revoked(msg);
     default:
       throw Aborted(msg);
   }
@@ -129,7 +131,7 @@ void Communicator::send_abort(int kind, int from, const std::string& msg, int ex
 bool Communicator::adopt_abort(int kind, int from, const std::string& msg) {
   std::lock_guard<std::mutex> lk(abort_mu_);
   if (aborted()) return false;
-  if (kind <= static_cast<int>(AbortKind::kNone) || kind > static_cast<int>(AbortKind::kMismatch))
+  if (kind <= static_cast<int>(AbortKind::kNone) || kind > static_cast<int>(AbortKind::kRevoked))
     kind = static_cast<int>(AbortKind::kError);
   RankCtl* me = ctl(rank_);
   me->abort_kind = kind;

@@ -42,6 +42,12 @@ class Aborted : public Error {
  public:
   using Error::Error;
 };
+// The communicator was revoked (Communicator::revoke, or by the survivors
+// once an agreement found a rank failed): pycollectives.CommunicatorRevoked.
+class Revoked : public Aborted {
+ public:
+  using Aborted::Aborted;
+};
 // The waiting thread received a signal (Ctrl-C); maps to KeyboardInterrupt.
 class Interrupted : public Error {
  public:

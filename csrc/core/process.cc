@@ -100,11 +100,16 @@ pid_t parent_pid(pid_t pid) {
 }
 
 void fault_point(const char* step) {
-  static const std::string at = [] {
+  static const std::string kill_at = [] {
     const char* v = std::getenv("PYCOLL_TEST_KILL_AT");
     return std::string(v != nullptr ? v : "");
   }();
-  if (!at.empty() && at == step) raise(SIGKILL);
+  static const std::string stop_at = [] {
+    const char* v = std::getenv("PYCOLL_TEST_STOP_AT");
+    return std::string(v != nullptr ? v : "");
+  }();
+  if (!kill_at.empty() && kill_at == step) raise(SIGKILL);
+  if (!stop_at.empty() && stop_at == step) raise(SIGSTOP);
 }
 
 }  // namespace pyc

@@ -37,7 +37,8 @@ std::string describe_uid(uid_t uid);
 
 // Fault injection for the tests of set-up failures: when the environment
 // variable PYCOLL_TEST_KILL_AT names `step`, the process SIGKILLs itself here
-// (a crash at exactly that point). Read once per process.
+// (a crash at exactly that point); when PYCOLL_TEST_STOP_AT names it, the
+// process SIGSTOPs itself (a peer's SIGCONT resumes it). Read once per process.
 void fault_point(const char* step);
 
 }  // namespace pyc

@@ -2,16 +2,18 @@
 model on its share of the batch, and the ranks keep it in step.
 
     ddp.py           DistributedDataParallel (torch DDP): bucketed gradient all-reduces in backward
+    elastic.py       ElasticDataParallel: DDP that drops the step a rank died in and goes on shrunk
     grad_average.py  StepGradAverager: DDP's buckets for a driver with many backwards per step
                      (the pipeline's micro-batches, gradients computed outside autograd)
     zero.py          ZeroOptimizer (DeepSpeed ZeRO stages 1-3) on the sharding engine
     fsdp.py          fully_shard (torch FSDP2) on the sharding engine
     sharding/        the sharding engine: flat parameters, gather / reduce-scatter, prefetch
 
-Imports go down only: ddp <- grad_average; sharding <- zero, fsdp.
+Imports go down only: ddp <- grad_average, elastic; sharding <- zero, fsdp.
 """
 
 from .ddp import CompressionHook, DistributedDataParallel
+from .elastic import ElasticDataParallel
 from .fsdp import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, fully_shard
 from .grad_average import StepGradAverager
 from .zero import ZeroOptimizer
@@ -19,6 +21,7 @@ from .zero import ZeroOptimizer
 __all__ = [
     "CompressionHook",
     "DistributedDataParallel",
+    "ElasticDataParallel",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "StepGradAverager",

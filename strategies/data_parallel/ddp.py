@@ -184,6 +184,18 @@ class DistributedDataParallel(nn.Module):
         hook.setup(self.comm, self.buckets)
         self.comm_hook = hook
 
+    def detach(self) -> None:
+        """Removes this wrapper's gradient hooks from the parameters and drops
+        gradients that view its buckets: the module can then be wrapped again,
+        on another communicator (e.g. the survivors' after a rank died,
+        elastic.py). The wrapper is unusable afterwards."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for p in self._params:
+            p.grad = None
+        self._reset()
+
     # -- backward -------------------------------------------------------------
     def _reset(self) -> None:
         self._pending = list(self._size)

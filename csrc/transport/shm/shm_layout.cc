@@ -51,7 +51,9 @@ ShmLayout::ShmLayout(int n, uint32_t ns, size_t sb, size_t ob) : world_size(n), 
   const size_t stride = z.add(sizeof(SlotHeader), slot_bytes);
   oneshot_off = z.round_up(z.add(fifo_data_off, z.mul(z.mul(pairs, nslots), stride)), 4096);
   const size_t oneshot_stride = z.add(sizeof(OneShotHeader), oneshot_bytes);
-  total = z.round_up(z.add(oneshot_off, z.mul(z.mul(ranks, 2), oneshot_stride)), 4096);
+  agree_off = z.round_up(z.add(oneshot_off, z.mul(z.mul(ranks, 2), oneshot_stride)), 4096);
+  agree_stride = z.round_up(z.add(sizeof(AgreeCtl), z.mul(ranks, 2)), kAlign);
+  total = z.round_up(z.add(agree_off, z.mul(ranks, agree_stride)), 4096);
 }
 
 RankCtl* ShmLayout::rank_ctl(void* base, int r) const {
@@ -69,6 +71,16 @@ char* ShmLayout::fifo_slots(void* base, int src, int dst) const {
 OneShotHeader* ShmLayout::oneshot(void* base, int r, int parity) const {
   return reinterpret_cast<OneShotHeader*>(static_cast<char*>(base) + oneshot_off +
                                           (2 * static_cast<size_t>(r) + parity) * oneshot_stride());
+}
+
+AgreeCtl* ShmLayout::agree(void* base, int r) const {
+  return reinterpret_cast<AgreeCtl*>(static_cast<char*>(base) + agree_off +
+                                     static_cast<size_t>(r) * agree_stride);
+}
+
+uint8_t* ShmLayout::verdicts(void* base, int r, int which) const {
+  return reinterpret_cast<uint8_t*>(agree(base, r)) + sizeof(AgreeCtl) +
+         static_cast<size_t>(which) * static_cast<size_t>(world_size);
 }
 
 }  // namespace pyc

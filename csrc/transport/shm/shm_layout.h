@@ -31,6 +31,10 @@ struct SegmentHeader {
   // abort_msg, complete before the rank claimed this word with one CAS, so a
   // rank killed at any point leaves either no abort or a whole one).
   alignas(64) std::atomic<uint32_t> abort_rank;
+  // The latest fault-tolerant agreement decided (comm/recovery.cc): its number
+  // << 32 | (r + 1), rank r's proposal (AgreeCtl::prop) being the decision;
+  // claimed by one CAS once the proposal is complete.
+  alignas(64) std::atomic<uint64_t> agreed;
 };
 
 // The largest sizes a segment's header may announce (PYCOLL_* ranges).
@@ -87,6 +91,21 @@ struct alignas(64) RankCtl {
   alignas(64) SigEntry sig[kSigHistory];
 };
 
+// A rank's part in the fault-tolerant agreement (comm/recovery.cc), followed
+// in the segment by two arrays of world_size bytes, the verdicts of its two
+// proposals (AgreeVerdict, by rank).
+struct alignas(64) AgreeCtl {
+  std::atomic<uint32_t> entered;  // the latest agreement this rank entered (its number)
+  std::atomic<uint32_t> flag;     // its flag there (stored before `entered`)
+  // Its proposals, by agreement number % 2: a seqlock (number 0 while being
+  // written); the one SegmentHeader::agreed names is the decision.
+  struct Proposal {
+    std::atomic<uint32_t> number;
+    std::atomic<uint32_t> value;  // the AND of the flags of the ranks it finds alive
+    char name[64];                // the segment of the survivors' communicator (shrink)
+  } prop[2];
+};
+
 struct alignas(64) FifoCtl {
   Counter tail;      // slots posted by the sender
   Counter head;      // slots released by the receiver
@@ -129,6 +148,8 @@ struct ShmLayout {
   size_t fifo_ctl_off = 0;
   size_t fifo_data_off = 0;
   size_t oneshot_off = 0;
+  size_t agree_off = 0;
+  size_t agree_stride = 0;  // an AgreeCtl and its two verdict arrays
   size_t total = 0;
 
   ShmLayout() = default;
@@ -146,6 +167,9 @@ struct ShmLayout {
   FifoCtl* fifo_ctl(void* base, int src, int dst) const;
   char* fifo_slots(void* base, int src, int dst) const;
   OneShotHeader* oneshot(void* base, int r, int parity) const;
+  AgreeCtl* agree(void* base, int r) const;
+  // Proposal `which` (0, 1) of rank r: its verdict on every rank.
+  uint8_t* verdicts(void* base, int r, int which) const;
 };
 
 }  // namespace pyc
