@@ -1,7 +1,7 @@
 """Small-message all-reduce latency, paired in one run: this tree, another build of
 pycollectives (--old-tree) and OpenMPI (mpi4py's `Allreduce` on numpy).
 
-    python benchmarks/small_latency.py --old-tree /tmp/old [--ranks 2,3,4] [--bytes 8]
+    python benchmarks/collectives/small_latency.py --old-tree /tmp/old [--ranks 2,3,4] [--bytes 8]
         [--rounds 40] [--calls 2000] [--stages] [--json docs/data/small_latency-DATE.json]
 
 --old-tree: a source tree with its extension built in place (`python setup.py
