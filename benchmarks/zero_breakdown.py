@@ -4,6 +4,11 @@ the "pycoll" backend, on the ~50M GPT of zero_step.py with 2 ranks, per step.
     python benchmarks/zero_breakdown.py                    # fp32, zero3 fsdp fsdp2-pycoll compute
     python benchmarks/zero_breakdown.py --bf16 --steps 4
     python benchmarks/zero_breakdown.py --json out.json    # the per-cell medians as JSON
+    python benchmarks/zero_breakdown.py --cells zero3,zero3:nocheck,fsdp:keep
+
+Cells: compute, zero1..zero3, fsdp, dp, fsdp2-pycoll, fsdp2-gloo; ours take
+variants after a colon, joined by "+": nocheck (check_order=False), auto /
+keep (fully_shard's reshard_after_forward None / False).
 
 Per step and rank (medians over the timed steps and the rounds, rank 0):
 the step's wall time; this thread's CPU time (time.thread_time: the model's
@@ -123,7 +128,7 @@ def rank_main(rank: int, world: int, port: int, cfg: Any, args: Any, rnd: int, i
         for i in range(args.warmup + args.steps):
             comm.barrier()
             dist.barrier()
-            if setup is not None and i == args.warmup:  # fully_shard's engine exists now
+            if setup is not None and setup.meter is not None and i == args.warmup:
                 timers = _Timers()
                 eng = keep.keep[0].sharding_unit.engine if mode == "fsdp" else keep.keep[1].engine
                 _instrument(eng, timers)
@@ -226,7 +231,27 @@ def main() -> int:
         ]
         print(f"{c:<14}" + "".join(f"{v:>12}" for v in vals))
     if args.json:
-        Path(args.json).write_text(json.dumps({"load": [load0, os.getloadavg()], "cells": res}))
+        parts = []
+        for c, row in res.items():
+            part = f"{c} {row['step'] * 1e3:.0f} ms (calling thread CPU {row['main_cpu'] * 1e3:.0f}"
+            if "gather_wait" in row:
+                part += (
+                    f", comm thread CPU {row['other_cpu'] * 1e3:.0f}, exposed all-gather "
+                    f"{row['gather_wait'] * 1e3:.0f}, reduce-scatter {row['reduce_wait'] * 1e3:.0f}"
+                    f", gradient copy-in {row['grad_copy'] * 1e3:.0f}, order check "
+                    f"{row['guard'] * 1e3:.0f}"
+                )
+            parts.append(part + ")")
+        data = {
+            "summary": f"Sharded step breakdown, ~50M GPT, 2 ranks, "
+            f"{'bf16' if args.bf16 else 'fp32'}, load {load0[0]:.1f}: " + "; ".join(parts),
+            "command": "python benchmarks/zero_breakdown.py " + " ".join(sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load": [load0, os.getloadavg()],
+            "cells_ms": {c: {k: v * 1e3 if k != "minflt" else v for k, v in row.items()}
+                         for c, row in res.items()},
+        }  # fmt: skip
+        Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
     return 0
 
 
