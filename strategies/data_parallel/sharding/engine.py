@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from pycollectives import Communicator
 
 from .communications import BACKWARD, FORWARD, STEP, OrderGuard, all_gather_flat
+from .flat_param import GatherPool
 from .gradients import GradReducer
 from .meter import EngineMeter
 from .unit import FREE, ShardedUnit
@@ -95,6 +96,12 @@ class ShardingEngine:
             comm, root, units, guard=self.guard, meter=self.meter, announce=self.announce,
             overlap=overlap_reduce, buffers=reduce_buffers, master_grads=master_grads,
         )  # fmt: skip
+        # freed full buffers handed to the next gather of the same size (CPU)
+        self.gather_pool = GatherPool()
+        for u in units:
+            for f in u.flats:
+                if f.sharded and GatherPool.supported(f.device):
+                    f.pool = self.gather_pool
         self.require_grad_sync = True
         self.reshard_after_backward = True
         self.grad_hooks = grad_hooks
@@ -163,6 +170,7 @@ class ShardingEngine:
         for u in self.units:
             u.free(self.guard)
         self._ahead.clear()
+        self.gather_pool.clear()  # nothing gathered, nothing kept (between steps)
 
     # -- forward ----------------------------------------------------------------------
     def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -417,9 +425,10 @@ class ShardingEngine:
 
     def storage(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes held on this rank by role, each storage counted once: the
-        parameters (full buffers now allocated), the sharded parameters, the
-        gradients (shards, ZeRO-1 windows, no_sync buffers), the reduce-scatter
-        window pool, and the optimizer's state if given."""
+        parameters (full buffers now allocated, and freed ones kept for the
+        next gather), the sharded parameters, the gradients (shards, ZeRO-1
+        windows, no_sync buffers), the reduce-scatter window pool, and the
+        optimizer's state if given."""
         roles: dict[str, list[torch.Tensor]] = {
             k: [] for k in ("params", "param_shards", "grads", "reduce_buffers", "optimizer")
         }
@@ -433,6 +442,7 @@ class ShardingEngine:
                     roles["grads"].append(f.grad_shard)
         roles["grads"] += list(self.grads.persistent.values()) + list(self.grads.accum.values())
         roles["reduce_buffers"] = list(self.grads.pool.all) if self.grads.pool else []
+        kept = self.gather_pool.nbytes  # freed full buffers awaiting the next gather
         if optimizer is not None:
             roles["optimizer"] = [
                 t
@@ -440,7 +450,9 @@ class ShardingEngine:
                 for t in st.values()
                 if isinstance(t, torch.Tensor)
             ]
-        return count_storage(roles)
+        out = count_storage(roles)
+        out["params"] += kept
+        return out
 
 
 def count_storage(roles: dict[str, list[torch.Tensor]]) -> dict[str, int]:
