@@ -165,6 +165,7 @@ def measure(args: argparse.Namespace, cells: list[str]) -> tuple[dict, list[str]
     isolate = cuda or getattr(args, "isolate", False)
     errors: dict[str, str] = {}
     load0, t0 = os.getloadavg(), time.perf_counter()
+    args.load_at_start = load0[0]
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "initial.pt")
         save_initial(cfg, init)
@@ -324,7 +325,8 @@ def write_json(
     summary = (
         f"ZeRO/FSDP step, ~50M GPT, 2 ranks, {'bf16' if args.bf16 else 'fp32'} compute "
         f"(step-time ratios, paired; targets <= 1.05 vs DDP, <= {SHARDED_TARGET:.3f} vs "
-        f"FSDP2/DeepSpeed): {', '.join(parts)}; {met}/{len(got)} targets met"
+        f"FSDP2/DeepSpeed): {', '.join(parts)}; {met}/{len(got)} targets met; load average "
+        f"{args.load_at_start:.1f} at start, {load[0]:.1f} at end (2 cores)"
     )
     data = {
         "summary": summary,
