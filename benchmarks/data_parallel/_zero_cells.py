@@ -37,17 +37,43 @@ Cell = tuple[Step, Step, Any, list]  # backward (with zero_grad, forward), updat
 CELL_FAILED = "cell failed: "  # rank_isolated's mark before the one-line error
 
 
-def _ours(mode: str, cfg: Any, comm: Any, batch: tuple, prefetch: int, dev: torch.device) -> Cell:
+def _ours(
+    mode: str, cfg: Any, comm: Any, batch: tuple, prefetch: int, dev: torch.device, mixed: bool
+) -> Cell:
     from _zero_setups import build, fresh_gpt
 
-    setup = build(mode, cfg, comm, prefetch=prefetch, model=fresh_gpt(cfg).to(dev))
+    model = fresh_gpt(cfg).to(dev)
+    setup = build(mode, cfg, comm, prefetch=prefetch, model=model, mixed=mixed)
     return (lambda: setup.backward(*batch)), setup.update, setup, [setup]
 
 
-def _compute(cfg: Any, batch: tuple, dev: torch.device) -> Cell:
+def _compute(cfg: Any, batch: tuple, dev: torch.device, mixed: bool = False) -> Cell:
+    """One process, no communication; mixed: the model in bf16 computing, fp32
+    master copies that AdamW steps and copies back (as the "dp" setup)."""
     from _zero_setups import fresh_gpt
 
     model = fresh_gpt(cfg).to(dev)
+    if mixed:
+        master = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+        model.to(torch.bfloat16)
+        params = list(model.parameters())
+        inner = torch.optim.AdamW(master, lr=1e-4)
+
+        def step() -> None:
+            for m, p in zip(master, params, strict=True):
+                m.grad = p.grad.float()
+            inner.step()
+            with torch.no_grad():
+                for m, p in zip(master, params, strict=True):
+                    p.copy_(m)
+                    m.grad = None
+
+        def mixed_backward() -> None:
+            for p in params:
+                p.grad = None
+            model(*batch).backward()
+
+        return mixed_backward, step, None, [model, inner]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def backward() -> None:
@@ -57,16 +83,17 @@ def _compute(cfg: Any, batch: tuple, dev: torch.device) -> Cell:
     return backward, opt.step, None, [model, opt]
 
 
-def _fsdp2(cfg: Any, pg: Any, batch: tuple, dev: torch.device) -> Cell:
+def _fsdp2(cfg: Any, pg: Any, batch: tuple, dev: torch.device, mixed: bool = False) -> Cell:
     from _zero_setups import fresh_gpt
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(pg, dev.type)
     model = fresh_gpt(cfg).to(dev)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if mixed else None)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def backward() -> None:
@@ -76,7 +103,7 @@ def _fsdp2(cfg: Any, pg: Any, batch: tuple, dev: torch.device) -> Cell:
     return backward, opt.step, None, [model, opt]
 
 
-def _deepspeed(stage: int, cfg: Any, batch: tuple) -> Cell:
+def _deepspeed(stage: int, cfg: Any, batch: tuple, mixed: bool = False) -> Cell:
     import deepspeed
     from _zero_setups import fresh_gpt
 
@@ -88,6 +115,7 @@ def _deepspeed(stage: int, cfg: Any, batch: tuple) -> Cell:
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        "bf16": {"enabled": mixed},
     }
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
@@ -153,17 +181,19 @@ def rank_main(
 
     preload_initial(cfg, init)
     groups = {"fsdp2-gloo": dist.group.WORLD, "fsdp2-pycoll": pycoll_pg, "fsdp2-nccl": nccl_pg}
+    mixed = getattr(args, "bf16", False)  # bf16 compute on fp32 master weights, every cell
     for _ in (rnd,):
         for cell in cells if rnd % 2 == 0 else list(reversed(cells)):
             if cell == "compute":
-                backward, update, setup, keep = _compute(cfg, batch, dev)
+                backward, update, setup, keep = _compute(cfg, batch, dev, mixed)
             elif cell in groups:
-                backward, update, setup, keep = _fsdp2(cfg, groups[cell], batch, dev)
+                backward, update, setup, keep = _fsdp2(cfg, groups[cell], batch, dev, mixed)
             elif cell.startswith("ds"):
-                backward, update, setup, keep = _deepspeed(int(cell[2]), cfg, batch)
+                backward, update, setup, keep = _deepspeed(int(cell[2]), cfg, batch, mixed)
             else:
                 mode, _, pf = cell.partition("-p")
-                backward, update, setup, keep = _ours(mode, cfg, comm, batch, int(pf or 2), dev)
+                pf_n = int(pf or 2)
+                backward, update, setup, keep = _ours(mode, cfg, comm, batch, pf_n, dev, mixed)
             for i in range(args.warmup + args.steps):
                 comm.barrier()
                 dist.barrier()

@@ -149,9 +149,12 @@ def build(
     mixed: bool = False,
     prefetch: int = 2,
     model: nn.Module | None = None,
+    check_order: bool = True,
+    **shard_kw: Any,
 ) -> Setup:
-    """The setup `mode` (one of MODES) of a fresh GPT(config) over `comm`.
-    Raises ValueError for an unknown mode."""
+    """The setup `mode` (one of MODES) of a fresh GPT(config) over `comm`;
+    `check_order` and `shard_kw` (fully_shard's reshard_after_forward) go to
+    ZeroOptimizer / fully_shard. Raises ValueError for an unknown mode."""
     model = model or fresh_gpt(config)
     bf16 = torch.bfloat16 if mixed else None
     if mode == "dp":
@@ -164,6 +167,7 @@ def build(
             int(mode[-1]),
             prefetch=prefetch,
             param_dtype=bf16,
+            check_order=check_order,
             **OPT,
         )
 
@@ -179,8 +183,9 @@ def build(
     if mode == "fsdp":
         mp = MixedPrecisionPolicy(param_dtype=bf16)
         for block in model.blocks:
-            fully_shard(block, comm, mp_policy=mp)
-        fully_shard(model, comm, mp_policy=mp, prefetch=prefetch)
+            fully_shard(block, comm, mp_policy=mp, **shard_kw)
+        fully_shard(model, comm, mp_policy=mp, prefetch=prefetch, check_order=check_order,
+                    **shard_kw)  # fmt: skip
         opt = torch.optim.AdamW(model.parameters(), **OPT)
         setup = Setup(mode, lambda x, y: 0.0, opt.step, lambda: {}, keep=[model, opt])
 

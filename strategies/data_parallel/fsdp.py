@@ -16,8 +16,10 @@ forward and backward they are the full tensors. As FSDP2:
 
 - reshard_after_forward: True frees the gathered parameters after forward and
   gathers them again in backward (3P(N-1)/N bytes per step); False keeps them
-  until the end of backward (2P(N-1)/N, more memory); None: True for every unit
-  but the root, whose parameters backward needs first.
+  until the end of backward (2P(N-1)/N, more memory); None (the default, as
+  torch 2.13's FSDP2): True for every unit but the root, whose forward encloses
+  the others' and whose parameters backward needs first (no more memory: one
+  all-gather of the root per step instead of two).
 - MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype): compute in
   param_dtype copies of the fp32 master shards, reduce-scatter gradients in
   reduce_dtype (default param_dtype).
@@ -147,7 +149,7 @@ def fully_shard(
     module: nn.Module,
     comm: Communicator,
     *,
-    reshard_after_forward: bool | None = True,
+    reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     prefetch: int = 2,
     check_order: bool = True,

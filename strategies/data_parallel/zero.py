@@ -19,7 +19,7 @@ the parameters as the collectives carry them):
     DP     nothing                               16P           16P                2P(N-1)/N
     1      optimizer state                       8P + 8P/N     4P + 12P/N         2P(N-1)/N
     2      + gradients (reduce-scatter in bwd)   4P + 12P/N    2P + 14P/N         2P(N-1)/N
-    3      + parameters (gathered per unit)      16P/N         14P/N              3P(N-1)/N
+    3      + parameters (gathered per unit)      16P/N         14P/N              (3P-R)(N-1)/N
 
 (Stage 3 in bf16 keeps no 16-bit copy of the parameter shard, which the paper
 counts: each gather casts the fp32 master shard into the gathered buffer.)
@@ -29,7 +29,10 @@ its gradient window; each rank steps its 1/N shard, then all-gathers the
 updated parameters. Stage 2: a unit's gradients are reduce-scattered as soon as
 backward has produced them all, while the rest of backward runs; only the shard
 is kept. Stage 3: parameters are sharded too, gathered before each unit's
-forward and backward (the next units prefetched) and freed after.
+forward and backward (the next units prefetched) and freed after; the root
+(R bytes of the P: embeddings, final norm, tied head), whose forward encloses
+every other unit's and whose backward comes first, stays gathered from its
+forward to the end of backward (as FSDP2's root): one all-gather of it per step.
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ class ZeroOptimizer:
                 m,
                 comm,
                 shard_params=stage == 3,
-                reshard_after_forward=True,
+                reshard_after_forward=None,  # the root's backward comes first: kept gathered
                 persistent_grads=stage == 1,
                 param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype,

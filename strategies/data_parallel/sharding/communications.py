@@ -119,6 +119,7 @@ class OrderGuard:
         self.comm, self.names, self.enabled = comm, unit_names, enabled
         self._pending: deque[_Check] = deque()
         self._seq = 0
+        self._zero_row = [0] * _ROW
 
     def announce(
         self, unit: int, phase: int, step: int, micro: int, position: int, forwards: int
@@ -129,10 +130,9 @@ class OrderGuard:
         unit forwards this rank has run in the current forward pass."""
         if not self.enabled:
             return None
-        table = torch.zeros(self.comm.world_size, _ROW, dtype=torch.int64)
-        table[self.comm.rank] = torch.tensor(
-            [_MAGIC, unit, phase, step, micro, position, forwards, 0], dtype=torch.int64
-        )
+        rows = [self._zero_row] * self.comm.world_size  # one tensor built, not three ops
+        rows[self.comm.rank] = [_MAGIC, unit, phase, step, micro, position, forwards, 0]
+        table = torch.tensor(rows, dtype=torch.int64)
         self._seq += 1
         check = _Check(table, self.comm.all_reduce(table, ReduceOp.SUM, async_op=True), self._seq)
         self._pending.append(check)
@@ -145,10 +145,10 @@ class OrderGuard:
             c = self._pending.popleft()
             if c.work is not None:
                 c.work.wait()
-            rows = c.table
-            if not bool((rows == rows[0]).all()):
+            rows = c.table.tolist()  # 8 ints a rank: compared in Python, no tensor ops
+            if any(row != rows[0] for row in rows):
                 self._pending.clear()
-                raise ShardingMismatch(self._message(rows))
+                raise ShardingMismatch(self._message(c.table))
 
     def _describe(self, row: list[int]) -> str:
         magic, unit, phase, step, micro, pos, fwd, _ = row

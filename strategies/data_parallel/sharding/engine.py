@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from pycollectives import Communicator
 
 from .communications import BACKWARD, FORWARD, STEP, OrderGuard, all_gather_flat
+from .flat_param import GatherPool
 from .gradients import GradReducer
 from .meter import EngineMeter
 from .unit import FREE, ShardedUnit
@@ -95,6 +96,12 @@ class ShardingEngine:
             comm, root, units, guard=self.guard, meter=self.meter, announce=self.announce,
             overlap=overlap_reduce, buffers=reduce_buffers, master_grads=master_grads,
         )  # fmt: skip
+        # freed full buffers handed to the next gather of the same size (CPU)
+        self.gather_pool = GatherPool()
+        for u in units:
+            for f in u.flats:
+                if f.sharded and GatherPool.supported(f.device):
+                    f.pool = self.gather_pool
         self.require_grad_sync = True
         self.reshard_after_backward = True
         self.grad_hooks = grad_hooks
@@ -163,6 +170,7 @@ class ShardingEngine:
         for u in self.units:
             u.free(self.guard)
         self._ahead.clear()
+        self.gather_pool.clear()  # nothing gathered, nothing kept (between steps)
 
     # -- forward ----------------------------------------------------------------------
     def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -417,16 +425,20 @@ class ShardingEngine:
 
     def storage(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes held on this rank by role, each storage counted once: the
-        parameters (full buffers now allocated), the sharded parameters, the
-        gradients (shards, ZeRO-1 windows, no_sync buffers), the reduce-scatter
-        window pool, and the optimizer's state if given."""
-        return count_storage(self.storage_roles(optimizer))
+        parameters (full buffers now allocated, and freed ones kept for the
+        next gather), the sharded parameters, the gradients (shards, ZeRO-1
+        windows, no_sync buffers), the reduce-scatter window pool, and the
+        optimizer's state if given."""
+        out = count_storage(self.storage_roles(optimizer))
+        out["params"] += self.gather_pool.nbytes  # freed full buffers awaiting the next gather
+        return out
 
     def storage_roles(
         self, optimizer: torch.optim.Optimizer | None = None
     ) -> dict[str, list[torch.Tensor]]:
         """The tensors `storage` counts, by role (to count several engines' and other
-        tensors together, each storage once: count_storage)."""
+        tensors together, each storage once: count_storage); the gather pool's kept
+        buffers are not tensors, and none is kept between steps."""
         roles: dict[str, list[torch.Tensor]] = {
             k: [] for k in ("params", "param_shards", "grads", "reduce_buffers", "optimizer")
         }

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ALIGN_BYTES", "FlatLayout", "FlatParam", "ParamSlot"]
+__all__ = ["ALIGN_BYTES", "FlatLayout", "FlatParam", "GatherPool", "ParamSlot"]
 
 ALIGN_BYTES = 64
 
@@ -157,6 +157,54 @@ class FlatLayout:
         }
 
 
+class GatherPool:
+    """Memory of freed full buffers (CPU), kept for the next gather of the same
+    size: a unit freed after its forward or backward hands its memory to the
+    unit gathered next, instead of giving it back to malloc and the next
+    gather faulting fresh pages in (about as long as the gather's own copy).
+    The memory moves between storages by swapping their data pointers, so a
+    full buffer keeps its storage object and the views autograd saved stay
+    valid (as with resize_). At most `per_size` buffers of each size are kept,
+    and `clear()` (the end of a backward) returns them all.
+    """
+
+    def __init__(self, per_size: int = 1) -> None:
+        self.per_size = per_size
+        self._free: dict[int, list[torch.UntypedStorage]] = {}
+
+    @staticmethod
+    def supported(device: torch.device) -> bool:
+        """The CPU, with a torch that can swap storages' data pointers."""
+        return device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+    def take(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
+        """Gives the empty `storage` a kept buffer of `nbytes`, if there is one."""
+        kept = self._free.get(nbytes)
+        if not kept:
+            return False
+        storage._swap_data_ptr_(kept.pop())
+        return True
+
+    def give(self, storage: torch.UntypedStorage) -> bool:
+        """Keeps `storage`'s memory (leaving it empty) unless enough of its size are kept."""
+        kept = self._free.setdefault(storage.nbytes(), [])
+        if len(kept) >= self.per_size:
+            return False
+        spare = torch.UntypedStorage(0)
+        storage._swap_data_ptr_(spare)
+        kept.append(spare)
+        return True
+
+    def clear(self) -> None:
+        """Returns every kept buffer to the allocator."""
+        self._free.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept now."""
+        return sum(s.nbytes() for kept in self._free.values() for s in kept)
+
+
 class FlatParam:
     """This rank's tensors of one flat parameter.
 
@@ -217,6 +265,7 @@ class FlatParam:
         self._opt_param: nn.Parameter | None = None
         self.grads_exposed = False
         self.allocated = True
+        self.pool: GatherPool | None = None  # the engine's, for sharded flats on the CPU
         if sharded:
             self.use_shard()
             self.free_full()
@@ -227,13 +276,17 @@ class FlatParam:
     def alloc_full(self) -> None:
         """Gives `full` its storage back (its contents are undefined until gathered)."""
         if not self.allocated:
-            self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.itemsize)
+            st, n = self.full.untyped_storage(), self.layout.padded_numel * self.full.itemsize
+            if self.pool is None or not self.pool.take(st, n):
+                st.resize_(n)
             self.allocated = True
 
     def free_full(self) -> None:
         """Frees `full`'s storage (sharded only); the parameters must not view it."""
         if self.sharded and self.allocated:
-            self.full.untyped_storage().resize_(0)
+            st = self.full.untyped_storage()
+            if self.pool is None or not self.pool.give(st):
+                st.resize_(0)
             self.allocated = False
 
     def gather_input(self) -> torch.Tensor:
