@@ -103,7 +103,7 @@ def _run(fabric, d, job, *args, env=None, gate=None, swap=None, timeout=150):
 
 def _attacker(fabric, *argv: str) -> subprocess.Popen:
     cmd = ["ip", "netns", "exec", fabric.hosts[ATTACKER], sys.executable,
-           str(ROOT / "tests" / "attacker.py"), *argv]  # fmt: skip
+           str(paths.SUPPORT / "attacker.py"), *argv]  # fmt: skip
     return subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
 
 
