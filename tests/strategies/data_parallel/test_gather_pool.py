@@ -6,7 +6,7 @@ one buffer per size is kept, and nothing is kept between steps."""
 from __future__ import annotations
 
 import torch
-from test_zero_common import CFG, OPT, local_batch
+from zero_common import CFG, OPT, local_batch
 
 import pycollectives as pc
 from pycollectives.strategies.data_parallel.sharding.flat_param import (
