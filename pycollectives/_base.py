@@ -3,7 +3,7 @@
 operation is issued on it (CPU or CUDA buffers, or across hosts pinned host
 copies of CUDA ones: _staging.py) and its buffers kept alive while in flight,
 its symmetric shared-memory windows (alloc_shared), what it reports (stats, hosts, single copy, ...) and its lifetime (close,
-abort, closing every open one at exit)."""
+abort, closing every open one at exit, and recovery from a lost rank: revoke, agree, shrink)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _C
+from ._recovery import Agreement, failed_ranks, verdict_names
 from ._staging import Staged, Stager, TorchCudaOps, cache_bytes_from_env
 from .work import CudaWork, Timeout, Work, to_seconds
 
@@ -236,6 +237,58 @@ class CommunicatorBase:
         """Whether the communicator is aborted (an error, a timeout, a dead or
         interrupted peer, abort()): every operation on it raises."""
         return bool(self._c.aborted)
+
+    # -- recovery from a lost rank (docs/recovery.md; the core: csrc/comm/recovery.cc)
+
+    def revoke(self, reason: str = "") -> None:
+        """Revokes the communicator on every rank (MPIX_Comm_revoke): their
+        pending and later operations raise CommunicatorRevoked at once, naming
+        this rank and `reason`. agree() and shrink() still work on it: the
+        way out is shrink() (or close()). Raises CommunicatorAborted once closed."""
+        if not isinstance(reason, str):
+            raise TypeError(f"pycollectives: rank {self.rank}: revoke: reason must be a str")
+        why = f": {reason}" if reason else ""
+        self._c.revoke(f"pycollectives: rank {self.rank} revoked the communicator{why}")
+
+    def agree(self, flag: bool | int = True, *, timeout: Timeout = None) -> Agreement:
+        """Fault-tolerant agreement (MPIX_Comm_agree), collective over the ranks
+        that did not fail in an earlier one: every survivor returns the same
+        Agreement, the AND of the survivors' flags (bitwise, of 32-bit
+        non-negative ints) and the same failed ranks, whoever dies meanwhile.
+        Works on an aborted or revoked communicator. A rank that does not enter
+        within `timeout` (default: the communicator's) is declared
+        unresponsive and fenced; once a rank failed, the communicator is revoked.
+
+        Raises ValueError for a flag outside [0, 2**32), CommunicatorAborted
+        on a rank that was fenced (it must leave the job), and
+        PyCollectivesError across hosts (not supported yet)."""
+        is_bool = isinstance(flag, bool)
+        if not isinstance(flag, int) or not 0 <= int(flag) < 1 << 32:
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: agree: flag={flag!r} must be a bool or an "
+                "int in [0, 2**32)"
+            )
+        value, codes = self._c.agree(int(flag), to_seconds(timeout))
+        return Agreement(
+            bool(value) if is_bool else value, failed_ranks(codes), verdict_names(codes)
+        )
+
+    def shrink(self, *, timeout: Timeout = None) -> Any:
+        """Collective (MPIX_Comm_shrink): returns a new Communicator of the ranks
+        that did not fail, renumbered in the order of their ranks here; its
+        `parent_ranks` holds each new rank's rank here, `failed` the ranks that
+        failed. Works on an aborted or revoked communicator (close this one
+        afterwards). A rank that dies or stops (past `timeout`) while the
+        survivors build it is left out too, in another round; every round is
+        bounded (about three timeouts), and each but the last loses a rank.
+
+        Raises CommunicatorAborted on a fenced rank, and on every survivor
+        alike PyCollectivesError if the survivors could not build it."""
+        child, survivors, codes = self._c.shrink(to_seconds(timeout))
+        comm = type(self)(child)  # a Communicator, which derives from this class
+        comm.parent_ranks = tuple(survivors)
+        comm.failed = failed_ranks(codes)
+        return comm
 
     def __repr__(self) -> str:
         return f"<pycollectives.Communicator rank={self.rank} world_size={self.world_size}>"

@@ -16,7 +16,7 @@ from . import _C
 from ._args import check_no_overlap, check_root, cuda_args, cuda_p2p_ops, p2p_ops
 from ._base import CommunicatorBase
 from ._buffers import ITEMSIZE, describe, is_cuda_buffer
-from ._recovery import Agreement, RecoveryMixin
+from ._recovery import Agreement
 from ._staging import Staged
 from .work import CudaWork, Timeout, Work, to_seconds
 
@@ -48,7 +48,7 @@ def _op_code(op: Any, rank: int, name: str) -> int:
     return code
 
 
-class Communicator(CommunicatorBase, RecoveryMixin):
+class Communicator(CommunicatorBase):
     """A group of ranks (on one host or several); create with pycollectives.init() or split()."""
 
     def __init__(self, core: Any) -> None:

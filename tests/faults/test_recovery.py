@@ -13,19 +13,9 @@ import time
 import pytest
 import torch
 from spawn import run
+from test_faults import expect
 
 import pycollectives as pc
-
-
-def expect(exc: type, fn, *words: str) -> str:
-    try:
-        fn()
-    except exc as e:
-        msg = str(e)
-        missing = [w for w in words if w not in msg]
-        assert not missing, f"message {msg!r} lacks {missing}"
-        return msg
-    raise AssertionError(f"{fn} did not raise {exc.__name__}")
 
 
 def _sum_check(comm: pc.Communicator, ranks: tuple[int, ...]) -> None:
