@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 RANKS = 2
 
@@ -44,6 +45,10 @@ def main(script: str, train: Callable[[str], torch.nn.Module]) -> None:
         model = train(args.backend)
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         torch.save(state, Path(args.out) / f"{args.backend}-{os.environ['RANK']}.pt")
+        # Frameworks leave the process group to the interpreter's exit, where gloo's
+        # worker threads can still hold tensors and abort the rank (torch #179291).
+        if dist.is_initialized():
+            dist.destroy_process_group()
         return
     with tempfile.TemporaryDirectory() as out:
         for backend in ("gloo", "pycoll"):
