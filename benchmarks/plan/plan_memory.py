@@ -14,7 +14,8 @@
    tensors: interpreter, torch, modules, threads, the communicator's pools) + the
    predicted storage + the build's transient (each stage is built whole, in fp32,
    before it is split over tp and dp) + the activations of the micro-batches in flight
-   (Korthikanti et al. Table 2 in fp32, no dropout). Target: within 15%.
+   (Korthikanti et al. Table 2 in fp32, no dropout) + the pages of the peers' symmetric
+   windows its in-place collectives touch (peer_window_bytes). Target: within 15%.
 
 Writes its section of docs/benchmarks.md and docs/data/plan_memory-DATE.json.
 """
@@ -94,6 +95,7 @@ def predicted_rss(lo: dict, before: float) -> tuple[float, dict]:
     """The planner's peak RSS of each pp rank: the measured start + max(build, training)."""
     s, dp, tp, pp = BIG, lo["dp"], lo["tp"], lo["pp"]
     storage = ptrainer.trainer_storage(s, dp, tp, pp, lo["mode"], PIPE[lo["schedule"]])
+    peers = ptrainer.peer_window_bytes(s, dp, tp, pp, lo["mode"], PIPE[lo["schedule"]])
     stages = ptrainer.stage_params(s, pp, 1)
     out = []
     b = BIG_BATCH // (dp * BIG_MICRO)
@@ -105,7 +107,7 @@ def predicted_rss(lo: dict, before: float) -> tuple[float, dict]:
         in_flight = min(pp - r, BIG_MICRO) if pp > 1 else 1
         act = 2 * activation_bytes_per_layer(s.seq, b, s.hidden, s.heads, tp) * full["blocks"]
         act = act * in_flight + 4 * 3 * s.seq * b * s.vocab / tp  # logits, softmax, grad
-        out.append(before + max(whole + held, held + act))
+        out.append(before + max(whole + held, held + act + peers[r]))
     return max(out), {"storage": [sum(x.values()) for x in storage]}
 
 

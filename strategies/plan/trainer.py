@@ -28,7 +28,14 @@ from .inputs import ModelSpec
 from .memory import ADAM_STATE, REDUCE_WINDOWS
 from .units import PlanInputError
 
-__all__ = ["MODES", "block_params_tp", "rank_stages", "stage_params", "trainer_storage"]
+__all__ = [
+    "MODES",
+    "block_params_tp",
+    "peer_window_bytes",
+    "rank_stages",
+    "stage_params",
+    "trainer_storage",
+]
 
 MODES = ("zero0", "zero1", "zero2", "zero3", "fsdp")
 
@@ -94,21 +101,10 @@ def trainer_storage(
         raise PlanInputError(f"trainer_storage: {mode} needs pp=1 (got pp={pp})")
     if min(dp, tp, pp) < 1 or spec.heads % tp:
         raise PlanInputError(f"trainer_storage: dp={dp} tp={tp} pp={pp}, heads={spec.heads}")
-    held = rank_stages(schedule if pp > 1 else "1f1b", pp)
-    stages = stage_params(spec, sum(len(h) for h in held), tp)
     out = []
-    for mine in held:
-        ss = [stages[s] for s in mine]
-        both_ends = 0 in mine and len(stages) - 1 in mine
-        p = sum(s["blocks"] * s["block"] + s["embed"] + s["head"] for s in ss)
-        p += 0 if both_ends else sum(s["tied"] for s in ss)
+    for p, windows in _rank_params(spec, dp, tp, pp, mode, schedule):
+        windows *= width
         shard = p / dp
-        if mode == "fsdp":  # one window pool per FSDP root (stage)
-            windows = sum(max(s["block"], s["embed"] + s["head"] + s["tied"]) for s in ss)
-        else:  # ZeroOptimizer's units: the blocks, and the rest as the root
-            ends = sum(s["embed"] + s["head"] + s["tied"] for s in ss)
-            windows = max(max(s["block"] for s in ss), ends)
-        windows *= REDUCE_WINDOWS * width if dp > 1 and mode in ("zero2", "zero3", "fsdp") else 0
         sharded = dp > 1 and mode != "zero0"
         out.append({
             "params": width * (shard if mode in ("zero3", "fsdp") and dp > 1 else p),
@@ -117,4 +113,55 @@ def trainer_storage(
             "optimizer": ADAM_STATE / 4 * width * (shard if sharded else p),
             "reduce_buffers": float(windows + (width * p if mode == "zero0" and dp > 1 else 0)),
         })  # fmt: skip
+    return out
+
+
+def peer_window_bytes(
+    spec: ModelSpec,
+    dp: int,
+    tp: int,
+    pp: int,
+    mode: str,
+    schedule: str = "1f1b",
+    width: int = 4,
+) -> list[float]:
+    """Bytes of the dp peers' symmetric windows (`comm.alloc_shared`) that each pipeline
+    rank's in-place collectives touch in a step: pages that count in the rank's resident
+    set (RSS) although they are the peers' memory, held once on the machine (its PSS
+    counts them shared). A reduce-scatter reads this rank's block of every peer's window,
+    an all-gather every peer's own block, an all-reduce both: (dp-1)/dp of a window, or
+    2(dp-1)/dp. --zero 0 all-reduces its gradient buckets; ZeRO-1 reduce-scatters its
+    full gradient window and all-gathers its parameter window; ZeRO-2 all-gathers the
+    parameter window and reduce-scatters through its window pool; ZeRO-3 and FSDP only
+    the pool. Raises PlanInputError as trainer_storage does."""
+    trainer_storage(spec, dp, tp, pp, mode, schedule, width)  # the same checks
+    peers = (dp - 1) / dp
+    touched = {"zero0": lambda p, w: 2 * p, "zero1": lambda p, w: 2 * p,
+               "zero2": lambda p, w: p + w}  # fmt: skip
+    return [
+        width * peers * touched.get(mode, lambda p, w: w)(p, windows)
+        for p, windows in _rank_params(spec, dp, tp, pp, mode, schedule)
+    ]
+
+
+def _rank_params(
+    spec: ModelSpec, dp: int, tp: int, pp: int, mode: str, schedule: str
+) -> list[tuple[int, int]]:
+    """Per pipeline rank: (the parameters of its stages on one tp rank, the elements of
+    its pool of reduce-scatter windows: 0 unless ZeRO-2/3 or FSDP with dp > 1)."""
+    held = rank_stages(schedule if pp > 1 else "1f1b", pp)
+    stages = stage_params(spec, sum(len(h) for h in held), tp)
+    out = []
+    for mine in held:
+        ss = [stages[s] for s in mine]
+        both_ends = 0 in mine and len(stages) - 1 in mine
+        p = sum(s["blocks"] * s["block"] + s["embed"] + s["head"] for s in ss)
+        p += 0 if both_ends else sum(s["tied"] for s in ss)
+        if mode == "fsdp":  # one window pool per FSDP root (stage)
+            windows = sum(max(s["block"], s["embed"] + s["head"] + s["tied"]) for s in ss)
+        else:  # ZeroOptimizer's units: the blocks, and the rest as the root
+            ends = sum(s["embed"] + s["head"] + s["tied"] for s in ss)
+            windows = max(max(s["block"] for s in ss), ends)
+        pooled = dp > 1 and mode in ("zero2", "zero3", "fsdp")
+        out.append((p, windows * REDUCE_WINDOWS if pooled else 0))
     return out
