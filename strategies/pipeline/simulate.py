@@ -63,28 +63,38 @@ class SimResult:
 
 def simulate(
     schedule: Schedule,
-    t_F: float = 1.0,  # noqa: N803 (the cost names of the literature)
-    t_B: float = 1.0,  # noqa: N803
-    t_W: float = 1.0,  # noqa: N803
+    t_F: float | Sequence[float] = 1.0,  # noqa: N803 (the cost names of the literature)
+    t_B: float | Sequence[float] = 1.0,  # noqa: N803
+    t_W: float | Sequence[float] = 1.0,  # noqa: N803
     t_p2p: float = 0.0,
     *,
     overlap: bool = True,
 ) -> SimResult:
-    """Simulates `schedule` with these costs (see the module docstring).
+    """Simulates `schedule` with these costs (see the module docstring). Each compute
+    cost is one number for every stage, or a sequence of one per stage (stages that
+    hold different shares of the model: the first the embeddings, the last the head).
 
     Raises ScheduleError (from verify) if the schedule breaks a dependency or
-    deadlocks, ValueError on a negative cost.
+    deadlocks, ValueError on a negative cost or a sequence that is not one per stage.
     """
-    if min(t_F, t_B, t_W, t_p2p) < 0:
+    stages = schedule.p * schedule.v
+    per_stage = {}
+    for name, t in (("t_F", t_F), ("t_B", t_B), ("t_W", t_W)):
+        ts = [float(t)] * stages if isinstance(t, (int, float)) else [float(x) for x in t]
+        if len(ts) != stages:
+            raise ValueError(f"simulate: {name} has {len(ts)} costs for {stages} stages")
+        per_stage[name] = ts
+    if min(min(ts) for ts in per_stage.values()) < 0 or t_p2p < 0:
         raise ValueError(f"simulate: costs must be >= 0, got {t_F=}, {t_B=}, {t_W=}, {t_p2p=}")
+    f, b, w = per_stage["t_F"], per_stage["t_B"], per_stage["t_W"]
     costs = {
-        Kind.FORWARD: t_F,
-        Kind.BACKWARD: t_B + t_W,
-        Kind.BACKWARD_INPUT: t_B,
-        Kind.BACKWARD_WEIGHT: t_W,
+        Kind.FORWARD: f,
+        Kind.BACKWARD: [x + y for x, y in zip(b, w, strict=True)],
+        Kind.BACKWARD_INPUT: b,
+        Kind.BACKWARD_WEIGHT: w,
     }
     records = execute(
-        schedule, check_static(schedule), lambda a: costs[a.kind], t_p2p, overlap=overlap
+        schedule, check_static(schedule), lambda a: costs[a.kind][a.stage], t_p2p, overlap=overlap
     )
     busy = [0.0] * schedule.p
     makespan = 0.0

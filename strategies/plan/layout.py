@@ -8,15 +8,15 @@ spans hosts runs hierarchically (costs.hierarchical_time) with the inter-host li
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pycollectives.strategies.pipeline import build, simulate
 
 from .costs import LinkCost, hierarchical_time, ring_time
-from .inputs import DTYPES, Request
+from .inputs import DTYPES, ModelSpec, Request
 from .memory import activation_bytes_per_layer, model_states, reduce_window_bytes
+from .trainer import stage_params
 
 if TYPE_CHECKING:
     from .fitted import CostModel
@@ -115,6 +115,21 @@ def _check(req: Request, lo: Layout) -> str | None:
     return None
 
 
+def _stage_total(st: dict[str, int]) -> int:
+    """Parameters a stage holds (stage_params' entry)."""
+    return st["blocks"] * st["block"] + st["embed"] + st["head"] + st["tied"]
+
+
+def _stage_flop_params(m: ModelSpec, st: dict[str, int]) -> int:
+    """A whole stage's (tp = 1) parameters as 6PT counts them: the blocks, the
+    embeddings on the first stage, the head on the last; a tied output weight counted
+    once, on the last stage (its matmul runs there), not on the first (a lookup)."""
+    tied = m.vocab * m.hidden if m.tied else 0
+    embed = st["embed"] - tied if st["embed"] else 0
+    head = st["head"] + tied if st["head"] else 0
+    return st["blocks"] * st["block"] + embed + head
+
+
 def price(req: Request, lo: Layout, links: dict[str, LinkCost | CostModel]) -> Priced | Rejected:
     """Memory and step time of `lo` under `req`, or why it is rejected (see the module
     docstring for the rank order; links: {"intra": LinkCost, "inter": LinkCost})."""
@@ -124,17 +139,16 @@ def price(req: Request, lo: Layout, links: dict[str, LinkCost | CostModel]) -> P
     m, c = req.model, req.cluster
     width, mixed = DTYPES[req.allowed.dtype]
     v = INTERLEAVE if lo.schedule == "interleaved" and lo.pp > 1 else 1
-    layers = math.ceil(m.layers / (lo.pp * v)) * v  # the busiest rank's blocks
     b = req.global_batch // (lo.dp * lo.microbatches)  # micro-batch size
-    # The busiest rank: its blocks and the embeddings (first stage), or with pp = 1 the head
-    # too (the last stage's tied copy of the embedding is no larger than the first's).
-    ends = m.embed_params() + (m.head_params() if lo.pp == 1 else 0)
-    p_rank = (layers * m.block_params() + ends) / lo.tp
-    if lo.pp > 1:
-        sched = build(lo.schedule, lo.pp, lo.microbatches, v)
-        in_flight = max(simulate(sched).peak_activations)
-    else:
-        sched, in_flight = None, v
+    # The stages as the pipeline cuts them (pipeline.balance: the first also holds the
+    # embeddings, the last the head), and the busiest rank: the most parameters (a tp
+    # rank's share, the last stage's tied copy of the embedding included) and blocks.
+    sched = build(lo.schedule, lo.pp, lo.microbatches, v) if lo.pp > 1 else None
+    held = [sched.stages_of(r) for r in range(lo.pp)] if sched else [(0,)]
+    stages = stage_params(m, lo.pp * v, lo.tp)
+    p_rank = max(sum(_stage_total(stages[s]) for s in mine) for mine in held)
+    layers = max(sum(stages[s]["blocks"] for s in mine) for mine in held)
+    in_flight = max(simulate(sched).peak_activations) if sched else v
     # Memory per rank.
     states = model_states(p_rank, lo.dp, lo.sharding, req.allowed.dtype, "pycollectives")
     act_layer = activation_bytes_per_layer(
@@ -168,28 +182,29 @@ def price(req: Request, lo: Layout, links: dict[str, LinkCost | CostModel]) -> P
         )
     # Step time: compute per micro-batch per stage, tp collectives in the critical path.
     tokens_mb = b * m.seq
-    flops_fwd = (2 * p_rank * lo.tp + 4 * layers * m.hidden * m.seq) * tokens_mb / lo.tp
-    recompute = {
-        "none": 0.0,
-        "selective": 4 * layers * m.hidden * m.seq * tokens_mb / lo.tp,
-        "full": flops_fwd,
-    }
-    t_f = flops_fwd / c.flops
-    t_b = (2 * flops_fwd + recompute[lo.recompute]) / c.flops
     act_bytes = tokens_mb * m.hidden * width
     tp_ar = _collective(req, "all_reduce", lo.tp, 1, act_bytes, links)
-    t_f += 2 * layers * tp_ar
-    t_b += 2 * layers * tp_ar
+    whole = stage_params(m, lo.pp * v, 1)  # FLOPs: 2 per parameter and token, forward
+    fwd, bwd = [], []
+    for st in whole:
+        flops = (2 * _stage_flop_params(m, st) + 4 * st["blocks"] * m.hidden * m.seq) * tokens_mb
+        attention = 4 * st["blocks"] * m.hidden * m.seq * tokens_mb
+        extra = {"none": 0.0, "selective": attention, "full": flops}[lo.recompute]
+        fwd.append(flops / lo.tp / c.flops + 2 * st["blocks"] * tp_ar)
+        bwd.append((2 * flops + extra) / lo.tp / c.flops + 2 * st["blocks"] * tp_ar)
+    busiest = max(held, key=lambda mine: sum(fwd[s] + bwd[s] for s in mine))
+    t_f, t_b = sum(fwd[s] for s in busiest), sum(bwd[s] for s in busiest)
+    layers_busy = sum(whole[s]["blocks"] for s in busiest)
     p2p = 0.0
-    if lo.pp > 1:
+    if sched:
         link = (
             links["inter"] if _crosses(lo.pp, lo.tp * lo.dp, c.devices_per_host) else links["intra"]
         )
         p2p = link.alpha + act_bytes * link.beta
-        split = lo.schedule == "zb-h1"
-        res = simulate(
-            sched, t_f / v, t_b / v / (2 if split else 1), t_b / v / 2 if split else 0.0, p2p
-        )
+        if lo.schedule == "zb-h1":  # B split into I and W, half each
+            res = simulate(sched, fwd, [x / 2 for x in bwd], [x / 2 for x in bwd], p2p)
+        else:
+            res = simulate(sched, fwd, bwd, 0.0, p2p)
         pipeline = res.makespan
         bubble = res.bubble_fraction * pipeline
     else:
@@ -209,8 +224,8 @@ def price(req: Request, lo: Layout, links: dict[str, LinkCost | CostModel]) -> P
     hidden_sync = min(sync, t_b * (lo.microbatches if lo.sharding in ("zero3", "fsdp") else 1))
     hidden_gathers = min(gathers, compute_total - hidden_sync)
     time = {
-        "compute": lo.microbatches * (t_f + t_b - 4 * layers * tp_ar),
-        "tp_collectives": lo.microbatches * 4 * layers * tp_ar,
+        "compute": lo.microbatches * (t_f + t_b - 4 * layers_busy * tp_ar),
+        "tp_collectives": lo.microbatches * 4 * layers_busy * tp_ar,
         "pipeline_bubble": bubble,
         "dp_exposed": (sync - hidden_sync) + (gathers - hidden_gathers) + after,
         "dp_overlapped": hidden_sync + hidden_gathers,

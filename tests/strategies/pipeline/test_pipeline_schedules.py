@@ -360,3 +360,17 @@ def test_draw_timeline_without_matplotlib(monkeypatch, tmp_path) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
     with pytest.raises(ImportError, match="pip install matplotlib"):
         draw_timeline([(0, 0.0, 1.0, "0F0")], tmp_path / "x.png")
+
+
+def test_simulate_takes_a_cost_per_stage():
+    """Per-stage costs: the same cost on every stage is the scalar's result; a slower last
+    stage lengthens 1F1B's step to at least m times its work; one cost per stage or an error."""
+    sched = build("1f1b", 4, 8)
+    same = simulate(sched, [1.0] * 4, [2.0] * 4, 0.0)
+    assert same.makespan == simulate(sched, 1.0, 2.0, 0.0).makespan
+    slow = simulate(sched, [1, 1, 1, 3], [2, 2, 2, 6], 0.0)
+    assert slow.makespan >= 8 * 9 and slow.busy[3] == 8 * 9
+    with pytest.raises(ValueError, match="t_B has 3 costs for 4 stages"):
+        simulate(sched, 1.0, [2.0] * 3)
+    with pytest.raises(ValueError, match="costs must be >= 0"):
+        simulate(sched, [1.0, -1.0, 1.0, 1.0])
