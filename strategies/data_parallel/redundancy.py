@@ -5,11 +5,15 @@ Under ZeRO the master parameters and the optimizer state of a shard live on one
 rank only. `BuddyCopy` keeps, in host memory, a copy of this rank's shard state
 (its master shards, frozen ones included, and the optimizer state of its
 trainable shards) and a copy of rank (r - 1) % n's, which that rank sends it:
-every shard is held twice, on its rank and on the next. A refresh packs the
-state into one byte buffer, exchanges it with the buddies (send to r + 1,
-receive from r - 1) into staging buffers, and becomes the copy only when
-`commit` is called, after every rank agreed that it succeeded: a failure
-during a refresh leaves the previous copy whole on every rank.
+every shard is held twice, on its rank and on the next. A refresh sends the
+state straight from its tensors to the buddy (r + 1) and receives the
+predecessor's (r - 1) into a staging buffer; it becomes the copy only when
+`commit` is called, after every rank agreed that it succeeded (then each rank
+also copies its own state into its own copy): a failure during a refresh
+leaves the previous copy whole on every rank. Host memory: 3 S, S this rank's
+shard state in bytes (its copy, the predecessor's and the staging buffer).
+The own copy is what lets the survivors roll back alike: after a failure
+every rank, not only the dead one's buddy, returns to the copy's step.
 
 After a failure, `gather_full_state` rebuilds, from the survivors' own copies
 and the buddies' copies of the dead ranks' shards, the full (unsharded) flat
@@ -83,7 +87,8 @@ class BuddyCopy:
         self.entries: list[Entry] = []
         self.local = torch.empty(0, dtype=torch.uint8)  # this rank's state at `step`
         self.remote = torch.empty(0, dtype=torch.uint8)  # rank - 1's state at `step`
-        self._staged: tuple[torch.Tensor, torch.Tensor, list[Entry]] | None = None
+        self._staging = torch.empty(0, dtype=torch.uint8)  # what the next refresh receives into
+        self._staged: tuple[torch.Tensor, list[Entry], list[torch.Tensor]] | None = None
 
     @property
     def buddy(self) -> int:
@@ -92,52 +97,67 @@ class BuddyCopy:
 
     @property
     def nbytes(self) -> int:
-        staged = sum(t.numel() for t in self._staged[:2]) if self._staged else 0
-        return self.local.numel() + self.remote.numel() + staged
+        """Host bytes held: this rank's copy, the predecessor's and the staging buffer."""
+        staged = self._staged[0] if self._staged else self._staging
+        return self.local.numel() + self.remote.numel() + staged.numel()
 
     def refresh(self) -> None:
-        """Collective (point to point with both neighbours): packs this rank's
-        state now and exchanges it with the buddies into staging buffers; the
-        committed copy is untouched until commit(). Raises the communicator's
-        errors (a failed rank)."""
+        """Collective (point to point with both neighbours): sends this rank's
+        state as it is now to the buddy, straight from its tensors, and
+        receives the predecessor's into a staging buffer; the committed copy
+        is untouched until commit(). Raises the communicator's errors (a
+        failed rank)."""
         tensors = _shard_tensors(self.zero)
         entries, off = [], 0
         for flat, key, t, sharded in tensors:
             n = t.numel() * t.element_size()
             entries.append(Entry(flat, key, t.dtype, tuple(t.shape), off, n, sharded, t.device))
             off += n
-        local = self._buffer(0, off)
-        for e, (_, _, t, _) in zip(entries, tensors, strict=True):
-            if e.nbytes:
-                local[e.offset : e.offset + e.nbytes].copy_(
-                    t.detach().reshape(-1).view(torch.uint8)
-                )
-        remote = self._buffer(1, off)
-        self._staged = (local, remote, entries)
+        staging = self._staging if self._staging.numel() == off else None
+        if staging is None:
+            staging = torch.empty(off, dtype=torch.uint8)
+        self._staged = (staging, entries, [t for _, _, t, _ in tensors])
         n = self.world_size
         if n == 1:  # no buddy: the local copy only
             return
-        self.comm.batch_p2p([("send", local, self.buddy), ("recv", remote, (self.rank - 1) % n)])
-
-    def _buffer(self, which: int, nbytes: int) -> torch.Tensor:
-        """A staging buffer of `nbytes`: the one staged before if it fits."""
-        if self._staged is not None and self._staged[which].numel() == nbytes:
-            return self._staged[which]
-        return torch.empty(nbytes, dtype=torch.uint8)
+        prev = (self.rank - 1) % n
+        ops = [("send", _bytes(t), self.buddy) for _, _, t, _ in tensors if t.numel()]
+        ops += [
+            ("recv", staging[e.offset : e.offset + e.nbytes], prev) for e in entries if e.nbytes
+        ]
+        self.comm.batch_p2p(ops)
 
     def commit(self, step: int) -> None:
-        """The staged copies become the copy of training step `step` (call on
-        every rank once all agreed that the refresh succeeded); the previous
-        copy's buffers are reused as the next staging buffers."""
+        """The refresh becomes the copy of training step `step` (call on every
+        rank once all agreed that the refresh succeeded, before the state
+        changes): the received staging buffer becomes the predecessor's copy
+        (the old one the next staging buffer), and this rank's state is
+        copied into its own copy."""
         if self._staged is None:
             raise RuntimeError(f"BuddyCopy: rank {self.rank}: commit without a refresh")
-        local, remote, self.entries = self._staged
-        self._staged = (self.local, self.remote, self.entries)
-        self.local, self.remote, self.step = local, remote, step
+        staging, entries, tensors = self._staged
+        self._staged = None
+        nbytes = entries[-1].offset + entries[-1].nbytes if entries else 0
+        if self.local.numel() != nbytes:
+            self.local = torch.empty(nbytes, dtype=torch.uint8)
+        for e, t in zip(entries, tensors, strict=True):
+            if e.nbytes:
+                self.local[e.offset : e.offset + e.nbytes].copy_(_bytes(t))
+        if self.world_size > 1:
+            self._staging, self.remote = self.remote, staging
+        self.entries, self.step = entries, step
 
     def discard(self) -> None:
-        """Drops the staging buffers (a refresh that did not commit, or memory back)."""
+        """Forgets a refresh that did not commit (its staging buffer is kept for the next)."""
+        if self._staged is not None:
+            self._staging = self._staged[0]
         self._staged = None
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as uint8 (for CUDA tensors: a host copy)."""
+    flat = t.detach().reshape(-1)
+    return (flat if flat.device.type == "cpu" else flat.cpu()).view(torch.uint8)
 
 
 def _view(buf: torch.Tensor, e: Entry) -> torch.Tensor:
