@@ -125,3 +125,71 @@ def test_survivors_rebuild_the_lost_shard_and_match_the_survivors_layout_bitwise
             assert params[name] == want[r][name], (r, name)
     # The parameters moved (the comparison is not of untrained models).
     assert got[survivors[0]][0] != _lists(dict(_gpt().named_parameters()))
+
+
+def _neighbours_die(rank: int, world_size: int) -> Any:
+    comm = pc.init(timeout=30)
+    ez = ElasticZero(_gpt(), torch.optim.AdamW, comm, 3, **OPT)
+    while ez.steps < TOTAL:
+        if rank in (1, 2) and ez.steps == 2:  # a rank and its buddy, in the same step
+            _die()
+        s = ez.steps
+        try:
+            ez.step(lambda m, r, n, s=s: _loss(m, s, r, n))
+        except RuntimeError as e:
+            return str(e)
+    return None
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_and_its_buddy_lost_together_raise_on_every_survivor():
+    got = run(_neighbours_die, 4, timeout=150, expect_exit={1: -9, 2: -9})
+    for r in (0, 3):
+        assert got[r] is not None and "shards of ranks [1] are lost" in got[r], got[r]
+
+
+def _detach(rank: int, world_size: int) -> Any:
+    comm = pc.init(timeout=30)
+    out = {}
+    for stage in (2, 3):
+        model = _gpt()
+        zero = ZeroOptimizer(model, torch.optim.AdamW, comm, stage, **OPT)
+        _step(zero, model, 0, comm)
+        full = zero.full_parameters()
+        if stage == 3:
+            try:
+                zero.detach()
+            except ValueError as e:
+                out["stage3 without values"] = str(e)
+            zero.detach(full)
+        else:
+            zero.detach()  # stage 2 holds the full parameters: no values needed
+        params = dict(model.named_parameters())
+        # Own storage in the full shape, the trained values, no hooks or marks left.
+        out[stage] = all(
+            params[n].shape == v.shape and torch.equal(params[n].detach(), v)
+            for n, v in full.items()
+        ) and not any(hasattr(m, "_sharding_unit") for m in model.modules())
+        # Wrapped again, it trains as a fresh model with these values does.
+        again = ZeroOptimizer(model, torch.optim.AdamW, comm, stage, **OPT)
+        _step(again, model, 1, comm)
+        out[f"{stage} again"] = _lists(again.full_parameters())
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_zero_optimizer_detach_gives_the_model_back_to_wrap_again():
+    got = run(_detach, 2, timeout=150)
+    for r in range(2):
+        assert got[r][2] and got[r][3], got[r]
+        assert "needs a value" in got[r]["stage3 without values"]
+    assert got[0]["2 again"] == got[1]["2 again"]
+
+
+def test_copy_every_must_be_a_positive_int():
+    class Comm:
+        rank = 0
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="copy_every"):
+            ElasticZero(torch.nn.Linear(2, 2), torch.optim.SGD, Comm(), copy_every=bad, lr=0.1)
