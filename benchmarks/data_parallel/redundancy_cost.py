@@ -13,7 +13,8 @@ the median over rounds of each round's ratio to "off" (the paired ratio);
 memory: the bytes a rank's ZeroOptimizer holds (storage(), each storage once:
 parameters, shards, gradients, optimizer state, reduce windows) and the host
 bytes its BuddyCopy holds (its own copy, the copy of its predecessor and the
-staging buffer a refresh receives into: 3 x the packed shard state S). Writes
+staging buffer a refresh receives into: 3 x the packed shard state S), and
+the time of a refresh with its agreement and commit alone. Writes
 its section of docs/benchmarks.md between its markers.
 """
 
@@ -87,6 +88,18 @@ def job(rank: int, world: int, port: int, stage: int, args: argparse.Namespace) 
             t0 = time.perf_counter()
             step(name)
             times[name].append(time.perf_counter() - t0)
+    refresh = {}  # the copy's own cost: refresh, agreement, commit (no training step)
+    for name, (_, z) in variants.items():
+        if isinstance(z, ElasticZero):
+            refresh[name] = []
+            for _ in range(args.rounds):
+                comm.barrier()
+                t0 = time.perf_counter()
+                z.copy.refresh()
+                if not z.comm.agree(True).value:
+                    raise RuntimeError(f"rank {rank}: a refresh failed with no failure")
+                z.copy.commit(z.steps)
+                refresh[name].append(time.perf_counter() - t0)
     storage = {
         n: sum((z.zero if isinstance(z, ElasticZero) else z).storage().values())
         for n, (_, z) in variants.items()
@@ -97,7 +110,14 @@ def job(rank: int, world: int, port: int, stage: int, args: argparse.Namespace) 
     }
     p = sum(q.numel() for q in GPT(cfg).parameters())
     comm.close()
-    return {"times": times, "storage": storage, "copies": copies, "state": state, "P": p}
+    return {
+        "times": times,
+        "refresh": refresh,
+        "storage": storage,
+        "copies": copies,
+        "state": state,
+        "P": p,
+    }
 
 
 def render(stage: int, n: int, res: list[dict]) -> list[str]:
@@ -110,17 +130,22 @@ def render(stage: int, n: int, res: list[dict]) -> list[str]:
         f"ZeRO-{stage}, {n} ranks:",
         "",
         "| variant | median step (ms) | paired ratio to off | ZeroOptimizer storage MiB "
-        "| shard state S MiB | BuddyCopy host MiB | copies / storage |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| shard state S MiB | BuddyCopy host MiB | copies / storage | refresh + agree (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for k in names:
         ratio = statistics.median(a / b for a, b in zip(slowest[k], slowest["off"], strict=True))
         store = max(r["storage"][k] for r in res)
         copies = max(r["copies"].get(k, 0) for r in res)
         state = max(r["state"].get(k, 0) for r in res)
+        ref = "-"
+        if k in res[0]["refresh"]:
+            worst = [max(r["refresh"][k][i] for r in res) for i in range(rounds)]
+            ref = f"{statistics.median(worst) * 1e3:.2f}"
         out.append(
             f"| {k} | {statistics.median(slowest[k]) * 1e3:.1f} | {ratio:.3f} | "
-            f"{store / mib:.1f} | {state / mib:.1f} | {copies / mib:.1f} | {copies / store:.2f} |"
+            f"{store / mib:.1f} | {state / mib:.1f} | {copies / mib:.1f} | {copies / store:.2f} "
+            f"| {ref} |"
         )
     return [*out, ""]
 
@@ -157,6 +182,11 @@ def main() -> int:
         "host memory, one send of it to the buddy and one receive from the predecessor), k=4 "
         "after every 4th; both end every step in comm.agree. S: this rank's packed shard state "
         "(master shards and AdamW's two moments: 12 bytes a parameter of its shard).",
+        "Refresh + agree: one refresh, the agreement and the commit alone (no training step), "
+        "the slowest rank, median over as many repetitions as rounds: what a refresh adds to "
+        "a step, measured apart from the step-time noise. With the load above the 2 cores, the "
+        "paired step ratios carry the scheduler's noise (a few percent either way) and all "
+        "times need a quiet rerun.",
         f"Load average at start {', '.join(f'{x:.2f}' for x in load0)}, at end "
         f"{', '.join(f'{x:.2f}' for x in load1)}; {time.perf_counter() - t0:.0f} s in all.",
     ]

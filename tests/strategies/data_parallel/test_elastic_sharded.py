@@ -54,7 +54,14 @@ def _elastic(rank: int, world_size: int, stage: int, every: int, victim: int, wh
     def due() -> bool:
         return rank == victim and ez.steps == at and ez.world_size == world_size
 
-    if where == "backward":  # mid-backward: block 1's reduce-scatter is under way
+    if where == "forward":  # between the gathers of the blocks
+
+        def pre(module: torch.nn.Module, args: tuple) -> None:
+            if due():
+                _die()
+
+        model.blocks[1].register_forward_pre_hook(pre)
+    elif where == "backward":  # mid-backward: block 1's reduce-scatter is under way
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if due():
@@ -101,6 +108,7 @@ def _reference(rank: int, world_size: int, stage: int, switch: int, victim: int,
 
 
 CASES = [  # stage, copy_every, victim, where it dies, the step the survivors go on from
+    pytest.param(3, 1, 2, "forward", 3, id="zero3-k1-forward"),
     pytest.param(3, 1, 3, "backward", 3, id="zero3-k1-backward"),
     pytest.param(2, 1, 1, "optimizer", 3, id="zero2-k1-optimizer-step"),
     pytest.param(3, 2, 0, "refresh", 2, id="zero3-k2-refresh"),
