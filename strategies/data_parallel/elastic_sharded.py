@@ -35,7 +35,7 @@ from pycollectives import Communicator, PyCollectivesError
 from .redundancy import BuddyCopy, Entry, gather_full_state
 from .zero import ZeroOptimizer
 
-__all__ = ["ElasticZero"]
+__all__ = ["ElasticZero", "reshard"]
 
 
 class ElasticZero:
@@ -133,7 +133,8 @@ class ElasticZero:
         shrink_s, start = time.monotonic() - start, time.monotonic()
         self.copy.discard()
         full = gather_full_state(self.copy, self.comm, self.comm.parent_ranks)
-        self._reshard(full)
+        optimizer_class, stage, kwargs = self._build
+        self.zero = reshard(self.zero, full, self.comm, optimizer_class, stage, **kwargs)
         with warnings.catch_warnings():  # its failed pending operations: reported above
             warnings.simplefilter("ignore", RuntimeWarning)
             old.close()
@@ -152,38 +153,47 @@ class ElasticZero:
             }
         )
 
-    def _reshard(self, full: dict[tuple[int, str], tuple[torch.Tensor, Entry]]) -> None:
-        """Gives the model the full values, wraps it in a new ZeroOptimizer on
-        the survivors and loads each new shard's optimizer state from `full`."""
-        old = self.zero
-        flats = [f for u in old.engine.units for f in u.flats]
-        values = {}
-        for u in old.engine.units:
-            prefix = "" if u is old.engine.root else u.name + "."
-            for f in u.flats:
-                flat = full[(flats.index(f), "param")][0]
-                for s in f.layout.slots:
-                    values[prefix + s.name] = flat[s.offset : s.end].view(s.shape)
-        old.detach(values)
-        optimizer_class, stage, kwargs = self._build
-        self.zero = new = ZeroOptimizer(self.model, optimizer_class, self.comm, stage, **kwargs)
-        for g_new, g_old in zip(
-            new.optimizer.param_groups, old.optimizer.param_groups, strict=True
-        ):
-            g_new.update({k: v for k, v in g_old.items() if k != "params"})  # e.g. a scheduled lr
-        index = {id(f): i for i, f in enumerate(flats)}
-        for f_old, f_new in zip(old._flats, new._flats, strict=True):  # noqa: SLF001
-            i = index[id(f_old)]
-            a, b = f_new.layout.shard_range(self.comm.rank)
-            state = {}
-            for (j, key), (t, e) in full.items():
-                if j != i or key == "param":
-                    continue
-                if e.sharded:  # this rank's block at the new size (zeros in new padding)
-                    block = torch.zeros(b - a, dtype=t.dtype)
-                    have = t[a : min(b, t.numel())]
-                    block[: have.numel()] = have
-                    t = block
-                state[key] = t.to(e.device, copy=True)
-            if state:
-                new.optimizer.state[f_new.opt_param] = state
+
+def reshard(
+    old: ZeroOptimizer,
+    full: dict[tuple[int, str], tuple[torch.Tensor, Entry]],
+    comm: Communicator,
+    optimizer_class: type[torch.optim.Optimizer],
+    stage: int,
+    **zero_kwargs: Any,
+) -> ZeroOptimizer:
+    """Collective over `comm`: re-shards the full state `full` (as
+    gather_full_state returns it, laid out as `old`'s flat parameters) over
+    `comm`: gives the model the full values (old.detach), wraps it in a new
+    ZeroOptimizer and loads each new shard's optimizer state (the learning
+    rates and other hyperparameters from `old`'s parameter groups). Returns
+    the new optimizer; `old` must not be used any more."""
+    flats = [f for u in old.engine.units for f in u.flats]
+    values = {}
+    for u in old.engine.units:
+        prefix = "" if u is old.engine.root else u.name + "."
+        for f in u.flats:
+            flat = full[(flats.index(f), "param")][0]
+            for s in f.layout.slots:
+                values[prefix + s.name] = flat[s.offset : s.end].view(s.shape)
+    old.detach(values)
+    new = ZeroOptimizer(old.model, optimizer_class, comm, stage, **zero_kwargs)
+    for g_new, g_old in zip(new.optimizer.param_groups, old.optimizer.param_groups, strict=True):
+        g_new.update({k: v for k, v in g_old.items() if k != "params"})  # e.g. a scheduled lr
+    index = {id(f): i for i, f in enumerate(flats)}
+    for f_old, f_new in zip(old._flats, new._flats, strict=True):  # noqa: SLF001
+        i = index[id(f_old)]
+        a, b = f_new.layout.shard_range(comm.rank)
+        state = {}
+        for (j, key), (t, e) in full.items():
+            if j != i or key == "param":
+                continue
+            if e.sharded:  # this rank's block at the new size (zeros in new padding)
+                block = torch.zeros(b - a, dtype=t.dtype)
+                have = t[a : min(b, t.numel())]
+                block[: have.numel()] = have
+                t = block
+            state[key] = t.to(e.device, copy=True)
+        if state:
+            new.optimizer.state[f_new.opt_param] = state
+    return new

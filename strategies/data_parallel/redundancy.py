@@ -31,7 +31,7 @@ import torch
 
 from pycollectives import Communicator
 
-__all__ = ["BuddyCopy", "Entry", "gather_full_state"]
+__all__ = ["BuddyCopy", "Entry", "gather_from_replicas", "gather_full_state", "pack"]
 
 
 @dataclass(frozen=True)
@@ -209,10 +209,62 @@ def gather_full_state(
         buf = copy.remote if me == root else torch.empty(nb, dtype=torch.uint8)
         comm.broadcast(buf, root)
         blocks[r] = buf
+    return _assemble(copy.entries, [blocks[r] for r in range(old_n)], copy.local)
+
+
+def _assemble(
+    entries: list[Entry], blocks: list[torch.Tensor], own: torch.Tensor
+) -> dict[tuple[int, str], tuple[torch.Tensor, Entry]]:
+    """The full state from every shard's packed bytes (`blocks`, by shard
+    index) and this rank's (`own`, for the scalars)."""
     out = {}
-    for e in copy.entries:
+    for e in entries:
         if e.sharded:
-            out[(e.flat, e.key)] = (torch.cat([_view(blocks[r], e) for r in range(old_n)]), e)
+            out[(e.flat, e.key)] = (torch.cat([_view(b, e) for b in blocks]), e)
         else:
-            out[(e.flat, e.key)] = (_view(copy.local, e).clone(), e)
+            out[(e.flat, e.key)] = (_view(own, e).clone(), e)
     return out
+
+
+def pack(zero: Any) -> tuple[torch.Tensor, list[Entry]]:
+    """A ZeroOptimizer's shard state now, packed into host bytes, and its entries."""
+    tensors = _shard_tensors(zero)
+    entries, off = [], 0
+    for flat, key, t, sharded in tensors:
+        n = t.numel() * t.element_size()
+        entries.append(Entry(flat, key, t.dtype, tuple(t.shape), off, n, sharded, t.device))
+        off += n
+    buf = torch.empty(off, dtype=torch.uint8)
+    for e, (_, _, t, _) in zip(entries, tensors, strict=True):
+        if e.nbytes:
+            buf[e.offset : e.offset + e.nbytes].copy_(_bytes(t))
+    return buf, entries
+
+
+def gather_from_replicas(
+    zero: Any, comm: Communicator, survivors: tuple[int, ...], dp_shard: int, world_size: int
+) -> dict[tuple[int, str], tuple[torch.Tensor, Entry]]:
+    """Collective over `comm` (the survivors of a job of `world_size` ranks
+    that sharded `zero`'s state over groups of `dp_shard` consecutive ranks
+    and replicated it across the groups, as HSDP): the full state of every
+    flat parameter as it is now, as gather_full_state returns it. Shard s
+    comes from the first survivor holding it (old rank g * dp_shard + s).
+
+    Raises RuntimeError on every survivor alike when every replica of a
+    shard failed; and the communicator's errors."""
+    where = {old: new for new, old in enumerate(survivors)}
+    holders = [
+        [where[r] for r in range(s, world_size, dp_shard) if r in where] for s in range(dp_shard)
+    ]
+    lost = [s for s, h in enumerate(holders) if not h]
+    if lost:
+        raise RuntimeError(
+            f"gather_from_replicas: rank {comm.rank}: every replica of shards {lost} failed; "
+            "restore the job from a checkpoint"
+        )
+    own, entries = pack(zero)
+    nb = own.numel()
+    every = torch.empty(comm.world_size * nb, dtype=torch.uint8)
+    comm.all_gather(every, own)
+    blocks = [every[h[0] * nb : (h[0] + 1) * nb] for h in holders]
+    return _assemble(entries, blocks, own)

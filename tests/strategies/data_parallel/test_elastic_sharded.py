@@ -18,7 +18,12 @@ from zero_common import CFG, DATA, OPT
 
 import pycollectives as pc
 from pycollectives.strategies import checkpoint
-from pycollectives.strategies.data_parallel import ElasticZero, ZeroOptimizer
+from pycollectives.strategies.data_parallel import (
+    ElasticHSDP,
+    ElasticZero,
+    HybridZero,
+    ZeroOptimizer,
+)
 from pycollectives.strategies.models.gpt import GPT
 
 TOTAL, BATCH = 6, 12  # steps; sequences per global batch (splits evenly over 4 and 3)
@@ -201,3 +206,56 @@ def test_copy_every_must_be_a_positive_int():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="copy_every"):
             ElasticZero(torch.nn.Linear(2, 2), torch.optim.SGD, Comm(), copy_every=bad, lr=0.1)
+
+
+def _hsdp(rank: int, world_size: int) -> Any:
+    comm = pc.init(timeout=30)
+    model = _gpt()
+    ez = ElasticHSDP(model, torch.optim.AdamW, comm, 3, dp_replicate=2, dp_shard=2, **OPT)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if rank == 3 and ez.steps == 3:  # mid-backward of the step after 3
+            _die()
+        return grad
+
+    model.blocks[0].mlp.fc.weight.register_hook(hook)
+    while ez.steps < TOTAL:
+        s = ez.steps
+        ez.step(lambda m, r, n, s=s: _loss(m, s, r, n))
+    out = (_lists(ez.zero.full_parameters()), ez.world_size, ez.recoveries)
+    ez.comm.close()
+    return out
+
+
+def _hsdp_reference(rank: int, world_size: int, path: str) -> Any:
+    comm = pc.init(timeout=30)
+    model = _gpt()
+    hsdp = HybridZero(model, torch.optim.AdamW, comm, 3, dp_replicate=2, dp_shard=2, **OPT)
+    for s in range(3):
+        hsdp.zero_grad()
+        _loss(model, s, comm.rank, comm.world_size).backward()
+        hsdp.step()
+    if rank < 2:  # replica group 0 holds the whole state
+        checkpoint.save(path, hsdp.shard_comm, model, hsdp.zero)
+    comm.barrier()
+    sub = comm.split(None if rank == 3 else 0, key=rank)
+    if sub is None:
+        return None
+    model = _gpt(seed=1)
+    zero = ZeroOptimizer(model, torch.optim.AdamW, sub, 3, **OPT)
+    checkpoint.load(path, sub, model, zero)
+    for s in range(3, TOTAL):
+        _step(zero, model, s, sub)
+    return _lists(zero.full_parameters())
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_2x2_survivors_take_the_lost_shard_from_its_replica_bitwise(tmp_path):
+    got = run(_hsdp, 4, timeout=150, expect_exit={3: -9})
+    want = run(_hsdp_reference, 4, str(tmp_path / "ck"), timeout=150)
+    for r in range(3):
+        params, size, recoveries = got[r]
+        assert size == 3 and len(recoveries) == 1 and recoveries[0]["failed"] == (3,), recoveries
+        for name in params:
+            assert params[name] == want[r][name], (r, name)
+    assert got[0][0] != _lists(dict(_gpt().named_parameters()))
