@@ -12,7 +12,7 @@ rank's. Reported: the median step time of each variant over the rounds, and
 the median over rounds of each round's ratio to "off" (the paired ratio);
 memory: the bytes a rank's ZeroOptimizer holds (storage(), each storage once:
 parameters, shards, gradients, optimizer state, reduce windows) and the host
-bytes its BuddyCopy holds (its own copy, the copy of its predecessor and the
+bytes its BuddyCopy holds (HSDP: the replica group's ZeroOptimizer, no copy) (its own copy, the copy of its predecessor and the
 staging buffer a refresh receives into: 3 x the packed shard state S), and
 the time of a refresh with its agreement and commit alone. Writes
 its section of docs/benchmarks.md between its markers.
@@ -40,7 +40,7 @@ def job(rank: int, world: int, port: int, stage: int, args: argparse.Namespace) 
     import torch
 
     import pycollectives as pc
-    from pycollectives.strategies.data_parallel import ElasticZero, ZeroOptimizer
+    from pycollectives.strategies.data_parallel import ElasticZero, HybridZero, ZeroOptimizer
     from pycollectives.strategies.models.gpt import GPT, GPTConfig
 
     comm = pc.init(rank=rank, world_size=world, prefix=f"red{port}")
@@ -63,6 +63,13 @@ def job(rank: int, world: int, port: int, stage: int, args: argparse.Namespace) 
             m,
             ElasticZero(m, torch.optim.AdamW, comm, stage, copy_every=k, **opt),
         )
+    if args.hsdp and world % 2 == 0:  # replicas instead of copies: 2 groups of world / 2
+        torch.manual_seed(0)
+        m = GPT(cfg)
+        hz = HybridZero(
+            m, torch.optim.AdamW, comm, stage, dp_replicate=2, dp_shard=world // 2, **opt
+        )
+        variants[f"HSDP 2x{world // 2}"] = (m, hz)
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(cfg.vocab_size, (args.batch, cfg.seq_len), generator=g)
     y = torch.randint(cfg.vocab_size, (args.batch, cfg.seq_len), generator=g)
@@ -101,7 +108,7 @@ def job(rank: int, world: int, port: int, stage: int, args: argparse.Namespace) 
                 z.copy.commit(z.steps)
                 refresh[name].append(time.perf_counter() - t0)
     storage = {
-        n: sum((z.zero if isinstance(z, ElasticZero) else z).storage().values())
+        n: sum((z.zero if isinstance(z, (ElasticZero, HybridZero)) else z).storage().values())
         for n, (_, z) in variants.items()
     }
     copies = {n: z.copy.nbytes for n, (_, z) in variants.items() if isinstance(z, ElasticZero)}
@@ -162,6 +169,7 @@ def main() -> int:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--no-hsdp", dest="hsdp", action="store_false", help="leave out HybridZero")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     args.every = [int(k) for k in args.every.split(",")]
@@ -170,8 +178,9 @@ def main() -> int:
     for stage in (int(s) for s in args.stages.split(",")):
         res = _ranks.run(job, args.ranks, stage, args)
         p = res[0]["P"]
-        tables += render(stage, args.ranks, res)
-        print("\n".join(tables[-len(args.every) - 5 :]), flush=True)
+        table = render(stage, args.ranks, res)
+        print("\n".join(table), flush=True)
+        tables += table
     load1 = os.getloadavg()
     notes = [
         f"Model: GPT vocab {args.vocab}, seq {args.seq}, {args.layers} blocks, d_model "
@@ -181,7 +190,10 @@ def main() -> int:
         "k=1 refreshes the copies after every step (one copy of the rank's shard state into "
         "host memory, one send of it to the buddy and one receive from the predecessor), k=4 "
         "after every 4th; both end every step in comm.agree. S: this rank's packed shard state "
-        "(master shards and AdamW's two moments: 12 bytes a parameter of its shard).",
+        "(master shards and AdamW's two moments: 12 bytes a parameter of its shard). HSDP 2xN/2: "
+        "HybridZero, ZeRO within 2 groups of N/2 ranks and an all-reduce of the gradient shards "
+        "across them: the redundancy is the replica (each rank holds twice the shard of "
+        "ZeRO over N), no copies; ElasticHSDP adds one agreement a step to it.",
         "Refresh + agree: one refresh, the agreement and the commit alone (no training step), "
         "the slowest rank, median over as many repetitions as rounds: what a refresh adds to "
         "a step, measured apart from the step-time noise. With the load above the 2 cores, the "
