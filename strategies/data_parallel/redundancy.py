@@ -70,6 +70,16 @@ def _shard_tensors(zero: Any) -> list[tuple[int, str, torch.Tensor, bool]]:
     return out
 
 
+def _entries(tensors: list[tuple[int, str, torch.Tensor, bool]]) -> list[Entry]:
+    """The packed layout of _shard_tensors' tensors, end to end."""
+    entries, off = [], 0
+    for flat, key, t, sharded in tensors:
+        n = t.numel() * t.element_size()
+        entries.append(Entry(flat, key, t.dtype, tuple(t.shape), off, n, sharded, t.device))
+        off += n
+    return entries
+
+
 class BuddyCopy:
     """This rank's shard state (master shards and optimizer state of a
     ZeroOptimizer), copied into host memory here and on the buddy rank
@@ -108,11 +118,8 @@ class BuddyCopy:
         is untouched until commit(). Raises the communicator's errors (a
         failed rank)."""
         tensors = _shard_tensors(self.zero)
-        entries, off = [], 0
-        for flat, key, t, sharded in tensors:
-            n = t.numel() * t.element_size()
-            entries.append(Entry(flat, key, t.dtype, tuple(t.shape), off, n, sharded, t.device))
-            off += n
+        entries = _entries(tensors)
+        off = entries[-1].offset + entries[-1].nbytes
         staging = self._staging if self._staging.numel() == off else None
         if staging is None:
             staging = torch.empty(off, dtype=torch.uint8)
@@ -229,11 +236,8 @@ def _assemble(
 def pack(zero: Any) -> tuple[torch.Tensor, list[Entry]]:
     """A ZeroOptimizer's shard state now, packed into host bytes, and its entries."""
     tensors = _shard_tensors(zero)
-    entries, off = [], 0
-    for flat, key, t, sharded in tensors:
-        n = t.numel() * t.element_size()
-        entries.append(Entry(flat, key, t.dtype, tuple(t.shape), off, n, sharded, t.device))
-        off += n
+    entries = _entries(tensors)
+    off = entries[-1].offset + entries[-1].nbytes
     buf = torch.empty(off, dtype=torch.uint8)
     for e, (_, _, t, _) in zip(entries, tensors, strict=True):
         if e.nbytes:
