@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -193,8 +193,9 @@ class ZeroOptimizer:
         )
         self._flats = [f for u in self.engine.units for f in u.trainable]
         self.optimizer = optimizer_class([f.opt_param for f in self._flats], **optimizer_kwargs)
+        self._cast_hook = None
         if param_dtype is not None and stage < 3:  # stage 3 units cast their own inputs
-            model.register_forward_pre_hook(
+            self._cast_hook = model.register_forward_pre_hook(
                 functools.partial(_cast_inputs, param_dtype), with_kwargs=True
             )
 
@@ -258,6 +259,47 @@ class ZeroOptimizer:
     def storage(self) -> dict[str, int]:
         """Bytes this rank holds by role (see ShardingEngine.storage)."""
         return self.engine.storage(self.optimizer)
+
+    def detach(self, values: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Unwraps the model, locally (no collective): removes every hook and
+        mark this optimizer put on it, drops the gradients, and gives each
+        parameter storage of its own in its own shape and dtype: `values[name]`
+        (full values by name as full_parameters() gives them, e.g. rebuilt
+        after a lost rank) where given, else a copy of the full parameter it
+        views. The model can then be wrapped again, e.g. by a ZeroOptimizer
+        on another communicator; this optimizer must not be used any more.
+
+        Raises ValueError, changing nothing, for a value of the wrong shape,
+        or a parameter without a value whose full master value this rank does
+        not hold (stage 3, or stages 1/2 with param_dtype)."""
+        values = values or {}
+        new: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        problems = []
+        for u in self.engine.units:
+            prefix = "" if u is self.engine.root else u.name + "."
+            for f in u.flats:
+                for s, p, view in zip(f.layout.slots, f.params, f.full_views, strict=True):
+                    v = values.get(prefix + s.name)
+                    if v is None and f.own_master:
+                        problems.append(f"'{prefix + s.name}' needs a value (rank holds a shard)")
+                    elif v is not None and tuple(v.shape) != s.shape:
+                        problems.append(f"'{prefix + s.name}': shape {tuple(v.shape)} != {s.shape}")
+                    else:
+                        src = view if v is None else v
+                        new.append((p, src.detach().to(f.device, f.layout.dtype, copy=True)))
+        if problems:
+            raise ValueError(
+                f"ZeroOptimizer.detach: rank {self.comm.rank}: values: " + "; ".join(problems[:8])
+            )
+        for u in self.engine.units:
+            u.detach()
+        if self._cast_hook is not None:
+            self._cast_hook.remove()
+        for p, v in new:
+            p.data = v
+            p.grad = None
+        for f in self._flats:
+            f.opt_param.grad = None
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state and where it lies: the inner optimizer's

@@ -193,6 +193,20 @@ class ShardedUnit:
             f.free_full()
         self.state = FREE
 
+    def detach(self) -> None:
+        """Removes this unit's hooks and marks from its module and parameters
+        (local): the module can be sharded again. What the parameters show is
+        the caller's business (ZeroOptimizer.detach gives them their values)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if getattr(self.module, "_sharding_unit", None) is self:
+            del self.module._sharding_unit
+        for f in self.flats:
+            for p in f.params:
+                if getattr(p, "_sharding_owner", None) is self:
+                    del p._sharding_owner
+
     def param_names(self) -> list[str]:
         """The unit's parameters' names in the model (the engine's naming)."""
         prefix = "" if self.name in ("", "<root>") else self.name + "."

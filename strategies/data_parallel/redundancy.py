@@ -1,0 +1,274 @@
+"""Redundancy for sharded state: an in-memory checkpoint of each rank's shard,
+kept on the rank itself and on its buddy (docs/recovery.md, "Sharded state").
+
+Under ZeRO the master parameters and the optimizer state of a shard live on one
+rank only. `BuddyCopy` keeps, in host memory, a copy of this rank's shard state
+(its master shards, frozen ones included, and the optimizer state of its
+trainable shards) and a copy of rank (r - 1) % n's, which that rank sends it:
+every shard is held twice, on its rank and on the next. A refresh sends the
+state straight from its tensors to the buddy (r + 1) and receives the
+predecessor's (r - 1) into a staging buffer; it becomes the copy only when
+`commit` is called, after every rank agreed that it succeeded (then each rank
+also copies its own state into its own copy): a failure during a refresh
+leaves the previous copy whole on every rank. Host memory: 3 S, S this rank's
+shard state in bytes (its copy, the predecessor's and the staging buffer).
+The own copy is what lets the survivors roll back alike: after a failure
+every rank, not only the dead one's buddy, returns to the copy's step.
+
+After a failure, `gather_full_state` rebuilds, from the survivors' own copies
+and the buddies' copies of the dead ranks' shards, the full (unsharded) flat
+state of every flat parameter as of the copy's step; ElasticZero
+(elastic_sharded.py) re-shards it to the survivors. A shard is lost only when
+a rank and its buddy both fail before the next refresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pycollectives import Communicator
+
+__all__ = ["BuddyCopy", "Entry", "gather_from_replicas", "gather_full_state", "pack"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the shard state: flat parameter `flat` (its index among
+    the engine's flat parameters), `key` ("param" for the master shard, else
+    the optimizer state's key), its place in the packed bytes, and whether it
+    is sharded (a block per rank) or a scalar every rank holds alike."""
+
+    flat: int
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # bytes
+    nbytes: int
+    sharded: bool
+    device: torch.device  # where the tensor lives (the copy itself is in host memory)
+
+
+def _shard_tensors(zero: Any) -> list[tuple[int, str, torch.Tensor, bool]]:
+    """(flat index, key, tensor, sharded) of a ZeroOptimizer's shard state."""
+    flats = [f for u in zero.engine.units for f in u.flats]
+    out = [(i, "param", f.shard, True) for i, f in enumerate(flats)]
+    index = {id(f): i for i, f in enumerate(flats)}
+    for f in zero._flats:  # noqa: SLF001 - the trainable flats, as the optimizer steps them
+        state = zero.optimizer.state.get(f.opt_param, {})
+        for key in sorted(state):
+            t = state[key]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"BuddyCopy: rank {zero.comm.rank}: optimizer state {key!r} is a "
+                    f"{type(t).__name__}, not a tensor"
+                )
+            sharded = t.dim() == 1 and t.numel() == f.layout.shard_numel
+            out.append((index[id(f)], key, t, sharded))
+    return out
+
+
+def _entries(tensors: list[tuple[int, str, torch.Tensor, bool]]) -> list[Entry]:
+    """The packed layout of _shard_tensors' tensors, end to end."""
+    entries, off = [], 0
+    for flat, key, t, sharded in tensors:
+        n = t.numel() * t.element_size()
+        entries.append(Entry(flat, key, t.dtype, tuple(t.shape), off, n, sharded, t.device))
+        off += n
+    return entries
+
+
+class BuddyCopy:
+    """This rank's shard state (master shards and optimizer state of a
+    ZeroOptimizer), copied into host memory here and on the buddy rank
+    (rank + 1) % world_size, which in turn keeps rank - 1's copy.
+
+    `step` is the training step the committed copy holds (set by commit);
+    `nbytes` the host bytes held (the copies and the staging buffers).
+    """
+
+    def __init__(self, zero: Any) -> None:
+        self.zero = zero
+        self.comm: Communicator = zero.comm
+        self.rank, self.world_size = zero.comm.rank, zero.comm.world_size  # (outlive the comm)
+        self.step = -1  # nothing committed yet
+        self.entries: list[Entry] = []
+        self.local = torch.empty(0, dtype=torch.uint8)  # this rank's state at `step`
+        self.remote = torch.empty(0, dtype=torch.uint8)  # rank - 1's state at `step`
+        self._staging = torch.empty(0, dtype=torch.uint8)  # what the next refresh receives into
+        self._staged: tuple[torch.Tensor, list[Entry], list[torch.Tensor]] | None = None
+
+    @property
+    def buddy(self) -> int:
+        """The rank that holds this rank's copy."""
+        return (self.rank + 1) % self.world_size
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held: this rank's copy, the predecessor's and the staging buffer."""
+        staged = self._staged[0] if self._staged else self._staging
+        return self.local.numel() + self.remote.numel() + staged.numel()
+
+    def refresh(self) -> None:
+        """Collective (point to point with both neighbours): sends this rank's
+        state as it is now to the buddy, straight from its tensors, and
+        receives the predecessor's into a staging buffer; the committed copy
+        is untouched until commit(). Raises the communicator's errors (a
+        failed rank)."""
+        tensors = _shard_tensors(self.zero)
+        entries = _entries(tensors)
+        off = entries[-1].offset + entries[-1].nbytes
+        staging = self._staging if self._staging.numel() == off else None
+        if staging is None:
+            staging = torch.empty(off, dtype=torch.uint8)
+        self._staged = (staging, entries, [t for _, _, t, _ in tensors])
+        n = self.world_size
+        if n == 1:  # no buddy: the local copy only
+            return
+        prev = (self.rank - 1) % n
+        ops = [("send", _bytes(t), self.buddy) for _, _, t, _ in tensors if t.numel()]
+        ops += [
+            ("recv", staging[e.offset : e.offset + e.nbytes], prev) for e in entries if e.nbytes
+        ]
+        self.comm.batch_p2p(ops)
+
+    def commit(self, step: int) -> None:
+        """The refresh becomes the copy of training step `step` (call on every
+        rank once all agreed that the refresh succeeded, before the state
+        changes): the received staging buffer becomes the predecessor's copy
+        (the old one the next staging buffer), and this rank's state is
+        copied into its own copy."""
+        if self._staged is None:
+            raise RuntimeError(f"BuddyCopy: rank {self.rank}: commit without a refresh")
+        staging, entries, tensors = self._staged
+        self._staged = None
+        nbytes = entries[-1].offset + entries[-1].nbytes if entries else 0
+        if self.local.numel() != nbytes:
+            self.local = torch.empty(nbytes, dtype=torch.uint8)
+        for e, t in zip(entries, tensors, strict=True):
+            if e.nbytes:
+                self.local[e.offset : e.offset + e.nbytes].copy_(_bytes(t))
+        if self.world_size > 1:
+            self._staging, self.remote = self.remote, staging
+        self.entries, self.step = entries, step
+
+    def discard(self) -> None:
+        """Forgets a refresh that did not commit (its staging buffer is kept for the next)."""
+        if self._staged is not None:
+            self._staging = self._staged[0]
+        self._staged = None
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as uint8 (for CUDA tensors: a host copy)."""
+    flat = t.detach().reshape(-1)
+    return (flat if flat.device.type == "cpu" else flat.cpu()).view(torch.uint8)
+
+
+def _view(buf: torch.Tensor, e: Entry) -> torch.Tensor:
+    return buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
+
+
+def gather_full_state(
+    copy: BuddyCopy, comm: Communicator, survivors: tuple[int, ...]
+) -> dict[tuple[int, str], tuple[torch.Tensor, Entry]]:
+    """Collective over `comm` (the survivors; `survivors[i]` is new rank i's
+    rank in copy.comm, as Communicator.shrink's parent_ranks): the full state
+    of every flat parameter as of copy.step, by (flat index, key), with its
+    Entry: each sharded entry the concatenation of every old rank's block (the
+    flat parameter's padded length at the old size), each scalar this rank's
+    own, in host memory. A dead rank's block comes from its buddy's copy.
+
+    Raises RuntimeError on every survivor alike when a rank and its buddy both
+    failed (that shard is lost), or no copy was ever committed; and the
+    communicator's errors."""
+    old_n, me = copy.world_size, comm.rank
+    where = {old: new for new, old in enumerate(survivors)}
+    dead = [r for r in range(old_n) if r not in where]
+    lost = [r for r in dead if (r + 1) % old_n not in where]
+    if lost or copy.step < 0:
+        why = (
+            f"the shards of ranks {lost} are lost: each and its buddy (rank + 1) failed"
+            if lost
+            else "no copy was committed"
+        )
+        raise RuntimeError(
+            f"gather_full_state: rank {me}: {why}; restore the job from a checkpoint"
+        )
+    size = torch.tensor([copy.local.numel()], dtype=torch.int64)
+    sizes = torch.empty(comm.world_size, dtype=torch.int64)
+    comm.all_gather(sizes, size)
+    if len(set(sizes.tolist())) != 1:  # committed copies always agree; a guard against misuse
+        raise RuntimeError(
+            f"gather_full_state: rank {me}: the survivors' copies differ in size "
+            f"({sizes.tolist()} bytes): they were committed at different steps"
+        )
+    nb = int(sizes[0])
+    own = torch.empty(comm.world_size * nb, dtype=torch.uint8)
+    comm.all_gather(own, copy.local)
+    blocks: dict[int, torch.Tensor] = {
+        old: own[new * nb : (new + 1) * nb] for new, old in enumerate(survivors)
+    }
+    for r in dead:  # from its buddy, which received it at the last refresh
+        root = where[(r + 1) % old_n]
+        buf = copy.remote if me == root else torch.empty(nb, dtype=torch.uint8)
+        comm.broadcast(buf, root)
+        blocks[r] = buf
+    return _assemble(copy.entries, [blocks[r] for r in range(old_n)], copy.local)
+
+
+def _assemble(
+    entries: list[Entry], blocks: list[torch.Tensor], own: torch.Tensor
+) -> dict[tuple[int, str], tuple[torch.Tensor, Entry]]:
+    """The full state from every shard's packed bytes (`blocks`, by shard
+    index) and this rank's (`own`, for the scalars)."""
+    out = {}
+    for e in entries:
+        if e.sharded:
+            out[(e.flat, e.key)] = (torch.cat([_view(b, e) for b in blocks]), e)
+        else:
+            out[(e.flat, e.key)] = (_view(own, e).clone(), e)
+    return out
+
+
+def pack(zero: Any) -> tuple[torch.Tensor, list[Entry]]:
+    """A ZeroOptimizer's shard state now, packed into host bytes, and its entries."""
+    tensors = _shard_tensors(zero)
+    entries = _entries(tensors)
+    off = entries[-1].offset + entries[-1].nbytes
+    buf = torch.empty(off, dtype=torch.uint8)
+    for e, (_, _, t, _) in zip(entries, tensors, strict=True):
+        if e.nbytes:
+            buf[e.offset : e.offset + e.nbytes].copy_(_bytes(t))
+    return buf, entries
+
+
+def gather_from_replicas(
+    zero: Any, comm: Communicator, survivors: tuple[int, ...], dp_shard: int, world_size: int
+) -> dict[tuple[int, str], tuple[torch.Tensor, Entry]]:
+    """Collective over `comm` (the survivors of a job of `world_size` ranks
+    that sharded `zero`'s state over groups of `dp_shard` consecutive ranks
+    and replicated it across the groups, as HSDP): the full state of every
+    flat parameter as it is now, as gather_full_state returns it. Shard s
+    comes from the first survivor holding it (old rank g * dp_shard + s).
+
+    Raises RuntimeError on every survivor alike when every replica of a
+    shard failed; and the communicator's errors."""
+    where = {old: new for new, old in enumerate(survivors)}
+    holders = [
+        [where[r] for r in range(s, world_size, dp_shard) if r in where] for s in range(dp_shard)
+    ]
+    lost = [s for s, h in enumerate(holders) if not h]
+    if lost:
+        raise RuntimeError(
+            f"gather_from_replicas: rank {comm.rank}: every replica of shards {lost} failed; "
+            "restore the job from a checkpoint"
+        )
+    own, entries = pack(zero)
+    nb = own.numel()
+    every = torch.empty(comm.world_size * nb, dtype=torch.uint8)
+    comm.all_gather(every, own)
+    blocks = [every[h[0] * nb : (h[0] + 1) * nb] for h in holders]
+    return _assemble(entries, blocks, own)
