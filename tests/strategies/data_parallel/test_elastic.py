@@ -1,20 +1,38 @@
-"""ElasticDataParallel: 1 of 4 ranks is killed (SIGKILL) in the backward of step
-K; the survivors drop that step alike, shrink, and after N more steps hold the
-same parameters, bit for bit, as a reference that trained on 4 ranks up to K
-and on the 3 survivors' layout (split, no failure) from K on."""
+"""ElasticDataParallel: 1 of 4 ranks is killed (SIGKILL) at a point of a step
+(the forward, the backward, a bucket's all-reduce, the agreement, the optimizer
+step); the survivors agree alike whether that step was committed, shrink, and
+after a few more steps hold the same parameters, bit for bit, as a reference
+that trained on 4 ranks up to the first step they did not all commit and on the
+3 survivors' layout (split, no failure) from there. The samples come from an
+ElasticSampler whose batch is 3 samples per rank: the epoch's remaining order is
+re-split over the survivors, and its ledger, gathered from the survivors, holds
+every sample of the epoch exactly once, as each rank fed them."""
 
 from __future__ import annotations
 
 import os
 import signal
 
+import pytest
 import torch
 from spawn import run
 
 import pycollectives as pc
+from pycollectives.strategies.data import ElasticSampler
 from pycollectives.strategies.data_parallel import DistributedDataParallel, ElasticDataParallel
 
-K, N, BATCH = 3, 4, 12  # the global batch splits evenly over 4 and 3 ranks
+NUM, LOCAL, STEPS, K = 40, 3, 8, 2  # 12 samples a step on 4 ranks, 9 on 3: epoch 0 ends short
+VICTIM = 3
+DDP = {"bucket_cap_mb": 1e-4, "first_bucket_cap_mb": 1e-4}  # a bucket per parameter or two
+# Where the victim dies, and the first step the survivors do not all commit:
+# None where the agreement may go either way (the victim dies inside it).
+KILLS = {
+    "forward": K,  # before its forward of step K
+    "backward": K,  # in the backward, before the last bucket's all-reduce
+    "bucket_allreduce": K,  # the last bucket's all-reduce launched, not finished
+    "agreement": None,  # entered the agreement of step 0 (PYCOLL_TEST_KILL_AT)
+    "optimizer_step": K + 1,  # after the agreement committed step K, before it steps
+}
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -23,12 +41,16 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
 
 
-def _loss(ddp: torch.nn.Module, step: int, rank: int, size: int) -> torch.Tensor:
-    """The mean loss of this rank's share of step `step`'s global batch."""
-    g = torch.Generator().manual_seed(1000 + step)
-    x, y = torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)
-    share = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
-    return torch.nn.functional.mse_loss(ddp(x[share]), y[share])
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(NUM, 8, generator=g), torch.randn(NUM, 4, generator=g)
+
+
+def _loss(ddp: torch.nn.Module, ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """The samples' summed squared errors, scaled so that DDP's average is the
+    step's mean over its samples (shares are uneven at the end of an epoch)."""
+    x, y = _data()
+    return ((ddp(x[ids]) - y[ids]) ** 2).mean(dim=1).sum() * scale
 
 
 def _params(m: torch.nn.Module) -> list[list[float]]:
@@ -37,53 +59,114 @@ def _params(m: torch.nn.Module) -> list[list[float]]:
     return [p.detach().reshape(-1).tolist() for p in m.parameters()]
 
 
-def _elastic(rank: int, world_size: int) -> tuple:
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _elastic(rank: int, world_size: int, kill: str) -> dict:
+    victim = rank == VICTIM
+    if victim and kill == "agreement":
+        os.environ["PYCOLL_TEST_KILL_AT"] = "agree.entered"  # its first: step 0's
     comm = pc.init(timeout=30)
     m, opt = _model()
-    model = ElasticDataParallel(m, comm)
-    if rank == world_size - 1:  # dies in the backward of step K
+    sampler = ElasticSampler(NUM, local_batch_size=LOCAL)
+    model = ElasticDataParallel(m, comm, sampler=sampler, **DDP)
 
-        def die(grad: torch.Tensor) -> torch.Tensor:
-            if step == K:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return grad
+    def die_at_k(*_: object) -> None:
+        if model.steps == K:
+            _die()
 
-        m[0].weight.register_hook(die)
-    step = 0
-    while step < K + N:
-        if model.step(lambda ddp, r, n, s=step: _loss(ddp, s, r, n), opt):
-            step += 1
-    out = (_params(m), model.world_size, model.recoveries)
+    if victim and kill == "backward":  # a tensor hook: before the gradient reaches DDP's bucket
+        m[0].weight.register_hook(die_at_k)
+    if victim and kill == "bucket_allreduce":  # after DDP's hook, which launched the last bucket
+        m[0].weight.register_post_accumulate_grad_hook(die_at_k)
+    if victim and kill == "optimizer_step":
+        opt.register_step_pre_hook(die_at_k)
+    fed: list[list[int]] = []  # the ids this rank fed, per committed step
+
+    def loss_fn(ddp: torch.nn.Module, r: int, n: int) -> torch.Tensor:
+        if victim and kill == "forward" and model.steps == K:
+            _die()
+        ids = sampler.ids(r, n)
+        fed.append(ids.tolist())
+        return _loss(ddp, ids, sampler.scale(n))
+
+    while model.steps < STEPS:
+        if not model.step(loss_fn, opt):
+            fed.pop()  # dropped: not consumed
+    out = {
+        "params": _params(m),
+        "world_size": model.world_size,
+        "recoveries": [(r["step"], r["failed"], r["world_size"]) for r in model.recoveries],
+        "ledger": [(e.epoch, e.step, [s.tolist() for s in e.shares]) for e in sampler.ledger],
+        "fed": fed,
+    }
     model.comm.close()
     return out
 
 
-def _reference(rank: int, world_size: int) -> list | None:
+def _reference(rank: int, world_size: int, switches: list[int]) -> dict:
+    """For each switch step s: trains on the 4 ranks for steps < s, on the first
+    3 (a split: no failure) from s; rank 3 returns nothing."""
     comm = pc.init(timeout=30)
-    m, opt = _model()
-    ddp = DistributedDataParallel(m, comm)
-    for step in range(K):
-        opt.zero_grad(set_to_none=True)
-        _loss(ddp, step, rank, world_size).backward()
-        opt.step()
-    ddp.detach()
-    sub = comm.split(0 if rank < world_size - 1 else None)
-    if sub is None:
-        return None
-    ddp = DistributedDataParallel(m, sub)
-    for step in range(K, K + N):
-        opt.zero_grad(set_to_none=True)
-        _loss(ddp, step, sub.rank, sub.world_size).backward()
-        opt.step()
-    return _params(m)
+    out = {}
+    for s in switches:
+        m, opt = _model()
+        sampler = ElasticSampler(NUM, local_batch_size=LOCAL)
+        sub = comm.split(0 if rank < VICTIM else None)
+        ddp = DistributedDataParallel(m, comm, **DDP) if s > 0 else None
+        for step in range(STEPS):
+            group = comm if step < s else sub
+            if group is None:
+                break
+            if step == s:
+                if ddp is not None:
+                    ddp.detach()
+                ddp = DistributedDataParallel(m, group, **DDP)
+            opt.zero_grad(set_to_none=True)
+            size = group.world_size
+            _loss(ddp, sampler.ids(group.rank, size), sampler.scale(size)).backward()
+            opt.step()
+            sampler.commit(size)
+        if sub is not None:
+            out[s] = _params(m)
+            sub.close()
+    return out
 
 
-def test_ddp_goes_on_after_a_rank_dies_and_matches_the_survivors_layout_bitwise():
-    got = run(_elastic, 4, timeout=150, expect_exit={3: -signal.SIGKILL})
-    want = run(_reference, 4, timeout=150)
-    for r in range(3):
-        params, size, recoveries = got[r]
-        assert size == 3 and len(recoveries) == 1 and recoveries[0]["failed"] == (3,), recoveries
-        assert params == want[r], r
+@pytest.fixture(scope="module")
+def reference() -> list[dict]:
+    return run(_reference, 4, [0, 1, K, K + 1], timeout=150)
+
+
+@pytest.mark.parametrize("kill", list(KILLS))
+def test_rank_killed_survivors_match_the_surviving_layout_bitwise(kill, reference):
+    got = run(_elastic, 4, kill, timeout=150, expect_exit={VICTIM: -signal.SIGKILL})[:VICTIM]
+    # Every survivor dropped the same step, saw the victim fail and went on 3 strong.
+    failed_step = got[0]["recoveries"][0][0]
+    for r, g in enumerate(got):
+        assert g["world_size"] == 3 and g["recoveries"] == [(failed_step, (VICTIM,), 3)], (r, g)
+    want = KILLS[kill]
+    assert failed_step == want if want is not None else failed_step in (0, 1), failed_step
+    for r, g in enumerate(got):
+        assert g["params"] == reference[r][failed_step], (kill, r)
     # The parameters moved (the comparison is not of two untrained models).
-    assert got[0][0] != _params(_model()[0])
+    assert got[0]["params"] != _params(_model()[0])
+
+    # The ledger: the same on every survivor; steps before the failed one ran
+    # on 4 ranks (the victim's shares included: every survivor's average had
+    # them), the rest on 3; every sample of epoch 0 consumed exactly once, none
+    # of epoch 1 twice; each survivor fed exactly its shares.
+    ledger = got[0]["ledger"]
+    assert all(g["ledger"] == ledger for g in got)
+    assert [len(shares) for _, _, shares in ledger] == [
+        4 if i < failed_step else 3 for i in range(STEPS)
+    ]
+    for epoch in (0, 1):
+        ids = [i for e, _, shares in ledger if e == epoch for s in shares for i in s]
+        assert len(ids) == len(set(ids)), (epoch, ids)
+        if epoch == 0:
+            assert sorted(ids) == list(range(NUM))
+    assert ledger[-1][0] == 1  # the run went past the end of epoch 0
+    for r, g in enumerate(got):
+        assert g["fed"] == [shares[r] for _, _, shares in ledger], r
