@@ -54,8 +54,9 @@ class ElasticDataParallel:
     `ddp_kwargs` go to every DistributedDataParallel it builds (at start and
     after each recovery). `steps` counts the committed steps; `recoveries`
     lists, per recovery, the step that was dropped, the failed ranks (of the
-    communicator of the time), the new world size and the seconds the
-    agreement and the shrink took."""
+    communicator of the time, those lost during the recovery included), the
+    new world size and the seconds the agreement and the recovery (shrink,
+    rebuild, wrap) took."""
 
     def __init__(
         self,
@@ -143,31 +144,45 @@ class ElasticDataParallel:
     def rebuild(self, old: Communicator, new: Communicator, failed: tuple[int, ...]) -> None:
         """After the shrink, before wrap(new): restores state that lived on the
         `failed` ranks of `old` (nothing for DDP: every rank holds all of it).
-        `new.parent_ranks` maps the new ranks to the old."""
+        `new.parent_ranks` maps the new ranks to the old. A PyCollectivesError
+        here (another rank died) makes the survivors shrink `new` in turn and
+        call it again, with `new` as `old`."""
 
     # -- recovery ----------------------------------------------------------------
     def _recover(self, failed: tuple[int, ...], agree_s: float) -> None:
         """Drops the step's gradients, shrinks the communicator, checks that
-        every survivor committed the same steps, and wraps the model again on
-        the survivors' (which broadcasts its new rank 0's parameters: every
-        survivor holds the same)."""
+        every survivor committed the same steps, rebuilds and wraps the model
+        again on the survivors' (which broadcasts its new rank 0's parameters:
+        every survivor holds the same), then agrees that every survivor did: a
+        rank that died meanwhile makes every survivor shrink again, without it."""
         self.unwrap()
-        old = self.comm
+        old = comm = self.comm
+        ranks = list(range(old.world_size))  # the rank in `old` of each rank of `comm`
         start = time.monotonic()
-        self.comm = new = old.shrink()
+        while True:
+            new = comm.shrink()
+            ok = True
+            try:
+                self._check_alike(new)
+                self.rebuild(comm, new, new.failed)
+                self.ddp = self.wrap(new)
+            except PyCollectivesError:  # another rank died while we rebuilt
+                ok = False
+            agreed = new.agree(ok)
+            if comm is not old:
+                _close(comm)
+            comm, ranks = new, [ranks[p] for p in new.parent_ranks]
+            if agreed.value and not agreed.failed:
+                break
+            self.unwrap()
         shrink_s = time.monotonic() - start
-        failed = failed or new.failed
-        self._check_alike(new)
-        self.rebuild(old, new, failed)
-        with warnings.catch_warnings():  # its failed pending operations: reported above
-            warnings.simplefilter("ignore", RuntimeWarning)
-            old.close()
-        self.ddp = self.wrap(new)
+        _close(old)
+        self.comm = comm
         self.recoveries.append(
             {
                 "step": self.steps,
-                "failed": failed,
-                "world_size": new.world_size,
+                "failed": tuple(r for r in range(old.world_size) if r not in ranks),
+                "world_size": comm.world_size,
                 "agree_s": agree_s,
                 "shrink_s": shrink_s,
             }
@@ -185,3 +200,11 @@ class ElasticDataParallel:
                 f"committed other steps than rank 0 (committed steps per rank: {steps}) or hold "
                 "another sampler cursor: the survivors are no longer alike"
             )
+
+
+def _close(comm: Communicator) -> None:
+    """Closes a communicator the survivors left (its failed pending operations
+    were reported where they failed)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        comm.close()

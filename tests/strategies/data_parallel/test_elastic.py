@@ -1,9 +1,10 @@
 """ElasticDataParallel: 1 of 4 ranks is killed (SIGKILL) at a point of a step
 (the forward, the backward, a bucket's all-reduce, the agreement, the optimizer
-step); the survivors agree alike whether that step was committed, shrink, and
-after a few more steps hold the same parameters, bit for bit, as a reference
-that trained on 4 ranks up to the first step they did not all commit and on the
-3 survivors' layout (split, no failure) from there. The samples come from an
+step), or a second one while the survivors rebuild; the survivors agree alike
+whether that step was committed, shrink, and after a few more steps hold the
+same parameters, bit for bit, as a reference that trained on 4 ranks up to the
+first step they did not all commit and on the survivors' layout (split, no
+failure) from there. The samples come from an
 ElasticSampler whose batch is 3 samples per rank: the epoch's remaining order is
 re-split over the survivors, and its ledger, gathered from the survivors, holds
 every sample of the epoch exactly once, as each rank fed them."""
@@ -24,14 +25,16 @@ from pycollectives.strategies.data_parallel import DistributedDataParallel, Elas
 NUM, LOCAL, STEPS, K = 40, 3, 8, 2  # 12 samples a step on 4 ranks, 9 on 3: epoch 0 ends short
 VICTIM = 3
 DDP = {"bucket_cap_mb": 1e-4, "first_bucket_cap_mb": 1e-4}  # a bucket per parameter or two
-# Where the victim dies, and the first step the survivors do not all commit:
-# None where the agreement may go either way (the victim dies inside it).
+# Where the victim dies: the first step the survivors do not all commit (None
+# where the agreement may go either way: the victim dies inside it), and how
+# many survive.
 KILLS = {
-    "forward": K,  # before its forward of step K
-    "backward": K,  # in the backward, before the last bucket's all-reduce
-    "bucket_allreduce": K,  # the last bucket's all-reduce launched, not finished
-    "agreement": None,  # entered the agreement of step 0 (PYCOLL_TEST_KILL_AT)
-    "optimizer_step": K + 1,  # after the agreement committed step K, before it steps
+    "forward": (K, 3),  # before its forward of step K
+    "backward": (K, 3),  # in the backward, before the last bucket's all-reduce
+    "bucket_allreduce": (K, 3),  # the last bucket's all-reduce launched, not finished
+    "agreement": (None, 3),  # entered the agreement of step 0 (PYCOLL_TEST_KILL_AT)
+    "optimizer_step": (K + 1, 3),  # after the agreement committed step K, before it steps
+    "second_death": (K, 2),  # forward of step K, then rank 2 while the survivors rebuild
 }
 
 
@@ -59,18 +62,32 @@ def _params(m: torch.nn.Module) -> list[list[float]]:
     return [p.detach().reshape(-1).tolist() for p in m.parameters()]
 
 
+class _Recording(ElasticDataParallel):
+    """Records its rebuild() calls: the hook where a wrapper of sharded state
+    restores what the failed ranks held. `dies_in_rebuild`: SIGKILLs itself in it."""
+
+    rebuilt: list[tuple] = []
+    dies_in_rebuild = False
+
+    def rebuild(self, old: pc.Communicator, new: pc.Communicator, failed: tuple[int, ...]) -> None:
+        if self.dies_in_rebuild:
+            _die()
+        self.rebuilt = [*self.rebuilt, (old.world_size, new.world_size, new.parent_ranks, failed)]
+
+
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _elastic(rank: int, world_size: int, kill: str) -> dict:
-    victim = rank == VICTIM
+    victim = rank == VICTIM or (kill == "second_death" and rank == VICTIM - 1)
     if victim and kill == "agreement":
         os.environ["PYCOLL_TEST_KILL_AT"] = "agree.entered"  # its first: step 0's
     comm = pc.init(timeout=30)
     m, opt = _model()
     sampler = ElasticSampler(NUM, local_batch_size=LOCAL)
-    model = ElasticDataParallel(m, comm, sampler=sampler, **DDP)
+    model = _Recording(m, comm, sampler=sampler, **DDP)
+    model.dies_in_rebuild = rank == VICTIM - 1 and kill == "second_death"
 
     def die_at_k(*_: object) -> None:
         if model.steps == K:
@@ -85,7 +102,7 @@ def _elastic(rank: int, world_size: int, kill: str) -> dict:
     fed: list[list[int]] = []  # the ids this rank fed, per committed step
 
     def loss_fn(ddp: torch.nn.Module, r: int, n: int) -> torch.Tensor:
-        if victim and kill == "forward" and model.steps == K:
+        if rank == VICTIM and kill in ("forward", "second_death") and model.steps == K:
             _die()
         ids = sampler.ids(r, n)
         fed.append(ids.tolist())
@@ -100,20 +117,21 @@ def _elastic(rank: int, world_size: int, kill: str) -> dict:
         "recoveries": [(r["step"], r["failed"], r["world_size"]) for r in model.recoveries],
         "ledger": [(e.epoch, e.step, [s.tolist() for s in e.shares]) for e in sampler.ledger],
         "fed": fed,
+        "rebuilt": model.rebuilt,
     }
     model.comm.close()
     return out
 
 
-def _reference(rank: int, world_size: int, switches: list[int]) -> dict:
-    """For each switch step s: trains on the 4 ranks for steps < s, on the first
-    3 (a split: no failure) from s; rank 3 returns nothing."""
+def _reference(rank: int, world_size: int, switches: list[tuple[int, int]]) -> dict:
+    """For each (s, n): trains on the 4 ranks for steps < s, on the first n (a
+    split: no failure) from s; the others return nothing for it."""
     comm = pc.init(timeout=30)
     out = {}
-    for s in switches:
+    for s, n in switches:
         m, opt = _model()
         sampler = ElasticSampler(NUM, local_batch_size=LOCAL)
-        sub = comm.split(0 if rank < VICTIM else None)
+        sub = comm.split(0 if rank < n else None)
         ddp = DistributedDataParallel(m, comm, **DDP) if s > 0 else None
         for step in range(STEPS):
             group = comm if step < s else sub
@@ -129,38 +147,46 @@ def _reference(rank: int, world_size: int, switches: list[int]) -> dict:
             opt.step()
             sampler.commit(size)
         if sub is not None:
-            out[s] = _params(m)
+            out[s, n] = _params(m)
             sub.close()
     return out
 
 
 @pytest.fixture(scope="module")
 def reference() -> list[dict]:
-    return run(_reference, 4, [0, 1, K, K + 1], timeout=150)
+    return run(_reference, 4, [(0, 3), (1, 3), (K, 3), (K + 1, 3), (K, 2)], timeout=150)
 
 
 @pytest.mark.parametrize("kill", list(KILLS))
 def test_rank_killed_survivors_match_the_surviving_layout_bitwise(kill, reference):
-    got = run(_elastic, 4, kill, timeout=150, expect_exit={VICTIM: -signal.SIGKILL})[:VICTIM]
-    # Every survivor dropped the same step, saw the victim fail and went on 3 strong.
+    want, n = KILLS[kill]
+    dead = tuple(range(n, 4))
+    got = run(_elastic, 4, kill, timeout=150, expect_exit=dict.fromkeys(dead, -signal.SIGKILL))
+    got = got[:n]
+    # Every survivor dropped the same step, saw the victims fail and went on n strong.
     failed_step = got[0]["recoveries"][0][0]
     for r, g in enumerate(got):
-        assert g["world_size"] == 3 and g["recoveries"] == [(failed_step, (VICTIM,), 3)], (r, g)
-    want = KILLS[kill]
+        assert g["world_size"] == n and g["recoveries"] == [(failed_step, dead, n)], (r, g)
+        first = (4, 3, (0, 1, 2), (VICTIM,))
+        if n == 3:
+            assert g["rebuilt"] == [first], g["rebuilt"]
+        else:  # rank 2 died in the first rebuild: the survivors shrank again
+            assert g["rebuilt"][-1] == (3, 2, (0, 1), (2,)), g["rebuilt"]
+            assert g["rebuilt"][:-1] in ([], [first]), g["rebuilt"]
     assert failed_step == want if want is not None else failed_step in (0, 1), failed_step
     for r, g in enumerate(got):
-        assert g["params"] == reference[r][failed_step], (kill, r)
+        assert g["params"] == reference[r][failed_step, n], (kill, r)
     # The parameters moved (the comparison is not of two untrained models).
     assert got[0]["params"] != _params(_model()[0])
 
     # The ledger: the same on every survivor; steps before the failed one ran
     # on 4 ranks (the victim's shares included: every survivor's average had
-    # them), the rest on 3; every sample of epoch 0 consumed exactly once, none
+    # them), the rest on n; every sample of epoch 0 consumed exactly once, none
     # of epoch 1 twice; each survivor fed exactly its shares.
     ledger = got[0]["ledger"]
     assert all(g["ledger"] == ledger for g in got)
     assert [len(shares) for _, _, shares in ledger] == [
-        4 if i < failed_step else 3 for i in range(STEPS)
+        4 if i < failed_step else n for i in range(STEPS)
     ]
     for epoch in (0, 1):
         ids = [i for e, _, shares in ledger if e == epoch for s in shares for i in s]
