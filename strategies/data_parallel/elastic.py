@@ -29,6 +29,7 @@ restores lost state between the shrink and the new wrap.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable
@@ -108,6 +109,7 @@ class ElasticDataParallel:
             loss_fn(self.ddp, self.rank, self.world_size).backward()
         except PyCollectivesError:
             ok = False
+            _revoke(self.comm, "its step failed")
         start = time.monotonic()
         agreed = self.comm.agree(ok)
         if agreed.value and not agreed.failed:
@@ -117,7 +119,7 @@ class ElasticDataParallel:
                 self.sampler.commit(size)
             self.steps += 1
             return True
-        self._recover(agreed.failed, time.monotonic() - start)
+        self._recover(time.monotonic() - start)
         return False
 
     # -- hooks: what a subclass for another data-parallel wrapper overrides ----
@@ -149,35 +151,44 @@ class ElasticDataParallel:
         call it again, with `new` as `old`."""
 
     # -- recovery ----------------------------------------------------------------
-    def _recover(self, failed: tuple[int, ...], agree_s: float) -> None:
+    def _recover(self, agree_s: float) -> None:
         """Drops the step's gradients, shrinks the communicator, checks that
         every survivor committed the same steps, rebuilds and wraps the model
         again on the survivors' (which broadcasts its new rank 0's parameters:
         every survivor holds the same), then agrees that every survivor did: a
-        rank that died meanwhile makes every survivor shrink again, without it."""
+        rank that died meanwhile makes every survivor shrink again, without it.
+        Raises PyCollectivesError on every survivor alike if a rebuild failed
+        with no rank lost (retrying would fail the same way)."""
         self.unwrap()
         old = comm = self.comm
         ranks = list(range(old.world_size))  # the rank in `old` of each rank of `comm`
         start = time.monotonic()
         while True:
             new = comm.shrink()
-            ok = True
+            error: PyCollectivesError | None = None
             try:
                 self._check_alike(new)
                 self.rebuild(comm, new, new.failed)
                 self.ddp = self.wrap(new)
-            except PyCollectivesError:  # another rank died while we rebuilt
-                ok = False
-            agreed = new.agree(ok)
+            except PyCollectivesError as e:  # another rank died while we rebuilt?
+                error = e
+                _revoke(new, "its rebuild failed")
+            agreed = new.agree(error is None)
             if comm is not old:
                 _close(comm)
             comm, ranks = new, [ranks[p] for p in new.parent_ranks]
+            self.comm = comm
             if agreed.value and not agreed.failed:
                 break
             self.unwrap()
+            if not agreed.failed:
+                raise PyCollectivesError(
+                    f"ElasticDataParallel: rank {comm.rank}: the survivors could not rebuild "
+                    f"on the shrunk communicator, and no rank failed meanwhile (here: "
+                    f"{error or 'rebuilt'}): not a lost rank, recovery stops"
+                ) from error
         shrink_s = time.monotonic() - start
         _close(old)
-        self.comm = comm
         self.recoveries.append(
             {
                 "step": self.steps,
@@ -200,6 +211,15 @@ class ElasticDataParallel:
                 f"committed other steps than rank 0 (committed steps per rank: {steps}) or hold "
                 "another sampler cursor: the survivors are no longer alike"
             )
+
+
+def _revoke(comm: Communicator, why: str) -> None:
+    """Revokes `comm` (ULFM's revoke before agree): a survivor still waiting in
+    one of its collectives for this rank raises at once and comes to the
+    agreement, instead of waiting out its timeout there while the agreement
+    declares it unresponsive. Nothing to do if `comm` is closed."""
+    with contextlib.suppress(PyCollectivesError):
+        comm.revoke(f"ElasticDataParallel: {why}")
 
 
 def _close(comm: Communicator) -> None:

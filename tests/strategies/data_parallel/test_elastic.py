@@ -196,3 +196,38 @@ def test_rank_killed_survivors_match_the_surviving_layout_bitwise(kill, referenc
     assert ledger[-1][0] == 1  # the run went past the end of epoch 0
     for r, g in enumerate(got):
         assert g["fed"] == [shares[r] for _, _, shares in ledger], r
+
+
+class _FailingRebuild(ElasticDataParallel):
+    """rebuild() fails on rank 1 with no rank lost (as a full /dev/shm would),
+    while the others wait for it in wrap()'s collectives."""
+
+    def rebuild(self, old: pc.Communicator, new: pc.Communicator, failed: tuple[int, ...]) -> None:
+        if new.rank == 1:
+            raise pc.PyCollectivesError("test: cannot rebuild")
+
+
+def _rebuild_fails(rank: int, world_size: int) -> str:
+    comm = pc.init(timeout=30)
+    m, opt = _model()
+    model = _FailingRebuild(m, comm, **DDP)
+
+    def loss_fn(ddp: torch.nn.Module, r: int, n: int) -> torch.Tensor:
+        if r == 0:  # only here, the others wait in the all-reduce for this rank:
+            # the step is dropped (revoked), nobody failed: a recovery on the same ranks
+            raise pc.CollectiveTimeout("test: a timeout on rank 0 only")
+        return _loss(ddp, torch.arange(3 * r, 3 * r + 3), 1.0)
+
+    with pytest.raises(pc.PyCollectivesError, match="could not rebuild") as e:
+        model.step(loss_fn, opt)
+    model.comm.close()
+    return str(e.value)
+
+
+def test_a_rebuild_that_fails_with_no_rank_lost_raises_on_every_survivor():
+    # Retrying would fail the same way: every rank raises, none loops. A rank
+    # whose step or rebuild fails alone revokes: without, the others wait in a
+    # collective for it past the agreement's timeout and are fenced out.
+    msgs = run(_rebuild_fails, 3, timeout=90)
+    assert all(f"rank {r}:" in m and "no rank failed" in m for r, m in enumerate(msgs)), msgs
+    assert "cannot rebuild" in msgs[1], msgs
