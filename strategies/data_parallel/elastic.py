@@ -100,9 +100,11 @@ class ElasticDataParallel:
         samples, re-split).
 
         Raises what loss_fn raises other than a PyCollectivesError,
-        CommunicatorAborted on a rank fenced out (it must leave), and
-        RuntimeError if the survivors found they had not committed the same
-        steps (which the agreement rules out)."""
+        CommunicatorAborted on a rank fenced out (it must leave),
+        PyCollectivesError on every survivor when they could not rebuild with
+        no rank lost (e.g. a hook's error), and RuntimeError if the survivors
+        found they had not committed the same steps (which the agreement
+        rules out)."""
         self.zero_grad(optimizer)
         ok = True
         try:
@@ -182,6 +184,7 @@ class ElasticDataParallel:
                 break
             self.unwrap()
             if not agreed.failed:
+                _close(old)
                 raise PyCollectivesError(
                     f"ElasticDataParallel: rank {comm.rank}: the survivors could not rebuild "
                     f"on the shrunk communicator, and no rank failed meanwhile (here: "
