@@ -14,17 +14,19 @@ than dp): one more name in AXES and NAMES, one more keyword and its properties.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+import warnings
 from typing import Any
 
 import torch
 
-from pycollectives import Communicator
+from pycollectives import Communicator, PyCollectivesError
 
 from .autograd_threads import autograd_comm
 
-__all__ = ["AXES", "ParallelDims"]
+__all__ = ["AXES", "NeedsReplacement", "ParallelDims"]
 
 AXES: tuple[str, ...] = ("pp", "dp", "tp")  # the rank layout, outermost first
 NAMES: tuple[str, ...] = ("dp", "tp", "pp")  # the order messages name them in
@@ -35,6 +37,17 @@ def _as_size(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not (value >= 1 or value == -1):
         return 0
     return value
+
+
+class NeedsReplacement(RuntimeError):
+    """ParallelDims.shrink(): a tensor- or pipeline-parallel group lost a member,
+    so the grid cannot go on with fewer ranks: a replacement process must join
+    (grow). `failed`: the failed world ranks; `groups`: per axis with a size
+    above 1, the world ranks of each group that lost a member."""
+
+    def __init__(self, message: str, failed: tuple[int, ...], groups: dict[str, list[list[int]]]):
+        super().__init__(message)
+        self.failed, self.groups = failed, groups
 
 
 def _describe(sizes: dict[str, int]) -> str:
@@ -176,6 +189,58 @@ class ParallelDims:
             rank, c = divmod(rank, self.sizes[axis])
             out.append(c)
         return out[::-1]
+
+    # -- recovery -------------------------------------------------------------------------
+    def shrink(self, *, timeout: float | None = None) -> ParallelDims:
+        """Collective over the surviving ranks of `world`, after a rank failed:
+        revokes the sub-communicators and `world` (a survivor waiting in one of
+        them, on a live peer, raises at once and comes here too), shrinks
+        `world` (Communicator.shrink: the survivors, renumbered in order) and
+        rebuilds the grid on it with split: for a pure data-parallel grid
+        (tp = pp = 1), dp becomes the number of survivors (a grid where
+        nobody failed keeps its sizes). Returns the new
+        ParallelDims (whose `world` is the shrunk communicator: the caller
+        closes it and the old `world`); this one's sub-communicators are closed.
+
+        Raises, on every survivor alike, NeedsReplacement where a tensor- or
+        pipeline-parallel group lost a member (naming each such group by its
+        world ranks): those cannot go on short, recovery needs a replacement
+        process (grow); CommunicatorAborted on a rank fenced out."""
+        for c in [*self._comms.values(), self.world]:
+            with contextlib.suppress(PyCollectivesError):  # closed: nothing pending to wake
+                c.revoke("ParallelDims.shrink")
+        new = self.world.shrink(timeout=timeout)
+        with warnings.catch_warnings():  # their failed pending operations: reported already
+            warnings.simplefilter("ignore", RuntimeWarning)
+            self.close()
+        failed = new.failed
+        lost = {
+            axis: sorted({tuple(self._group_of(r, axis)) for r in failed})
+            for axis in ("tp", "pp")
+            if self.sizes[axis] > 1 and failed
+        }
+        if lost:
+            new.close()
+            groups = {a: [list(g) for g in gs] for a, gs in lost.items()}
+            named = "; ".join(
+                f"the {a} group of world ranks {list(g)}" for a, gs in lost.items() for g in gs
+            )
+            raise NeedsReplacement(
+                f"ParallelDims.shrink: rank {self.world.rank}: "
+                + ", ".join(self.where(r) for r in failed)
+                + f" failed, in a {_describe(self.sizes)} grid: {named} lost a member; a tensor- "
+                "or pipeline-parallel group cannot go on short: recovery needs a replacement "
+                "process to join (grow), which is not supported yet: restart from a checkpoint",
+                failed,
+                groups,
+            )
+        tp, pp = self.sizes["tp"], self.sizes["pp"]  # failures here: only dp lost ranks
+        return ParallelDims(new, dp=new.world_size // (tp * pp), tp=tp, pp=pp)
+
+    def _group_of(self, rank: int, axis: str) -> list[int]:
+        """The world ranks of world rank `rank`'s `axis` group, in order."""
+        coords = dict(zip(AXES, self._unravel(rank), strict=True))
+        return [self.rank_of(**{**coords, axis: c}) for c in range(self.sizes[axis])]
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:

@@ -5,20 +5,31 @@ should_commit): the optimizer steps only where every rank's backward (its
 bucket all-reduces) succeeded and no rank failed, so the step in which a rank
 died is dropped on every survivor alike. The survivors then shrink the
 communicator and wrap the model again on it: the next steps average the
-gradients over the new size. The caller retries the dropped step's batch,
-re-split over the survivors (its batch function takes the current rank and
-world size), so the run equals one that had the surviving layout from that
-step on.
+gradients over the new size. The dropped step is retried, its samples re-split
+over the survivors: with an ElasticSampler (data.py) the epoch's remaining
+sample order is, and its ledger shows every sample of the epoch consumed
+exactly once; the run equals one that had the surviving layout from the
+dropped step on.
 
-    model = ElasticDataParallel(module, comm)
-    step = 0
-    while step < steps:
-        if model.step(lambda ddp, rank, size: loss_of(ddp, batch(step, rank, size)), optimizer):
-            step += 1
+    sampler = ElasticSampler(len(data), global_batch_size=48)
+    model = ElasticDataParallel(module, comm, sampler=sampler)
+    while sampler.epoch < epochs:  # step() is False when the step was dropped
+        model.step(lambda ddp, rank, size: loss_of(ddp, sampler.ids(rank, size)), optimizer)
+
+A rank that dies after the agreement (in the optimizer step) leaves a step
+that every survivor committed: its samples count as consumed (its gradients
+were in every survivor's average), and the loss shows in the next step, which
+is dropped.
+
+For other data-parallel wrappers (ZeRO, sharded state kept redundant),
+override the hooks: wrap(comm) builds the wrapper, zero_grad / apply start and
+commit a step, unwrap() drops a failed step's wrapper, rebuild(old, new, failed)
+restores lost state between the shrink and the new wrap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable
@@ -29,7 +40,8 @@ from torch import nn
 
 from pycollectives import Communicator, PyCollectivesError
 
-from .ddp import DistributedDataParallel
+from ..data import ElasticSampler
+from .ddp import DistributedDataParallel, ranks_that_differ
 
 __all__ = ["ElasticDataParallel"]
 
@@ -37,17 +49,31 @@ __all__ = ["ElasticDataParallel"]
 class ElasticDataParallel:
     """DistributedDataParallel over `comm` that survives the loss of ranks.
 
+    `sampler` (optional): the ElasticSampler whose ids the loss function
+    takes; each committed step is committed in it (its cursor and ledger),
+    so a dropped step's samples are retried, re-split over the survivors.
     `ddp_kwargs` go to every DistributedDataParallel it builds (at start and
-    after each recovery). `recoveries` lists, per recovery, the failed ranks
-    (of the communicator of the time), the new world size and the seconds the
-    agreement and the shrink took."""
+    after each recovery). `steps` counts the committed steps; `recoveries`
+    lists, per recovery, the step that was dropped, the failed ranks (of the
+    communicator of the time, those lost during the recovery included), the
+    new world size and the seconds the agreement and the recovery (shrink,
+    rebuild, wrap) took."""
 
-    def __init__(self, module: nn.Module, comm: Communicator, **ddp_kwargs: Any) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: Communicator,
+        *,
+        sampler: ElasticSampler | None = None,
+        **ddp_kwargs: Any,
+    ) -> None:
         self.module = module
+        self.sampler = sampler
         self._kwargs = ddp_kwargs
         self.comm = comm
-        self.ddp = DistributedDataParallel(module, comm, **ddp_kwargs)
+        self.steps = 0
         self.recoveries: list[dict[str, Any]] = []
+        self.ddp = self.wrap(comm)
 
     @property
     def rank(self) -> int:
@@ -61,50 +87,147 @@ class ElasticDataParallel:
 
     def step(
         self,
-        loss_fn: Callable[[DistributedDataParallel, int, int], torch.Tensor],
+        loss_fn: Callable[[Any, int, int], torch.Tensor],
         optimizer: torch.optim.Optimizer,
     ) -> bool:
         """One training step: zeroes the gradients, runs loss_fn(ddp, rank,
         world_size) (the forward on this rank's share of the batch) and its
         backward, then agrees with the survivors whether every rank's step
-        succeeded. Returns True once the optimizer stepped; False when the
-        step was dropped (on every survivor alike): the communicator was
-        shrunk to the survivors, and the caller retries the same batch.
+        succeeded. Returns True once the optimizer stepped (and the sampler,
+        if any, committed the step); False when the step was dropped (on
+        every survivor alike): the communicator was shrunk to the survivors,
+        and the caller retries the step (the sampler's next ids are the same
+        samples, re-split).
 
-        Raises what loss_fn raises other than a PyCollectivesError, and
-        CommunicatorAborted on a rank fenced out (it must leave)."""
-        optimizer.zero_grad(set_to_none=True)
+        Raises what loss_fn raises other than a PyCollectivesError,
+        CommunicatorAborted on a rank fenced out (it must leave),
+        PyCollectivesError on every survivor when they could not rebuild with
+        no rank lost (e.g. a hook's error), and RuntimeError if the survivors
+        found they had not committed the same steps (which the agreement
+        rules out)."""
+        self.zero_grad(optimizer)
         ok = True
         try:
             loss_fn(self.ddp, self.rank, self.world_size).backward()
         except PyCollectivesError:
             ok = False
+            _revoke(self.comm, "its step failed")
         start = time.monotonic()
         agreed = self.comm.agree(ok)
         if agreed.value and not agreed.failed:
-            optimizer.step()
+            size = self.world_size
+            self.apply(optimizer)
+            if self.sampler is not None:
+                self.sampler.commit(size)
+            self.steps += 1
             return True
-        self._recover(agreed.failed, time.monotonic() - start)
+        self._recover(time.monotonic() - start)
         return False
 
-    def _recover(self, failed: tuple[int, ...], agree_s: float) -> None:
-        """Drops the step's gradients, shrinks the communicator and wraps the
-        model again on the survivors' (which broadcasts its new rank 0's
-        parameters: every survivor holds the same)."""
+    # -- hooks: what a subclass for another data-parallel wrapper overrides ----
+    def wrap(self, comm: Communicator) -> Any:
+        """Builds the data-parallel wrapper over `comm` (collective), at start
+        and after each shrink; loss_fn receives it. Default: DistributedDataParallel."""
+        return DistributedDataParallel(self.module, comm, **self._kwargs)
+
+    def zero_grad(self, optimizer: Any) -> None:
+        """Clears the gradients before a step (try)."""
+        optimizer.zero_grad(set_to_none=True)
+
+    def apply(self, optimizer: Any) -> None:
+        """Commits the step once every survivor agreed: the optimizer step.
+        It runs where the step is decided alike on every survivor; a subclass
+        whose step communicates must leave the survivors alike if a rank dies
+        in it."""
+        optimizer.step()
+
+    def unwrap(self) -> None:
+        """Drops the wrapper of the failed step and its gradients (before the shrink)."""
         self.ddp.detach()
-        old = self.comm
+
+    def rebuild(self, old: Communicator, new: Communicator, failed: tuple[int, ...]) -> None:
+        """After the shrink, before wrap(new): restores state that lived on the
+        `failed` ranks of `old` (nothing for DDP: every rank holds all of it).
+        `new.parent_ranks` maps the new ranks to the old. A PyCollectivesError
+        here (another rank died) makes the survivors shrink `new` in turn and
+        call it again, with `new` as `old`."""
+
+    # -- recovery ----------------------------------------------------------------
+    def _recover(self, agree_s: float) -> None:
+        """Drops the step's gradients, shrinks the communicator, checks that
+        every survivor committed the same steps, rebuilds and wraps the model
+        again on the survivors' (which broadcasts its new rank 0's parameters:
+        every survivor holds the same), then agrees that every survivor did: a
+        rank that died meanwhile makes every survivor shrink again, without it.
+        Raises PyCollectivesError on every survivor alike if a rebuild failed
+        with no rank lost (retrying would fail the same way)."""
+        self.unwrap()
+        old = comm = self.comm
+        ranks = list(range(old.world_size))  # the rank in `old` of each rank of `comm`
         start = time.monotonic()
-        self.comm = old.shrink()
+        while True:
+            new = comm.shrink()
+            error: PyCollectivesError | None = None
+            try:
+                self._check_alike(new)
+                self.rebuild(comm, new, new.failed)
+                self.ddp = self.wrap(new)
+            except PyCollectivesError as e:  # another rank died while we rebuilt?
+                error = e
+                _revoke(new, "its rebuild failed")
+            agreed = new.agree(error is None)
+            if comm is not old:
+                _close(comm)
+            comm, ranks = new, [ranks[p] for p in new.parent_ranks]
+            self.comm = comm
+            if agreed.value and not agreed.failed:
+                break
+            self.unwrap()
+            if not agreed.failed:
+                _close(old)
+                raise PyCollectivesError(
+                    f"ElasticDataParallel: rank {comm.rank}: the survivors could not rebuild "
+                    f"on the shrunk communicator, and no rank failed meanwhile (here: "
+                    f"{error or 'rebuilt'}): not a lost rank, recovery stops"
+                ) from error
         shrink_s = time.monotonic() - start
-        with warnings.catch_warnings():  # its failed pending operations: reported above
-            warnings.simplefilter("ignore", RuntimeWarning)
-            old.close()
-        self.ddp = DistributedDataParallel(self.module, self.comm, **self._kwargs)
+        _close(old)
         self.recoveries.append(
             {
-                "failed": failed or self.comm.failed,
-                "world_size": self.comm.world_size,
+                "step": self.steps,
+                "failed": tuple(r for r in range(old.world_size) if r not in ranks),
+                "world_size": comm.world_size,
                 "agree_s": agree_s,
                 "shrink_s": shrink_s,
             }
         )
+
+    def _check_alike(self, comm: Communicator) -> None:
+        """Every survivor committed the same steps and holds the same sampler
+        cursor (collective over `comm`); RuntimeError naming the ranks that differ."""
+        cursor = self.sampler.state_dict() if self.sampler is not None else {}
+        mine = hash((cursor.get("epoch", -1), cursor.get("position", -1))) & ((1 << 62) - 1)
+        differ, steps = ranks_that_differ(comm, self.steps, mine)
+        if differ:
+            raise RuntimeError(
+                f"ElasticDataParallel: rank {comm.rank}: after the shrink, ranks {differ} "
+                f"committed other steps than rank 0 (committed steps per rank: {steps}) or hold "
+                "another sampler cursor: the survivors are no longer alike"
+            )
+
+
+def _revoke(comm: Communicator, why: str) -> None:
+    """Revokes `comm` (ULFM's revoke before agree): a survivor still waiting in
+    one of its collectives for this rank raises at once and comes to the
+    agreement, instead of waiting out its timeout there while the agreement
+    declares it unresponsive. Nothing to do if `comm` is closed."""
+    with contextlib.suppress(PyCollectivesError):
+        comm.revoke(f"ElasticDataParallel: {why}")
+
+
+def _close(comm: Communicator) -> None:
+    """Closes a communicator the survivors left (its failed pending operations
+    were reported where they failed)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        comm.close()
