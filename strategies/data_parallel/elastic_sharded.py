@@ -22,6 +22,7 @@ as well, on every survivor alike.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable
@@ -113,6 +114,11 @@ class ElasticZero:
                 self.copy.refresh()
         except PyCollectivesError:
             ok = False
+            # ULFM's revoke before agree: a survivor still waiting for this rank in a
+            # collective raises at once and comes to the agreement, instead of waiting out
+            # its timeout there while the agreement declares it unresponsive.
+            with contextlib.suppress(PyCollectivesError):
+                self.comm.revoke("ElasticZero: its step failed")
         start = time.monotonic()
         agreed = self.comm.agree(ok)
         if agreed.value and not agreed.failed:
