@@ -15,6 +15,7 @@ import socket
 from typing import Any
 
 from .. import _C
+from .._recovery_hosts import HostRecovery
 from ..auth import ENV_FILE, ENV_KEY, STORE_BYTES, job_secret
 from ..communicator import Communicator, Timeout, to_seconds
 from .bootstrap import Bootstrap
@@ -141,6 +142,9 @@ def init(
         boot.fail(e, seconds)
         raise
     comm = Communicator(core)
+    # Across hosts agree/shrink go through the store: the caller's (pc.init's
+    # own goes once every rank is done with it; they are then given one).
+    comm._host_recovery = HostRecovery(f"{prefix}/{generation}", None if own_store else store)
     if not own_store:
         # The caller's store may be served by this process and held nowhere
         # else (passed inline): it stays alive until every rank is done with
