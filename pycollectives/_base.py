@@ -333,6 +333,25 @@ class CommunicatorBase:
         comm.failed = failed_ranks(codes)
         return comm
 
+    def grow(
+        self, store: Any, new_ranks: int, *, timeout: Timeout = None, prefix: str = "pycoll-grow"
+    ) -> Any:
+        """Collective over this communicator's ranks: returns a new Communicator
+        of these ranks (same ranks, 0..n-1) and `new_ranks` replacement
+        processes (n..), each of which calls pycollectives.join(store) with the
+        same `store` and `prefix` (rendezvous/grow.py). For a communicator
+        that lost ranks and shrank: the newcomers take their places. This one
+        stays usable (close it when done). `timeout` (default: the
+        communicator's) bounds the wait for the newcomers.
+
+        Raises ValueError for new_ranks < 1 or an empty prefix, and init's
+        errors (CollectiveTimeout if the newcomers do not come)."""
+        from .rendezvous.grow import grow
+
+        seconds = to_seconds(timeout)
+        t = seconds if seconds > 0 else self._c.default_timeout
+        return grow(self, store, new_ranks, t, prefix)
+
     def __repr__(self) -> str:
         return f"<pycollectives.Communicator rank={self.rank} world_size={self.world_size}>"
 

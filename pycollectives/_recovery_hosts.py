@@ -169,6 +169,8 @@ def agree(comm: Any, rec: HostRecovery, flag: int, timeout_s: float) -> tuple[in
         pending, gone = set(others), {}
         sleep = 0.0005
         while not st("check", [f"{base}/decided"]):
+            if pending and st("check", [f"{base}/in/{p}" for p in pending]):  # 1 round trip
+                pending.clear()
             for p in sorted(pending):
                 why = core.why_gone(p)
                 if why:
