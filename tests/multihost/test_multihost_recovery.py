@@ -205,3 +205,40 @@ def _second_death(pc, comm, store, where: str) -> tuple:
 def test_second_death_during_recovery_across_hosts(fabric, where):
     out = _run(fabric, _second_death, where, expect_exit={2: KILL, 3: KILL})
     assert out[:2] == [((0, 1), (2, 3))] * 2, out
+
+
+def _stopped(pc, comm, store) -> str:
+    """Rank 3 (host 1) stops inside an all-reduce past the timeout; the others
+    shrink without it; it resumes (SIGCONT from rank 0) into a communicator
+    it was fenced out of."""
+    from test_faults import expect
+
+    pids = torch.zeros(comm.world_size, dtype=torch.int64)
+    comm.all_gather(pids, torch.tensor([os.getpid()]))
+    comm.barrier()
+    if comm.rank == 3:
+        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
+        with pytest.raises(pc.PyCollectivesError):
+            for _ in range(1_000_000):
+                comm.all_reduce(torch.ones(1 << 12), timeout=2)
+        msg = expect(pc.CommunicatorAborted, lambda: comm.shrink(timeout=3), "fenced")
+        expect(pc.CommunicatorAborted, lambda: comm.agree(True), "fenced")
+        expect(pc.PyCollectivesError, lambda: comm.all_reduce(torch.ones(4)))
+        store.set("test/fenced", "1")
+        comm.close()
+        return msg
+    with pytest.raises(pc.PyCollectivesError):
+        for _ in range(1_000_000):
+            comm.all_reduce(torch.ones(1 << 12), timeout=2)
+    new = comm.shrink(timeout=3)
+    assert new.parent_ranks == (0, 1, 2) and new.failed == (3,), (new.parent_ranks, new.failed)
+    if comm.rank == 0:
+        os.kill(int(pids[3]), signal.SIGCONT)
+        store.wait(["test/fenced"], datetime.timedelta(seconds=30))  # it is done with the store
+    _finish(pc, comm, new, (0, 1, 2))
+    return ""
+
+
+def test_stopped_rank_on_another_host_is_fenced_out(fabric):
+    out = _run(fabric, _stopped, env={"PYCOLL_CMA": "0"})
+    assert "unresponsive" in out[3] or "died" in out[3], out
