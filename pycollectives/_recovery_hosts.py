@@ -17,6 +17,9 @@ alive after agreement k-1 take part in k), under `<key>/agree/<k>/`:
    is the consensus object, as the segment's CAS is on one host
    (csrc/comm/recovery.cc). A rank killed at any point leaves a whole
    proposal or none.
+Each agreement leaves its decision in the store (a few bytes: a rank that
+comes back reads it to learn it was fenced); a rank deletes its flag of
+agreement k-2 when it enters k.
 A rank that finds itself not alive in the decision (stopped past the timeout,
 or cut off from the other hosts while it could still reach the store) is
 fenced: it raises, and so does everything it tries on this communicator. A
@@ -165,6 +168,9 @@ def agree(comm: Any, rec: HostRecovery, flag: int, timeout_s: float) -> tuple[in
     others = [p for p in range(n) if p != rank and prev[p] == 0]
     with _store_timeout(rec.store, timeout_s):
         st("set", f"{base}/in/{rank}", str(flag))
+        if k > 2:  # every participant of k-1 is past k-2: its flag may go (its decision stays)
+            with contextlib.suppress(Exception):  # a store without delete_key keeps it
+                rec.call("delete_key", (f"{rec.key}/agree/{k - 2}/in/{rank}",), timeout_s + 5.0)
         deadline = time.monotonic() + timeout_s
         pending, gone = set(others), {}
         sleep = 0.0005
