@@ -346,11 +346,9 @@ class CommunicatorBase:
 
         Raises ValueError for new_ranks < 1 or an empty prefix, and init's
         errors (CollectiveTimeout if the newcomers do not come)."""
-        from .rendezvous.grow import grow
-
         seconds = to_seconds(timeout)
         t = seconds if seconds > 0 else self._c.default_timeout
-        return grow(self, store, new_ranks, t, prefix)
+        return _recovery_hosts.rendezvous("grow")(self, store, new_ranks, t, prefix)
 
     def __repr__(self) -> str:
         return f"<pycollectives.Communicator rank={self.rank} world_size={self.world_size}>"

@@ -43,12 +43,26 @@ import datetime
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from . import errors
 
 DIED, CLOSED, UNRESPONSIVE = 1, 2, 3
 _MAX_FLAG = 1 << 32
+
+# What pycollectives.rendezvous lends recovery, registered when it is imported
+# (it imports this module, not the reverse: no import circle in the package):
+# "init" (rendezvous.init) and "grow" (rendezvous.grow.grow, the survivors' side).
+_RENDEZVOUS: dict[str, Callable[..., Any]] = {}
+
+
+def rendezvous(name: str) -> Callable[..., Any]:
+    """The rendezvous function `name` (init or grow), as registered."""
+    fn = _RENDEZVOUS.get(name)
+    if fn is None:  # every communicator comes from rendezvous.init, which registers both
+        raise RuntimeError(f"pycollectives: {name}: pycollectives.rendezvous is not imported")
+    return fn
 
 
 class HostRecovery:
@@ -257,8 +271,7 @@ def shrink(comm: Any, rec: HostRecovery, timeout_s: float) -> tuple[Any, list[in
     returns (communicator, survivors' ranks here, verdict by rank). Raises as
     agree(), and PyCollectivesError on every survivor alike if they could not
     build it."""
-    from .rendezvous import init
-
+    init = rendezvous("init")
     rank, n = comm.rank, comm.world_size
     errs: list[str] = []
     for _ in range(n):

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .. import errors
+from .. import _recovery_hosts, errors
 from ..work import Timeout, to_seconds
 
 _POLL_S = 0.005
@@ -46,8 +46,7 @@ def _parse_open(raw: bytes, key: str, who: str) -> tuple[int, int, int]:
 
 def grow(comm: Any, store: Any, new_ranks: int, timeout: Timeout, prefix: str) -> Any:
     """The survivors' side (Communicator.grow): returns the grown communicator."""
-    from . import init
-
+    init = _recovery_hosts.rendezvous("init")
     who = f"rank {comm.rank}: grow"
     if not isinstance(new_ranks, int) or isinstance(new_ranks, bool) or new_ranks < 1:
         raise ValueError(f"pycollectives: {who}: new_ranks={new_ranks!r} must be an int >= 1")
@@ -74,8 +73,7 @@ def join(store: Any, *, timeout: Timeout = 600.0, prefix: str = "pycoll-grow") -
     Raises ValueError for a bad prefix, CollectiveTimeout if no grow with a
     free place opened within `timeout`, PyCollectivesError for a malformed
     store value, and init's errors."""
-    from . import init
-
+    init = _recovery_hosts.rendezvous("init")
     if not isinstance(prefix, str) or not prefix:
         raise ValueError("pycollectives: join: prefix must be a non-empty str")
     seconds = _seconds(timeout)
