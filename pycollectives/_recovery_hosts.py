@@ -281,6 +281,7 @@ def shrink(comm: Any, rec: HostRecovery, timeout_s: float) -> tuple[Any, list[in
         child, ok = None, 1
         try:
             child = init(survivors.index(rank), len(survivors), rec.store, timeout_s, prefix)
+            child._c.set_default_timeout(comm._c.default_timeout)  # the parent's, as on one host
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 - every survivor learns it in the agreement

@@ -272,6 +272,7 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("check") = py::none(), py::arg("addrs") = std::vector<std::string>{})
       .def_property_readonly("default_timeout", &C::default_timeout)
+      .def("set_default_timeout", &C::set_default_timeout, py::arg("timeout"))
       .def_property_readonly("multi_host", &C::multi_host)
       .def_property_readonly("net_address", &C::net_address)
       .def_property_readonly("host_of", [](const C& c) { return c.topology().host_of(); })

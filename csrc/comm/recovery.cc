@@ -114,6 +114,14 @@ std::string Communicator::why_gone(int p) {
   return peer_gone(p);
 }
 
+void Communicator::set_default_timeout(double timeout_s) {
+  if (!(timeout_s > 0))
+    PYC_THROW(InvalidArgument, "pycollectives: rank " << rank_
+                                                      << ": the default timeout must be > 0 s, not "
+                                                      << timeout_s);
+  timeout_s_ = timeout_s;
+}
+
 void Communicator::fence(const std::string& why) {
   fenced_ = why;
   if (!closed_.load()) set_abort(AbortKind::kRevoked, why);

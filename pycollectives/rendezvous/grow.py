@@ -61,6 +61,7 @@ def grow(comm: Any, store: Any, new_ranks: int, timeout: Timeout, prefix: str) -
     comm.broadcast(number, 0, timeout=seconds)  # every survivor: the same grow number
     g = int(number.item())
     grown = init(comm.rank, n + new_ranks, store, seconds, f"{prefix}/{g}")
+    grown._c.set_default_timeout(comm._c.default_timeout)  # comm's, not the wait's bound
     grown.parent_ranks = tuple(range(n)) + (-1,) * new_ranks
     return grown
 

@@ -49,6 +49,7 @@ def _replace(rank: int, world_size: int, port: int) -> tuple:
         grown = shrunk.grow(store, 1, timeout=60)
         shrunk.close()
         assert (grown.rank, grown.world_size) == (rank, 4)
+        assert grown._c.default_timeout == 30  # the communicator's, not grow's bound
     # Every rank of the grown communicator, the newcomer included, adds in.
     for numel in (3, 1 << 16):
         t = torch.full((numel,), float(1 << grown.rank))

@@ -141,6 +141,7 @@ def _cut(pc, comm, store, marker: str) -> tuple:
         return ("cut", str(e.value), time.monotonic() - start)
     new = comm.shrink(timeout=5)
     assert new.parent_ranks == (0, 1) and new.failed == (2, 3), (new.parent_ranks, new.failed)
+    assert new._c.default_timeout == 20  # the parent's (init's), not shrink's bound
     _finish(pc, comm, new, (0, 1))
     return ("survived", detect, "")
 
@@ -185,12 +186,11 @@ def _second_death(pc, comm, store, where: str) -> tuple:
 
             _recovery_hosts.agree = then_die
         else:  # in the middle of building the new communicator
-            import pycollectives.rendezvous as rv
 
             def die(*a, **k):
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            rv.init = die
+            _recovery_hosts._RENDEZVOUS["init"] = die
     comm.barrier()
     if comm.rank == 3:
         threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
