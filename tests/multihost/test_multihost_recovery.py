@@ -242,3 +242,24 @@ def _stopped(pc, comm, store) -> str:
 def test_stopped_rank_on_another_host_is_fenced_out(fabric):
     out = _run(fabric, _stopped, env={"PYCOLL_CMA": "0"})
     assert "unresponsive" in out[3] or "died" in out[3], out
+
+
+def _no_store(comm) -> None:
+    """pc.init's own store is gone once the communicator is made: agree and
+    shrink ask for one; a split communicator is not recoverable by itself."""
+    from test_faults import expect
+
+    import pycollectives as pc
+
+    expect(ValueError, lambda: comm.agree(True), f"rank {comm.rank}", "agree", "store=")
+    expect(ValueError, lambda: comm.shrink(), f"rank {comm.rank}", "shrink", "store=")
+    sub = comm.split(0, comm.rank)
+    expect(ValueError, lambda: sub.agree(True), "split")
+    sub.close()
+    assert isinstance(comm, pc.Communicator)
+
+
+def test_recovery_across_hosts_needs_a_store(fabric):
+    from multihost_jobs import run_on_hosts
+
+    run_on_hosts(fabric, LAYOUT, _no_store, timeout=90)
