@@ -29,6 +29,7 @@ from .torch_backend.registration import register_when_torch_is_imported
 if TYPE_CHECKING:
     from .communicator import Communicator, ReduceOp, Work
     from .rendezvous import init
+    from .rendezvous.grow import join
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,7 @@ _LAZY = {
     "ReduceOp": "communicator",
     "Work": "communicator",
     "init": "rendezvous",
+    "join": "rendezvous.grow",
 }
 
 
@@ -82,5 +84,6 @@ __all__ = [
     "ReduceOp",
     "Work",
     "init",
+    "join",
     "simd_level",
 ]

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _C
+from . import _C, _recovery_hosts
 from ._recovery import Agreement, failed_ranks, verdict_names
 from ._staging import Staged, Stager, TorchCudaOps, cache_bytes_from_env
 from .work import CudaWork, Timeout, Work, to_seconds
@@ -46,6 +46,8 @@ class CommunicatorBase:
         # all_reduce_coalesced's window buckets, by (shapes and dtypes, cap): _fusion.py
         self._coalesced_buckets: dict = {}
         self._on_close: list[Any] = []  # run once by close() (rendezvous/: the caller's store)
+        # Across hosts: agree/shrink's key and store (set by init; _recovery_hosts.py).
+        self._host_recovery: _recovery_hosts.HostRecovery | None = None
         _live.add(self)
 
     def _issue_from_any_thread(self) -> None:
@@ -215,6 +217,8 @@ class CommunicatorBase:
         each pending operation that failed (its Work raises the error)."""
         failed = self._c.close()
         self._inflight.clear()
+        if self._host_recovery is not None and self._host_recovery.lost:
+            self._on_close.clear()  # the store is out of reach: waiting on it would hang
         while self._on_close:
             self._on_close.pop()()
         for msg in failed:
@@ -250,7 +254,29 @@ class CommunicatorBase:
         why = f": {reason}" if reason else ""
         self._c.revoke(f"pycollectives: rank {self.rank} revoked the communicator{why}")
 
-    def agree(self, flag: bool | int = True, *, timeout: Timeout = None) -> Agreement:
+    def _across(self, store: Any, what: str) -> _recovery_hosts.HostRecovery:
+        """Across hosts: the agreements' state, with `store` if given (else
+        init's). Raises ValueError if there is no store to agree through."""
+        rec = self._host_recovery
+        if rec is None:
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: {what}: across hosts, recovery works on a "
+                "communicator made by pycollectives.init or shrink (a split one: shrink the "
+                "parent and split it again)"
+            )
+        if store is not None:
+            rec.store = store
+        if rec.store is None:
+            raise ValueError(
+                f"pycollectives: rank {self.rank}: {what}: across hosts the survivors agree "
+                "through the job's store: pass store= (the same on every rank), or make the "
+                "communicator with pycollectives.init(store=...)"
+            )
+        return rec
+
+    def agree(
+        self, flag: bool | int = True, *, timeout: Timeout = None, store: Any = None
+    ) -> Agreement:
         """Fault-tolerant agreement (MPIX_Comm_agree), collective over the ranks
         that did not fail in an earlier one: every survivor returns the same
         Agreement, the AND of the survivors' flags (bitwise, of 32-bit
@@ -258,22 +284,30 @@ class CommunicatorBase:
         Works on an aborted or revoked communicator. A rank that does not enter
         within `timeout` (default: the communicator's) is declared
         unresponsive and fenced; once a rank failed, the communicator is revoked.
+        Across hosts it runs through the job's store (`store`, default the one
+        given to pycollectives.init; _recovery_hosts.py).
 
-        Raises ValueError for a flag outside [0, 2**32), CommunicatorAborted
-        on a rank that was fenced (it must leave the job), and
-        PyCollectivesError across hosts (not supported yet)."""
+        Raises ValueError for a flag outside [0, 2**32) (or, across hosts, no
+        store), CommunicatorAborted on a rank that was fenced (it must leave
+        the job), and PyCollectivesError across hosts if the store fails."""
         is_bool = isinstance(flag, bool)
         if not isinstance(flag, int) or not 0 <= int(flag) < 1 << 32:
             raise ValueError(
                 f"pycollectives: rank {self.rank}: agree: flag={flag!r} must be a bool or an "
                 "int in [0, 2**32)"
             )
-        value, codes = self._c.agree(int(flag), to_seconds(timeout))
+        seconds = to_seconds(timeout)
+        if self._across_hosts:
+            rec = self._across(store, "agree")
+            t = seconds if seconds > 0 else self._c.default_timeout
+            value, codes = _recovery_hosts.agree(self, rec, int(flag), t)
+        else:
+            value, codes = self._c.agree(int(flag), seconds)
         return Agreement(
             bool(value) if is_bool else value, failed_ranks(codes), verdict_names(codes)
         )
 
-    def shrink(self, *, timeout: Timeout = None) -> Any:
+    def shrink(self, *, timeout: Timeout = None, store: Any = None) -> Any:
         """Collective (MPIX_Comm_shrink): returns a new Communicator of the ranks
         that did not fail, renumbered in the order of their ranks here; its
         `parent_ranks` holds each new rank's rank here, `failed` the ranks that
@@ -281,14 +315,40 @@ class CommunicatorBase:
         afterwards). A rank that dies or stops (past `timeout`) while the
         survivors build it is left out too, in another round; every round is
         bounded (about three timeouts), and each but the last loses a rank.
+        Across hosts the survivors agree and meet through the job's store
+        (`store`, default init's): new segments, new TCP connections.
 
         Raises CommunicatorAborted on a fenced rank, and on every survivor
-        alike PyCollectivesError if the survivors could not build it."""
-        child, survivors, codes = self._c.shrink(to_seconds(timeout))
-        comm = type(self)(child)  # a Communicator, which derives from this class
+        alike PyCollectivesError if the survivors could not build it (across
+        hosts: or the store failed)."""
+        seconds = to_seconds(timeout)
+        if self._across_hosts:
+            rec = self._across(store, "shrink")
+            t = seconds if seconds > 0 else self._c.default_timeout
+            comm, survivors, codes = _recovery_hosts.shrink(self, rec, t)
+        else:
+            child, survivors, codes = self._c.shrink(seconds)
+            comm = type(self)(child)  # a Communicator, which derives from this class
         comm.parent_ranks = tuple(survivors)
         comm.failed = failed_ranks(codes)
         return comm
+
+    def grow(
+        self, store: Any, new_ranks: int, *, timeout: Timeout = None, prefix: str = "pycoll-grow"
+    ) -> Any:
+        """Collective over this communicator's ranks: returns a new Communicator
+        of these ranks (same ranks, 0..n-1) and `new_ranks` replacement
+        processes (n..), each of which calls pycollectives.join(store) with the
+        same `store` and `prefix` (rendezvous/grow.py). For a communicator
+        that lost ranks and shrank: the newcomers take their places. This one
+        stays usable (close it when done). `timeout` (default: the
+        communicator's) bounds the wait for the newcomers.
+
+        Raises ValueError for new_ranks < 1 or an empty prefix, and init's
+        errors (CollectiveTimeout if the newcomers do not come)."""
+        seconds = to_seconds(timeout)
+        t = seconds if seconds > 0 else self._c.default_timeout
+        return _recovery_hosts.rendezvous("grow")(self, store, new_ranks, t, prefix)
 
     def __repr__(self) -> str:
         return f"<pycollectives.Communicator rank={self.rank} world_size={self.world_size}>"

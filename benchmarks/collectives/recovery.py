@@ -1,6 +1,7 @@
-"""Time to recover from a lost rank on one host: detect, agree, shrink.
+"""Time to recover from a lost rank, on one host or across hosts: detect, agree, shrink.
 
     python benchmarks/collectives/recovery.py [--ranks 4 8] [--repeats 3] [--size 1M]
+                                              [--hosts 2] [--kill rank|host]
 
 Per run: --ranks processes all-reduce --size bytes (float32) in a loop; the last rank
 records the wall clock and SIGKILLs itself. Each survivor times from that instant to
@@ -9,6 +10,12 @@ comm.shrink() (shrink), and checks an all-reduce on the new communicator. Prints
 world size, the medians over --repeats runs of the slowest survivor's times, and the
 median time of an agree() on a healthy communicator (what ElasticDataParallel adds to
 every step). Writes nothing.
+
+With --hosts H (root only: network namespaces, tests/support/netns.py), the ranks sit
+on H namespaced hosts, ranks/H each (shared memory within a host, TCP between), the
+communicator made by pc.init on a TCPStore that rank 0 serves on host 0, through
+which agree and shrink go (docs/recovery.md); --kill host kills every rank of the
+last host at once instead of the last rank.
 """
 
 from __future__ import annotations
@@ -25,24 +32,40 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
-from _doc import free_port
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "common"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+import netns  # noqa: E402
+from _doc import free_port  # noqa: E402
 
 
-def rank_main(rank: int, n: int, port: int, nbytes: int, killed_at, out) -> None:
+def rank_main(
+    rank: int, n: int, port: int, nbytes: int, killed_at, out, hosts: list[str], victims: list[int]
+) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
+    if hosts:  # rank r on host r * H // n; rank 0 serves the store on host 0
+        netns.enter(hosts[rank * len(hosts) // n])
+        os.environ["MASTER_ADDR"] = netns.addr(0)
     import pycollectives as pc
 
-    comm = pc.init(timeout=60)
+    if hosts:
+        import datetime
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore(netns.addr(0), port, n, rank == 0, datetime.timedelta(seconds=60))
+        comm = pc.init(rank, n, store=store, timeout=60)
+    else:
+        comm = pc.init(timeout=60)
     healthy = []
     for _ in range(50):
         start = time.perf_counter()
         comm.agree(True)
         healthy.append(time.perf_counter() - start)
     comm.barrier()
-    if rank == n - 1:
+    if rank in victims:
 
         def die() -> None:
             killed_at.value = time.time()
@@ -53,7 +76,7 @@ def rank_main(rank: int, n: int, port: int, nbytes: int, killed_at, out) -> None
     try:
         while True:
             comm.all_reduce(t)
-    except pc.PeerFailure:
+    except pc.PyCollectivesError:  # PeerFailure, or the abort another host passed on
         detected = time.time()
     t0 = time.perf_counter()
     comm.agree(True)
@@ -62,22 +85,21 @@ def rank_main(rank: int, n: int, port: int, nbytes: int, killed_at, out) -> None
     t2 = time.perf_counter()
     check = torch.ones(4)
     new.all_reduce(check)
-    assert new.world_size == n - 1 and check[0].item() == n - 1
+    assert new.world_size == n - len(victims) and check[0].item() == n - len(victims)
     comm.close()
     new.close()
     out.put((rank, detected, t1 - t0, t2 - t1, statistics.median(healthy)))
 
 
-def run(n: int, nbytes: int) -> tuple[float, float, float, float]:
+def run(n: int, nbytes: int, hosts: list[str], victims: list[int]) -> tuple[float, ...]:
     """One run: the slowest survivor's (detect, agree, shrink, healthy agree) in seconds."""
     ctx = mp.get_context("spawn")
     out, port, killed_at = ctx.Queue(), free_port(), ctx.Value("d", 0.0)
-    procs = [
-        ctx.Process(target=rank_main, args=(r, n, port, nbytes, killed_at, out)) for r in range(n)
-    ]
+    args = (port, nbytes, killed_at, out, hosts, victims)
+    procs = [ctx.Process(target=rank_main, args=(r, n, *args)) for r in range(n)]
     for p in procs:
         p.start()
-    got = [out.get(timeout=300) for _ in range(n - 1)]
+    got = [out.get(timeout=300) for _ in range(n - len(victims))]
     for p in procs:
         p.join(timeout=60)
     return (
@@ -93,19 +115,33 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--size", default="1M", help="bytes per all-reduce (K/M suffixes)")
+    ap.add_argument("--hosts", type=int, default=1, help="namespaced hosts (root only)")
+    ap.add_argument("--kill", choices=["rank", "host"], default="rank")
     args = ap.parse_args()
     from pycollectives.bench.specs import parse_size
 
     nbytes = parse_size(args.size)
+    if args.hosts > 1 and netns.unavailable():
+        sys.exit(f"recovery: --hosts: {netns.unavailable()}")
     print(f"load before: {os.getloadavg()[0]:.1f}")
-    print("| ranks | detect (ms) | agree (ms) | shrink (ms) | agree, healthy (us) |")
-    print("|---|---|---|---|---|")
+    print(
+        "| ranks | hosts | killed | detect (ms) | agree (ms) | shrink (ms) | agree, healthy (us) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for n in args.ranks:
-        runs = [run(n, nbytes) for _ in range(args.repeats)]
+        per_host = n // args.hosts
+        victims = list(range(n - per_host, n)) if args.kill == "host" else [n - 1]
+        runs = []
+        for _ in range(args.repeats):
+            if args.hosts > 1:
+                with netns.Fabric(args.hosts) as fabric:
+                    runs.append(run(n, nbytes, fabric.hosts, victims))
+            else:
+                runs.append(run(n, nbytes, [], victims))
         med = [statistics.median(r[i] for r in runs) for i in range(4)]
         print(
-            f"| {n} | {1e3 * med[0]:.0f} | {1e3 * med[1]:.1f} | {1e3 * med[2]:.1f} "
-            f"| {1e6 * med[3]:.0f} |"
+            f"| {n} | {args.hosts} | {len(victims)} | {1e3 * med[0]:.0f} | {1e3 * med[1]:.1f} "
+            f"| {1e3 * med[2]:.1f} | {1e6 * med[3]:.0f} |"
         )
     print(f"load after: {os.getloadavg()[0]:.1f}")
 

@@ -271,6 +271,8 @@ PYBIND11_MODULE(_C, m) {
             c.connect(python_check(check), addrs);
           },
           py::arg("check") = py::none(), py::arg("addrs") = std::vector<std::string>{})
+      .def_property_readonly("default_timeout", &C::default_timeout)
+      .def("set_default_timeout", &C::set_default_timeout, py::arg("timeout"))
       .def_property_readonly("multi_host", &C::multi_host)
       .def_property_readonly("net_address", &C::net_address)
       .def_property_readonly("host_of", [](const C& c) { return c.topology().host_of(); })
@@ -391,6 +393,8 @@ PYBIND11_MODULE(_C, m) {
                                    std::vector<int>(s.verdicts.begin(), s.verdicts.end()));
           },
           py::arg("timeout"), G())
+      .def("why_gone", &C::why_gone, py::arg("rank"))
+      .def("fence", &C::fence, py::arg("why"), G())
       .def("stats", &stats_dict)
       .def("cma_tuning", &cma_tuning_dict);
 }

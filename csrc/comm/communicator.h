@@ -230,6 +230,17 @@ class Communicator final : public Links, public NetHost, public HierHost {
     std::vector<uint8_t> verdicts;
   };
   Shrunk shrink(double timeout_s);
+  // Across hosts, agree() and shrink() run through the job's store
+  // (pycollectives/_recovery_hosts.py), which asks these of the core: why
+  // rank p is gone, or "" while it is not known to be (its robust mutex on
+  // this host, its connections on another); and fences this rank (its
+  // operations on this communicator raise `why` from now on).
+  std::string why_gone(int p);
+  void fence(const std::string& why);
+  // The default timeout of later operations (shrink and grow across hosts
+  // give the new communicator its parent's, not the time they were bounded
+  // by); before any operation is issued on it. Raises InvalidArgument unless > 0.
+  void set_default_timeout(double timeout_s);
 
   const OpStats& stats(OpKind k) const { return stats_[static_cast<int>(k)]; }
   // This rank's single-copy tuner, for comm.cma_tuning().

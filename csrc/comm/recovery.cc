@@ -101,9 +101,30 @@ void Communicator::check_recovery(const char* what) const {
   if (multi_host())
     PYC_THROW(Error, "pycollectives: rank "
                          << rank_ << ": " << what
-                         << ": recovery (agree, shrink) works on one host's ranks for now; across "
-                            "hosts, restart the job from its last checkpoint (docs/recovery.md)");
+                         << ": across hosts, agree and shrink run through the job's store "
+                            "(Communicator.agree, Communicator.shrink; docs/recovery.md)");
   if (!fenced_.empty()) throw Aborted(fenced_);
+}
+
+std::string Communicator::why_gone(int p) {
+  if (p < 0 || p >= n_)
+    PYC_THROW(InvalidArgument, "pycollectives: rank " << rank_ << ": why_gone: rank " << p
+                                                      << " is out of range [0, " << n_ << ")");
+  if (p == rank_ || closed_.load()) return "";
+  return peer_gone(p);
+}
+
+void Communicator::set_default_timeout(double timeout_s) {
+  if (!(timeout_s > 0))
+    PYC_THROW(InvalidArgument, "pycollectives: rank " << rank_
+                                                      << ": the default timeout must be > 0 s, not "
+                                                      << timeout_s);
+  timeout_s_ = timeout_s;
+}
+
+void Communicator::fence(const std::string& why) {
+  fenced_ = why;
+  if (!closed_.load()) set_abort(AbortKind::kRevoked, why);
 }
 
 void Communicator::fenced(const std::string& why) {

@@ -14,10 +14,12 @@ import os
 import socket
 from typing import Any
 
-from .. import _C
+from .. import _C, _recovery_hosts
+from .._recovery_hosts import HostRecovery
 from ..auth import ENV_FILE, ENV_KEY, STORE_BYTES, job_secret
 from ..communicator import Communicator, Timeout, to_seconds
 from .bootstrap import Bootstrap
+from .grow import grow as _grow
 
 _inits: dict[str, int] = {}
 _STORE_MAX_TIMEOUT_S = 365 * 86400.0  # a TCPStore's timeout (an infinite one waits this long)
@@ -141,6 +143,9 @@ def init(
         boot.fail(e, seconds)
         raise
     comm = Communicator(core)
+    # Across hosts agree/shrink go through the store: the caller's (pc.init's
+    # own goes once every rank is done with it; they are then given one).
+    comm._host_recovery = HostRecovery(f"{prefix}/{generation}", None if own_store else store)
     if not own_store:
         # The caller's store may be served by this process and held nowhere
         # else (passed inline): it stays alive until every rank is done with
@@ -268,3 +273,7 @@ def _connect_hosts(
     ]
     core.connect(boot.check, addrs)
     return core
+
+
+# Recovery (shrink across hosts, grow) makes communicators with these.
+_recovery_hosts._RENDEZVOUS.update(init=init, grow=_grow)

@@ -198,3 +198,19 @@ def _stopped_while_building(rank: int, world_size: int) -> str:
 def test_rank_stopped_while_the_survivors_build_is_left_out_in_bounded_time():
     msgs = run(_stopped_while_building, 3, timeout=90, env={"PYCOLL_CMA": "0"})
     assert "fenced" in msgs[2], msgs
+
+
+def test_store_values_are_checked_before_use():
+    """What agree (across hosts) and join read from the store is untrusted:
+    a malformed decision or grow record raises naming the key, never indexes."""
+    from pycollectives._recovery_hosts import _parse_decision
+    from pycollectives.rendezvous.grow import _parse_open
+
+    assert _parse_decision(b"2;5;0103", 4, 0, "k") == (2, 5, [0, 1, 0, 3])
+    for bad in (b"", b"x;1;0000", b"9;1;0000", b"0;1;000", b"0;1;0040", b"0;-1;0000", b"\xff"):
+        expect(
+            pc.PyCollectivesError, lambda b=bad: _parse_decision(b, 4, 0, "j/decided"), "j/decided"
+        )
+    assert _parse_open(b"3,3,1", "o", "join") == (3, 3, 1)
+    for bad in (b"", b"0,3,1", b"1,0,1", b"1,3,0", b"1,3", b"1,2,3,4", b"1,1,99999999"):
+        expect(pc.PyCollectivesError, lambda b=bad: _parse_open(b, "p/open", "join"), "p/open")
