@@ -139,7 +139,7 @@ def _describe(code: int) -> str:
 
 
 def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = (), *,
-          prog: str, grace: float = 5.0) -> int:  # fmt: skip
+          prog: str, grace: float = 5.0, survive: bool = False) -> int:  # fmt: skip
     """Runs `target(*args)` in `nprocs` spawned processes with RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set, each under
     run_rank, and returns the exit status for the launcher: 0 when every rank
@@ -147,7 +147,13 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
     signal for a rank killed by one), after printing "<prog>: rank R failed
     first: <its message>". Once a rank has failed or Ctrl-C came, the ranks
     still running after `grace` seconds are killed (SIGKILL: it ends stopped
-    ones too), each named."""
+    ones too), each named.
+
+    `survive` (for programs that recover from a lost rank, as
+    ElasticDataParallel does): a rank killed by a signal is named ("rank R
+    killed by SIGKILL: the others go on") and the others are left running;
+    the status is then 0 when the ranks left all succeeded. A rank that fails
+    with an error of its own (status > 0) still ends the others as above."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs, reports = [], []
@@ -162,6 +168,7 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
     first: tuple[int, int, str] | None = None  # (rank, status, message)
     interrupted, deadline, cause = False, None, ""
     running = set(range(nprocs))
+    lost: set[int] = set()  # survive: ranks killed by a signal, the others went on
     while running:
         try:
             mp.connection.wait([procs[r].sentinel for r in running], timeout=0.2)
@@ -176,6 +183,10 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
             if code is None:
                 continue
             running.discard(r)
+            if survive and code < 0 and not interrupted and deadline is None:
+                _say(f"{prog}: rank {r} {_describe(code)}: the others go on")
+                lost.add(r)
+                continue
             if code != 0 and first is None and not interrupted:
                 msg = _report(reports[r], code)
                 first = (r, code if code > 0 else 128 - code, msg)
@@ -191,8 +202,11 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
         p.join()
     if interrupted:
         return INTERRUPTED
-    if first is None:
+    if first is None and len(lost) < nprocs:
         return 0
+    if first is None:  # survive, and every rank was killed
+        rank = min(lost)
+        return 128 - procs[rank].exitcode
     rank, status, msg = first
     if msg:
         _say(f"{prog}: rank {rank} failed first: {msg}")
