@@ -29,6 +29,8 @@ from ._base import _close_all_at_exit, abort_all_interrupted
 __all__ = ["run_rank", "spawn"]
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+# What a rank the survivors left out raises (csrc/comm/recovery.cc).
+FENCED = "was fenced out of its communicator"
 
 
 def _say(line: str) -> None:
@@ -150,8 +152,10 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
     ones too), each named.
 
     `survive` (for programs that recover from a lost rank, as
-    ElasticDataParallel does): a rank killed by a signal is named ("rank R
-    killed by SIGKILL: the others go on") and the others are left running;
+    ElasticDataParallel does): a rank killed by a signal, or one that failed
+    because the survivors fenced it out (it was stopped past the timeout), is
+    named ("rank R killed by SIGKILL: the others go on") and the others are
+    left running;
     the status is then 0 when the ranks left all succeeded. A rank that fails
     with an error of its own (status > 0) still ends the others as above."""
     ctx = mp.get_context("spawn")
@@ -183,12 +187,13 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
             if code is None:
                 continue
             running.discard(r)
-            if survive and code < 0 and not interrupted and deadline is None:
-                _say(f"{prog}: rank {r} {_describe(code)}: the others go on")
+            msg = _report(reports[r], code) if code != 0 else ""
+            if survive and not interrupted and deadline is None and (code < 0 or FENCED in msg):
+                why = _describe(code) if code < 0 else "was fenced out (stopped past the timeout)"
+                _say(f"{prog}: rank {r} {why}: the others go on")
                 lost.add(r)
                 continue
             if code != 0 and first is None and not interrupted:
-                msg = _report(reports[r], code)
                 first = (r, code if code > 0 else 128 - code, msg)
                 deadline, cause = time.monotonic() + grace, f"rank {r} failed"
         if deadline is not None and running and time.monotonic() >= deadline:

@@ -357,3 +357,32 @@ def test_train_gpt_survive_goes_on_after_kill_9_from_outside():
     assert re.search(r"^rank \d died at step \d+: 3 ranks go on ", out, re.M), out
     assert _final(out)[1] == 3 and "still running" not in out, out
     assert not _segments_of(pids), _segments_of(pids)
+
+
+def test_train_gpt_survive_a_stopped_rank_is_fenced_and_the_others_go_on():
+    """SIGSTOP a rank past --timeout: the survivors leave it out and go on; when it
+    resumes (SIGCONT) it finds itself fenced out and exits, and the launcher takes
+    that as a lost rank, not a failure that ends the others: exit 0."""
+    cmd = [sys.executable, TRAIN_GPT, "--dp", "4", "--survive", "--steps", "60",
+           "--log-every", "1", "--timeout", "3"]  # fmt: skip
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         cwd=ROOT, start_new_session=True)  # fmt: skip
+    lines, stopped = [], None
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith("step 3/") and stopped is None:
+                stopped = max(_ranks(_descendants(p.pid)))
+                os.kill(stopped, signal.SIGSTOP)
+            if " died at step " in line:
+                os.kill(stopped, signal.SIGCONT)
+        p.wait(timeout=150)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    out = "".join(lines)
+    assert p.returncode == 0, out
+    assert re.search(r"^train_gpt\.py: rank \d was fenced out \(stopped past the timeout\): "
+                     r"the others go on$", out, re.M), out  # fmt: skip
+    assert _final(out)[1] == 3 and "still running" not in out, out
