@@ -5,6 +5,7 @@ pycollectives (strategies/parallel3d/).
     python examples/train_gpt.py --dp 2 --pp 2 --schedule zbh1 --microbatches 4
     python examples/train_gpt.py --dp 2 --pp 2 --zero 1
     python examples/train_gpt.py --dp 2 --tp 2 --fsdp
+    python examples/train_gpt.py --dp 4 --survive   # then kill -9 any rank
     python examples/train_gpt.py --dp 2 --pp 2 --fsdp
     python examples/train_gpt.py --tp 2 --pp 2 --sequence-parallel --device cuda
     torchrun --nproc-per-node 8 examples/train_gpt.py --dp 2 --tp 2 --pp 2
@@ -18,7 +19,9 @@ are reported once, before any rank starts, with exit status 2 (what only the
 ranks can check, once too). Ctrl-C: one line per rank, exit status 130. A rank
 that fails (or, with --timeout, one that is stopped or hung) fails every rank,
 each saying so in one line; the script ends the ranks still running a few
-seconds later and exits non-zero with the first failure.
+seconds later and exits non-zero with the first failure. With --survive (data
+parallel only) a rank that dies (kill -9) is left behind instead: the others
+shrink to the survivors, retry the step and go on (docs/recovery.md).
 """
 
 from __future__ import annotations
@@ -82,12 +85,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="let the planner pick dp, tp, pp, --zero/--fsdp and --schedule for "
                    "RANKS ranks on this machine (replacing those flags), and print its "
                    "prediction beside what the run measures")  # fmt: skip
+    p.add_argument("--survive", action="store_true",
+                   help="data parallel only: when a rank dies the others go on without it "
+                   "(ElasticDataParallel: the step is dropped, the communicator shrinks, the "
+                   "step's batch is re-split over the survivors); docs/recovery.md")  # fmt: skip
+    # --kill RANK@STEP (with --survive; repeatable): that rank SIGKILLs itself in the
+    # backward of that step, for the test and the README's demonstration.
+    p.add_argument("--kill", action="append", default=[], type=_rank_at_step,
+                   help=argparse.SUPPRESS)  # fmt: skip
     p.add_argument(
         "--bench-json",
         metavar="FILE",
         help="with --plan: price collectives from this pycollectives-bench --json run",
     )
     return p.parse_args(argv)
+
+
+def _rank_at_step(text: str) -> tuple[int, int]:
+    """--kill's RANK@STEP."""
+    rank, at, step = text.partition("@")
+    if not at or not rank.isdigit() or not step.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not RANK@STEP (two integers >= 0)")
+    return int(rank), int(step)
 
 
 def plan_layout(args: argparse.Namespace) -> list[str]:
@@ -159,6 +178,7 @@ def check(args: argparse.Namespace, world: int | None) -> list[str]:
             out.append(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
     if not args.timeout > 0:
         out.append(f"--timeout {args.timeout} must be > 0 seconds")
+    out += survive_problems(args, world)
     if out:
         return out
     size = args.dp * args.tp * args.pp
@@ -171,6 +191,63 @@ def check(args: argparse.Namespace, world: int | None) -> list[str]:
         return [*out, str(e)]
     dims = SimpleNamespace(dp=args.dp, tp=args.tp, pp=args.pp)
     return out + problems(dims, config, options_of(args))  # type: ignore[arg-type]
+
+
+def survive_problems(args: argparse.Namespace, world: int | None) -> list[str]:
+    """--survive's refusals (a layout whose state a survivor cannot rebuild
+    without the dead rank) and --kill's checks."""
+    if not args.survive:
+        return ["--kill needs --survive"] if args.kill else []
+    why = "cannot survive a lost rank"
+    refused = [(args.tp > 1, f"--tp {args.tp}: a tensor-parallel group {why} (its shards die "
+                "with the rank)"), (args.pp > 1, f"--pp {args.pp}: a pipeline {why} (its stage "
+                "dies with the rank)"), (args.zero > 0, f"--zero {args.zero}: ZeRO {why} (the "
+                "optimizer shard lives only on its rank; no sharded redundancy yet)"),
+               (args.fsdp, f"--fsdp: FSDP {why} (the parameter shard lives only on its rank; no "
+                "sharded redundancy yet)"), (args.plan is not None, "--plan with --survive: the "
+                "planner picks tp, pp, ZeRO, FSDP, which --survive refuses"),
+               (args.save or args.resume, "--save/--resume with --survive: the checkpoint is "
+                "Trainer3D's (not written from a shrunk run)"), (args.device != "cpu",
+                f"--device {args.device} with --survive: the recovery runs on the CPU only"),
+               (world is not None, "--survive under torchrun: its agent ends every rank when "
+                "one dies (run without torchrun: this script starts the ranks)")]  # fmt: skip
+    out = [f"--survive: {msg}" for bad, msg in refused if bad]
+    for rank, step in args.kill:
+        if rank >= args.dp or step >= args.steps:
+            out.append(f"--kill {rank}@{step}: rank must be < --dp {args.dp}, step < --steps "
+                       f"{args.steps}")  # fmt: skip
+    if len({r for r, _ in args.kill}) >= args.dp:
+        out.append(f"--kill: {len(args.kill)} kills leave no rank of --dp {args.dp}")
+    return out
+
+
+def train_survive(args: argparse.Namespace) -> int:
+    """One rank's --survive training (ElasticTrainer); returns the exit code."""
+    from pycollectives.strategies.parallel3d.elastic_trainer import ElasticTrainer
+
+    comm = pc.init(timeout=args.timeout)
+    trainer = ElasticTrainer(comm, config_of(args), options_of(args), tuple(args.kill))
+    if comm.rank == 0:
+        n = sum(p.numel() for p in trainer.model.parameters())
+        print(f"GPT {n:,} parameters; dp={comm.world_size} ranks, --survive (ElasticDataParallel)"
+              f", on cpu; steps 0..{args.steps}", flush=True)  # fmt: skip
+    progress = Progress(args.steps, 0, args.log_every, comm.rank == 0)
+    rates, loss = [], float("nan")
+    while trainer.step_index < args.steps:
+        stats = trainer.step()
+        progress.enabled = trainer.rank == 0  # rank 0 may have died: its successor reports
+        for rec in stats.recoveries:
+            progress.say(rec.line())
+        rates.append(stats.tokens / stats.seconds)
+        loss = stats.loss
+        progress.update(stats.step, loss, rates[-1])
+    progress.close()
+    if trainer.rank == 0 and rates:
+        print(f"final loss {loss:.4f} after {trainer.step_index} steps on "
+              f"{trainer.comm.world_size} ranks (world ranks {trainer.world_ranks} went on); "
+              f"median {statistics.median(rates[1:] or rates):,.0f} tokens/s", flush=True)  # fmt: skip
+    trainer.close()
+    return 0
 
 
 def save(trainer, directory: str) -> None:  # noqa: ANN001
@@ -210,6 +287,15 @@ class Progress:
         elif (step + 1) % self.every == 0 or step + 1 == self.total or step == 0:
             print(f"step {step + 1}/{self.total}  loss {loss:.4f}  tokens/s {tokens_per_s:,.0f}")
             sys.stdout.flush()
+
+    def say(self, line: str) -> None:
+        """A line of its own (above the bar on a terminal)."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -294,7 +380,7 @@ def _rank_main(argv: list[str], world: int, planned: dict | None = None) -> int:
     args = parse_args(argv)
     if planned:
         vars(args).update(planned)
-    return train(args)
+    return train_survive(args) if args.survive else train(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     planned = None
+    if args.plan is not None and args.survive:
+        print(f"{PROG}: error: {survive_problems(args, None)[0]}", file=sys.stderr)
+        return 2
     if args.plan is not None:
         from pycollectives.strategies.plan import PlanInputError
 
@@ -325,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     if torchrun:
         return run_rank(lambda: train(args), PROG)
     world = args.dp * args.tp * args.pp
-    return spawn(_rank_main, world, (argv, world, planned), prog=PROG)
+    return spawn(_rank_main, world, (argv, world, planned), prog=PROG, survive=args.survive)
 
 
 if __name__ == "__main__":

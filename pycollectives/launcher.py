@@ -29,6 +29,8 @@ from ._base import _close_all_at_exit, abort_all_interrupted
 __all__ = ["run_rank", "spawn"]
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+# What a rank the survivors left out raises (csrc/comm/recovery.cc).
+FENCED = "was fenced out of its communicator"
 
 
 def _say(line: str) -> None:
@@ -139,7 +141,7 @@ def _describe(code: int) -> str:
 
 
 def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = (), *,
-          prog: str, grace: float = 5.0) -> int:  # fmt: skip
+          prog: str, grace: float = 5.0, survive: bool = False) -> int:  # fmt: skip
     """Runs `target(*args)` in `nprocs` spawned processes with RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set, each under
     run_rank, and returns the exit status for the launcher: 0 when every rank
@@ -147,7 +149,15 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
     signal for a rank killed by one), after printing "<prog>: rank R failed
     first: <its message>". Once a rank has failed or Ctrl-C came, the ranks
     still running after `grace` seconds are killed (SIGKILL: it ends stopped
-    ones too), each named."""
+    ones too), each named.
+
+    `survive` (for programs that recover from a lost rank, as
+    ElasticDataParallel does): a rank killed by a signal, or one that failed
+    because the survivors fenced it out (it was stopped past the timeout), is
+    named ("rank R killed by SIGKILL: the others go on") and the others are
+    left running;
+    the status is then 0 when the ranks left all succeeded. A rank that fails
+    with an error of its own (status > 0) still ends the others as above."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs, reports = [], []
@@ -162,6 +172,7 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
     first: tuple[int, int, str] | None = None  # (rank, status, message)
     interrupted, deadline, cause = False, None, ""
     running = set(range(nprocs))
+    lost: set[int] = set()  # survive: ranks killed by a signal, the others went on
     while running:
         try:
             mp.connection.wait([procs[r].sentinel for r in running], timeout=0.2)
@@ -176,8 +187,13 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
             if code is None:
                 continue
             running.discard(r)
+            msg = _report(reports[r], code) if code != 0 else ""
+            if survive and not interrupted and deadline is None and (code < 0 or FENCED in msg):
+                why = _describe(code) if code < 0 else "was fenced out (stopped past the timeout)"
+                _say(f"{prog}: rank {r} {why}: the others go on")
+                lost.add(r)
+                continue
             if code != 0 and first is None and not interrupted:
-                msg = _report(reports[r], code)
                 first = (r, code if code > 0 else 128 - code, msg)
                 deadline, cause = time.monotonic() + grace, f"rank {r} failed"
         if deadline is not None and running and time.monotonic() >= deadline:
@@ -191,8 +207,11 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
         p.join()
     if interrupted:
         return INTERRUPTED
-    if first is None:
+    if first is None and len(lost) < nprocs:
         return 0
+    if first is None:  # survive, and every rank was killed
+        rank = min(lost)
+        return 128 - procs[rank].exitcode
     rank, status, msg = first
     if msg:
         _say(f"{prog}: rank {rank} failed first: {msg}")

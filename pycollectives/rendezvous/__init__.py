@@ -133,6 +133,11 @@ def init(
     generation = _inits.get(prefix, 0)
     _inits[prefix] = generation + 1
     serving = own_store and not agent_store
+    if agent_store:
+        # torchrun's store outlives a restart (--max-restarts): the keys of each
+        # attempt apart, as torch.distributed's own "/worker/attempt_N" prefix.
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        prefix = f"{prefix}/attempt{_env_int('TORCHELASTIC_RESTART_COUNT') if restarts else 0}"
     boot = Bootstrap(store, f"{prefix}/{generation}", rank, world_size, 0 if serving else None)
     try:
         _bind(rank, world_size)

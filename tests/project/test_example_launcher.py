@@ -285,3 +285,104 @@ def test_an_uncaught_ctrl_c_aborts_with_the_reason(tmp_path):
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("rank 0: ")), "")
     assert line.startswith("rank 0: CommunicatorAborted: "), p.stdout + p.stderr
     assert "rank 1 was interrupted (SIGINT)" in line, line
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--dp", "2", "--tp", "2"], "--survive: --tp 2: a tensor-parallel group cannot survive"),
+        (["--dp", "2", "--pp", "2"], "--survive: --pp 2: a pipeline cannot survive"),
+        (["--dp", "2", "--zero", "1"], "--survive: --zero 1: ZeRO cannot survive"),
+        (["--dp", "2", "--fsdp"], "--survive: --fsdp: FSDP cannot survive"),
+        (["--dp", "2", "--plan", "2"], "--survive: --plan with --survive"),
+        (["--dp", "2", "--kill", "2@0"], "--kill 2@0: rank must be < --dp 2"),
+        (["--dp", "2", "--kill", "0@1", "--kill", "1@1"], "--kill: 2 kills leave no rank"),
+    ],
+)
+def test_train_gpt_survive_refuses_what_cannot_survive_before_starting_ranks(
+    argv, says, monkeypatch, capsys
+):
+    """--survive with a layout whose state dies with a rank: exit 2, one line naming the option."""
+    module = _load_train_gpt()
+    started = []
+    monkeypatch.setattr(module, "spawn", lambda *a, **k: started.append(a) or 0)
+    monkeypatch.delenv("RANK", raising=False)
+    assert module.main([*argv, "--survive", "--steps", "4"]) == 2
+    assert not started
+    err = capsys.readouterr().err
+    assert err.startswith("train_gpt.py: error: ") and says in err, err
+    assert module.main(["--kill", "0@1"]) == 2  # --kill alone
+    assert "--kill needs --survive" in capsys.readouterr().err
+
+
+def _final(out: str) -> tuple[float, int]:
+    """(final loss, ranks left) of a --survive run's last line."""
+    m = re.search(r"^final loss (\S+) after \d+ steps on (\d) ranks", out, re.M)
+    assert m, out
+    return float(m.group(1)), int(m.group(2))
+
+
+def test_train_gpt_survive_rank_0_dies_and_the_run_matches_the_uninterrupted_one():
+    """--kill 0@3 (rank 0 SIGKILLs itself in the backward of step 3): the three
+    others drop the step, shrink, retry it re-split over themselves, the new
+    rank 0 reports the recovery and the progress, the launcher exits 0, and
+    the final loss is the uninterrupted run's (the same global batches)."""
+    base = [sys.executable, TRAIN_GPT, "--dp", "4", "--survive", "--steps", "6",
+            "--log-every", "1", "--timeout", "30"]  # fmt: skip
+    run = [subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT)
+           for cmd in (base + ["--kill", "0@3"], base)]  # fmt: skip
+    killed, whole = run
+    out = killed.stdout + killed.stderr
+    assert killed.returncode == 0, out
+    assert "train_gpt.py: rank 0 killed by SIGKILL: the others go on" in out, out
+    assert re.search(r"^rank 0 died at step 3: 3 ranks go on \(agree [\d.]+ ms, shrink [\d.]+ "
+                     r"ms; the step is retried\)$", out, re.M), out  # fmt: skip
+    assert re.search(r"^step 6/6 ", out, re.M), out  # the new rank 0's progress
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    loss, left = _final(out)
+    want, all_ = _final(whole.stdout)
+    assert (left, all_) == (3, 4)
+    assert abs(loss - want) <= 2e-4, (loss, want)  # printed to 4 decimals; sums regrouped
+
+
+def test_train_gpt_survive_goes_on_after_kill_9_from_outside():
+    """The user's kill -9 of a rank process: the launcher names it and leaves the
+    others running (without --survive it ends them 5 s later), they finish and
+    the script exits 0."""
+    cmd = [sys.executable, TRAIN_GPT, "--dp", "4", "--survive", "--steps", "60",
+           "--log-every", "1", "--timeout", "30"]  # fmt: skip
+    status, out, took, pids = _run_then_signal(cmd, "step 3/", signal.SIGKILL, to_group=False)
+    assert status == 0, out
+    assert re.search(r"^train_gpt\.py: rank \d killed by SIGKILL: the others go on$", out, re.M)
+    assert re.search(r"^rank \d died at step \d+: 3 ranks go on ", out, re.M), out
+    assert _final(out)[1] == 3 and "still running" not in out, out
+    assert not _segments_of(pids), _segments_of(pids)
+
+
+def test_train_gpt_survive_a_stopped_rank_is_fenced_and_the_others_go_on():
+    """SIGSTOP a rank past --timeout: the survivors leave it out and go on; when it
+    resumes (SIGCONT) it finds itself fenced out and exits, and the launcher takes
+    that as a lost rank, not a failure that ends the others: exit 0."""
+    cmd = [sys.executable, TRAIN_GPT, "--dp", "4", "--survive", "--steps", "60",
+           "--log-every", "1", "--timeout", "3"]  # fmt: skip
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         cwd=ROOT, start_new_session=True)  # fmt: skip
+    lines, stopped = [], None
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith("step 3/") and stopped is None:
+                stopped = max(_ranks(_descendants(p.pid)))
+                os.kill(stopped, signal.SIGSTOP)
+            if " died at step " in line:
+                os.kill(stopped, signal.SIGCONT)
+        p.wait(timeout=150)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    out = "".join(lines)
+    assert p.returncode == 0, out
+    assert re.search(r"^train_gpt\.py: rank \d was fenced out \(stopped past the timeout\): "
+                     r"the others go on$", out, re.M), out  # fmt: skip
+    assert _final(out)[1] == 3 and "still running" not in out, out
