@@ -252,9 +252,7 @@ class ElasticSampler:
 
         Raises ValueError for rank outside [0, world_size)."""
         self._check(rank, world_size, "ids")
-        step = self.global_ids(world_size)
-        n = len(step)
-        return step[rank * n // world_size : (rank + 1) * n // world_size]
+        return _share(self.global_ids(world_size), rank, world_size)
 
     def scale(self, world_size: int) -> float:
         """world_size / the next step's sample count: a rank's summed
@@ -267,9 +265,7 @@ class ElasticSampler:
         sample is consumed. Returns the ledger entry."""
         step = self.global_ids(world_size)
         n = len(step)
-        shares = tuple(
-            step[r * n // world_size : (r + 1) * n // world_size] for r in range(world_size)
-        )
+        shares = tuple(_share(step, r, world_size) for r in range(world_size))
         entry = LedgerEntry(self.epoch, self.steps, shares)
         self.ledger.append(entry)
         self.steps += 1
@@ -317,6 +313,13 @@ class ElasticSampler:
                 f"ElasticSampler.{op}: rank={rank!r}, world_size={world_size!r}: need "
                 "0 <= rank < world_size, ints"
             )
+
+
+def _share(step: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank `rank`'s contiguous share of a step's sample ids (the first ranks get one
+    fewer where the step does not divide)."""
+    n = len(step)
+    return step[rank * n // world_size : (rank + 1) * n // world_size]
 
 
 def _positive(value: object, *, zero: bool = False) -> bool:

@@ -95,12 +95,7 @@ def trainer_storage(
     same) of Trainer3D with `mode` (MODES) on the dp axis and `schedule` (a pipeline.build
     name) with pp > 1; `width` bytes per parameter (4: float32). Raises PlanInputError
     for a mode or layout Trainer3D refuses."""
-    if mode not in MODES:
-        raise PlanInputError(f"trainer_storage: mode={mode!r} is not one of {', '.join(MODES)}")
-    if mode in ("zero2", "zero3") and pp > 1:
-        raise PlanInputError(f"trainer_storage: {mode} needs pp=1 (got pp={pp})")
-    if min(dp, tp, pp) < 1 or spec.heads % tp:
-        raise PlanInputError(f"trainer_storage: dp={dp} tp={tp} pp={pp}, heads={spec.heads}")
+    _check_layout("trainer_storage", spec, dp, tp, pp, mode)
     out = []
     for p, windows in _rank_params(spec, dp, tp, pp, mode, schedule):
         windows *= width
@@ -134,7 +129,7 @@ def peer_window_bytes(
     full gradient window and all-gathers its parameter window; ZeRO-2 all-gathers the
     parameter window and reduce-scatters through its window pool; ZeRO-3 and FSDP only
     the pool. Raises PlanInputError as trainer_storage does."""
-    trainer_storage(spec, dp, tp, pp, mode, schedule, width)  # the same checks
+    _check_layout("peer_window_bytes", spec, dp, tp, pp, mode)
     peers = (dp - 1) / dp
     touched = {"zero0": lambda p, w: 2 * p, "zero1": lambda p, w: 2 * p,
                "zero2": lambda p, w: p + w}  # fmt: skip
@@ -142,6 +137,16 @@ def peer_window_bytes(
         width * peers * touched.get(mode, lambda p, w: w)(p, windows)
         for p, windows in _rank_params(spec, dp, tp, pp, mode, schedule)
     ]
+
+
+def _check_layout(what: str, spec: ModelSpec, dp: int, tp: int, pp: int, mode: str) -> None:
+    """Raises PlanInputError for a mode or layout Trainer3D refuses."""
+    if mode not in MODES:
+        raise PlanInputError(f"{what}: mode={mode!r} is not one of {', '.join(MODES)}")
+    if mode in ("zero2", "zero3") and pp > 1:
+        raise PlanInputError(f"{what}: {mode} needs pp=1 (got pp={pp})")
+    if min(dp, tp, pp) < 1 or spec.heads % tp:
+        raise PlanInputError(f"{what}: dp={dp} tp={tp} pp={pp}, heads={spec.heads}")
 
 
 def _rank_params(
