@@ -100,6 +100,13 @@ class DistributedDataParallel(nn.Module):
         overlap: False delays every all-reduce to the end of backward (for
             measuring what overlap buys).
         comm_hook: e.g. CompressionHook(torch.float16).
+        init_sync: what construction does to make the ranks' parameters and
+            buffers alike: True broadcasts rank 0's (as torch DDP); "verify"
+            compares an exact fingerprint of their bits (an integer sum per
+            tensor, one small all-gather) and broadcasts only where a rank
+            differs (a model known alike, as the survivors' after a dropped
+            step, skips the copy: ElasticDataParallel); False does neither.
+            The model check (names, shapes, dtypes) runs in every mode.
     """
 
     def __init__(
@@ -114,8 +121,14 @@ class DistributedDataParallel(nn.Module):
         gradient_as_bucket_view: bool = True,
         overlap: bool = True,
         comm_hook: CompressionHook | None = None,
+        init_sync: bool | str = True,
     ) -> None:
         super().__init__()
+        if init_sync not in (True, False, "verify"):
+            raise ValueError(
+                f"DistributedDataParallel: rank {comm.rank}: init_sync={init_sync!r} is not "
+                "True, False or 'verify'"
+            )
         self.module = module
         self.comm = autograd_comm(comm)
         self.broadcast_buffers = broadcast_buffers
@@ -134,7 +147,11 @@ class DistributedDataParallel(nn.Module):
             )
         self.device = devices.pop() if devices else torch.device("cpu")
         _check_same_model(comm, module)
-        _broadcast_state(comm, list(module.parameters()) + list(module.buffers()))
+        state = list(module.parameters()) + list(module.buffers())
+        if init_sync is True:
+            _broadcast_state(comm, state)
+        elif init_sync == "verify":
+            broadcast_if_differ(comm, state)
 
         # Reverse parameter order: roughly the order in which backward
         # produces the gradients.
@@ -311,6 +328,34 @@ def _check_same_model(comm: Communicator, module: nn.Module) -> None:
             f"from rank 0's (parameter counts {counts}); every rank must wrap a "
             "model with the same parameter names, shapes and dtypes"
         )
+
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> int:
+    """A 63-bit digest of the tensors' values, bit for bit: the integer sum of
+    each tensor's elements read as integers of their width (exact; any one
+    flipped bit changes it), hashed with their shapes and dtypes."""
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for t in tensors:
+            bits = t.detach().reshape(-1)
+            if bits.dtype.is_floating_point or bits.dtype.is_complex or bits.dtype == torch.bool:
+                bits = bits.contiguous().view(_INT_VIEW.get(bits.element_size(), torch.uint8))
+            total = int(bits.sum(dtype=torch.int64)) if bits.numel() else 0
+            h.update(f"{tuple(t.shape)}:{t.dtype}:{total};".encode())
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+def broadcast_if_differ(comm: Communicator, tensors: list[torch.Tensor]) -> bool:
+    """Collective: broadcasts rank 0's values of `tensors` only if some rank's
+    fingerprint() differs from rank 0's; returns whether it broadcast (alike
+    on every rank)."""
+    differ, _ = ranks_that_differ(comm, len(tensors), fingerprint(tensors))
+    if differ:
+        _broadcast_state(comm, tensors)
+    return bool(differ)
 
 
 def _broadcast_state(comm: Communicator, tensors: list[torch.Tensor]) -> None:

@@ -272,6 +272,64 @@ def test_different_models_raise_everywhere(pool):
         assert "differs from rank 0" in msg and "ranks [1, 2]" in msg, f"rank {r}: {msg}"
 
 
+def job_init_sync(comm: pc.Communicator) -> list[str]:
+    """init_sync: True broadcasts; "verify" broadcasts only when a rank's
+    values differ (one bit is enough); False leaves every rank's own."""
+    bad = []
+
+    def broadcasts() -> int:
+        return comm.stats().get("broadcast", {}).get("calls", 0)
+
+    def build(mode, perturb: bool) -> nn.Module:
+        model = make_model("mlp")
+        model.register_buffer("steps", torch.tensor([7], dtype=torch.int64))
+        if perturb and comm.rank == comm.world_size - 1:
+            with torch.no_grad():  # one bit of one element
+                w = model[0].weight.view(-1)[:1].view(torch.int32)
+                w ^= 1
+        before = broadcasts()
+        DistributedDataParallel(model, comm, init_sync=mode)
+        bad.extend(
+            f"init_sync={mode!r}, perturbed={perturb}: {n} broadcasts, expected {want}"
+            for n, want in [(broadcasts() - before, _expected(mode, perturb, comm.world_size))]
+            if n != want
+        )
+        return model
+
+    for mode in (True, "verify", False):
+        for perturb in (False, True):
+            model = build(mode, perturb)
+            mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            every = torch.empty(comm.world_size * mine.numel())
+            comm.all_gather(every, mine)
+            alike = all(torch.equal(row, every.view(comm.world_size, -1)[0])
+                        for row in every.view(comm.world_size, -1))  # fmt: skip
+            if alike != (mode is not False or not perturb or comm.world_size == 1):
+                bad.append(f"init_sync={mode!r}, perturbed={perturb}: ranks alike: {alike}")
+    try:
+        DistributedDataParallel(make_model("mlp"), comm, init_sync="yes")
+        bad.append("init_sync='yes' accepted")
+    except ValueError as e:
+        if "init_sync='yes'" not in str(e) or f"rank {comm.rank}" not in str(e):
+            bad.append(f"unclear error: {e}")
+    return bad
+
+
+def _expected(mode, perturb: bool, world_size: int) -> int:
+    """Broadcast calls of one construction: one per dtype (float32, int64)."""
+    if mode is True:
+        return 2
+    if mode == "verify" and perturb and world_size > 1:
+        return 2
+    return 0
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_init_sync_modes(pool, world_size):
+    for r, bad in enumerate(pool(world_size).run(job_init_sync, timeout=120)):
+        assert not bad, f"rank {r}: {bad}"
+
+
 def job_buckets(comm: pc.Communicator) -> list[str]:
     n, r, bad = comm.world_size, comm.rank, []
     specs = [((3, 5), torch.float32), ((0,), torch.float32), ((1000,), torch.int64)]
