@@ -110,15 +110,18 @@ class CostModel:
                 return self.links[key]
         return self.overall
 
-    def time(self, collective: str, n: int, size: float) -> float:
+    def time(self, collective: str, n: int, size: float, path: str | None = None) -> float:
         """Predicted seconds of `collective` over `n` ranks of this transport on a
-        `size`-byte full buffer (all-gather: the output). Raises PlanInputError for a
-        collective other than all_reduce, reduce_scatter, all_gather."""
+        `size`-byte full buffer (all-gather: the output), by the costs fitted to `path`
+        where given (the path a schedule is known to take; link()'s fallbacks where that
+        path has no rows), else to the path the code took at the nearest measured point.
+        Raises PlanInputError for a collective other than all_reduce, reduce_scatter,
+        all_gather."""
         if n <= 1 or size <= 0:
             _terms(collective, 2, 1.0)  # names an unknown collective
             return 0.0
         steps, wire = _terms(collective, n, size)
-        lk = self.link(collective, self.path(collective, n, size), self.regime(size))
+        lk = self.link(collective, path or self.path(collective, n, size), self.regime(size))
         return steps * lk.alpha + wire * lk.beta
 
     def describe(self) -> list[dict[str, Any]]:
