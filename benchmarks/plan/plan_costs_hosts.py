@@ -167,6 +167,13 @@ def main() -> int:
         by.setdefault(o["ranks"], []).append((o["predicted_us"] / o["measured_us"], o["held_out"]))
     what = {"2x1": "TCP", "2x2": "hierarchical", "2x2 ring": "flat ring"}
     summaries = [summarize(f"{k} ({what[k]})", v) for k, v in by.items()]
+    # The noise floor: the points both 2 x 1 runs measured (the fit's sizes), check / fit.
+    fit_at = {(r["collective"], r["size"]): r["time_us"] for r in tcp_rows}
+    again = sorted(
+        r["time_us"] / fit_at[(r["collective"], r["size"])]
+        for r in check
+        if r["layout"] == "2x1" and (r["collective"], r["size"]) in fit_at
+    )
 
     # Ring against hierarchical on the 2 x 2 check run, measured and predicted, per size.
     meas = {(r["layout"], r["collective"], r["size"]): r["time_us"] for r in check}
@@ -211,6 +218,15 @@ def main() -> int:
             if args.replay
             else ""
         ),
+        f"The same points measured twice (2 x 1, the fit's {len(again)} collective and size "
+        "pairs, in the check run against the fit run): check / fit from "
+        + (
+            f"{again[0]:.2f} to {again[-1]:.2f}, median {statistics.median(again):.2f}"
+            if again
+            else "-"
+        )
+        + ": how far apart two runs of the same thing land on this machine at this load, a "
+        "floor under any model's error.",
         "Hosts: network namespaces on one machine, one veth pair each to a bridge: the two "
         f"hosts' ranks share its {os.cpu_count()} cores (and the kernel that copies TCP's bytes).",
     ]

@@ -199,3 +199,28 @@ def test_cli_fits_the_inter_host_link(tmp_path, capsys):
     bad.write_text("{")
     assert main([*argv, "--inter-bench-json", str(bad)]) == 2
     assert "cannot be read as JSON" in capsys.readouterr().err
+
+
+def test_a_regime_without_latency_takes_the_paths_latency():
+    """TCP rows whose large sizes resolve no latency (their intercept negative: noise) take
+    the latency of the path's small-size rows; without it a flat ring over 4096 ranks would
+    pay none of its 8190 steps and win against hierarchical."""
+    cache, alpha, beta = 2**19, 100e-6, 1 / 1e9
+    rows = []
+    for coll in COLLS:
+        for size in (2**16, 2**18):  # cached: latency and bandwidth
+            rows.append(_row(coll, 2, size, _ring(coll, 2, size, alpha, beta), "hierarchical"))
+        for size, slow in ((2**20, 1.0), (2**22, 1.0), (2**24, 1.3)):  # memory, noisy
+            t = _ring(coll, 2, size, 0.0, beta / 4) * slow
+            rows.append(_row(coll, 2, size, t, "hierarchical"))
+    tcp = fit_model(rows, "tcp", cache_bytes=cache)
+    for coll in COLLS:
+        cached = tcp.link(coll, "hierarchical", "cached")
+        memory = tcp.link(coll, "hierarchical", "memory")
+        assert cached.alpha == pytest.approx(alpha, rel=1e-6)
+        assert memory.alpha == cached.alpha and "latency of the cached rows" in memory.source
+        assert 0 < memory.beta < beta / 4  # refitted with the latency: the noisy row weighs
+    shm = fit_model(_shm_rows(), cache_bytes=CACHE)
+    far = ring_vs_hierarchical("all_reduce", 2**24, 2, shm, tcp)[-1]
+    assert far["ranks"] == 4096 and far["faster"] == "hierarchical"
+    assert far["ring_s"] > 8190 * alpha
