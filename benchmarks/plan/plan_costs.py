@@ -23,16 +23,27 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 from _doc import cpu_model, emit_section, run_bench, size_label  # noqa: E402
 
-from pycollectives.strategies.plan.fitted import fit_model, row_path  # noqa: E402
+from pycollectives.strategies.plan.fitted import CostModel, fit_model, row_path  # noqa: E402
 
 BEGIN, END = "<!-- plan_costs:begin -->", "<!-- plan_costs:end -->"
 COLLS = "all_reduce,reduce_scatter,all_gather"
 DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
+
+
+def least_of_trials(rows: list[dict], estimator: str) -> list[dict]:
+    """The pycoll rows with a time, each row's time_us the least of its trials under "min"
+    (the least-disturbed trial: other processes only ever add time), else their median."""
+    rows = [r for r in rows if r.get("time_us") and r["backend"] == "pycoll"]
+    if estimator == "min":
+        for r in rows:
+            r["time_us"] = min(r["trials_us"])
+    return rows
 
 
 def _sweep(ranks: str, factor: str, trials: str, estimator: str) -> list[dict]:
@@ -40,11 +51,69 @@ def _sweep(ranks: str, factor: str, trials: str, estimator: str) -> list[dict]:
     for n in (int(x) for x in ranks.split(",")):
         flags = ["-b", "64K", "-e", "16M", "-f", factor, "-c", "0", "--trials", trials]
         rows += run_bench(n, [*flags, "--coll", COLLS])["rows"]
-    rows = [r for r in rows if r.get("time_us") and r["backend"] == "pycoll"]
-    if estimator == "min":  # the least-disturbed trial: other processes only ever add time
-        for r in rows:
-            r["time_us"] = min(r["trials_us"])
-    return rows
+    return least_of_trials(rows, estimator)
+
+
+def ranks_of(r: dict) -> str:
+    """A row's ranks as the tables name them: its layout ("2x2": hosts x ranks per host)
+    where it has one, else its rank count."""
+    return str(r.get("layout", r["nranks"]))
+
+
+def check_table(
+    rows: list[dict], predict: Callable[[dict], tuple[float, str]], seen: set[tuple]
+) -> tuple[list[str], list[dict], list[tuple[float, bool]]]:
+    """The check run against the model: per row (collective, ranks_of, size) the path the
+    model priced and the one the row took, measured and predicted us and their ratio, held
+    out when (collective, ranks_of, size) is not in `seen` (the fit's points).
+    predict(row) -> (predicted seconds, the path priced). Returns (table lines, JSON rows,
+    (ratio, held out) per row)."""
+    table = [
+        "| collective | N | size | path (fit / check) | measured us | predicted us | "
+        "predicted / measured | held out |",
+        "|---|---:|---:|---|---:|---:|---:|---|",
+    ]
+    out_rows, ratios = [], []
+    for r in sorted(rows, key=lambda r: (r["collective"], ranks_of(r), r["size"])):
+        coll, n, size = r["collective"], ranks_of(r), r["size"]
+        seconds, chosen = predict(r)
+        pred = seconds * 1e6
+        ratio = pred / r["time_us"]
+        held = (coll, n, size) not in seen
+        ratios.append((ratio, held))
+        table.append(
+            f"| {coll} | {n} | {size_label(size)} | {chosen} / {row_path(r)} | "
+            f"{r['time_us']:.1f} | {pred:.1f} | {ratio:.2f} | {'yes' if held else ''} |"
+        )
+        out_rows.append({"collective": coll, "nranks": r["nranks"], "ranks": n, "size": size,
+                         "measured_us": r["time_us"], "predicted_us": pred, "path_fit": chosen,
+                         "path_check": row_path(r), "held_out": held})  # fmt: skip
+    return table, out_rows, ratios
+
+
+def summarize(what: str, ratios: list[tuple[float, bool]]) -> str:
+    """`what: k/n rows within 20% (h/m held out), median |error| e%`."""
+    within = sum(abs(x - 1) <= 0.2 for x, _ in ratios)
+    within_held = sum(abs(x - 1) <= 0.2 for x, h in ratios if h)
+    n_held = sum(h for _, h in ratios)
+    med_err = statistics.median(abs(x - 1) for x, _ in ratios)
+    return (
+        f"{what}: {within}/{len(ratios)} rows within 20% ({within_held}/{n_held} held out), "
+        f"median |error| {med_err:.0%}"
+    )
+
+
+def fitted_table(model: CostModel) -> list[str]:
+    """One line per fitted (collective, path, regime) of `model`."""
+    return [
+        "| collective | path | regime | alpha us | GB/s | rows |",
+        "|---|---|---|---:|---:|---|",
+    ] + [
+        f"| {d['collective']} | {d['path']} | {d['regime']} | {d['alpha_us']:.2f} | "
+        f"{d['bandwidth_GBps']:.2f} | {d['source'].split(', ')[-1]} |"
+        for d in model.describe()
+        if d["path"] != "any" and d["regime"] != "any"
+    ]
 
 
 def main() -> int:
@@ -64,46 +133,18 @@ def main() -> int:
     fit_rows = _sweep(args.fit_ranks, "4", args.trials, args.estimator)
     check_rows = _sweep(args.check_ranks, "2", args.trials, args.estimator)
     model = fit_model(fit_rows, "shm", source="fit run")
-    seen = {(r["collective"], r["nranks"], r["size"]) for r in fit_rows}
-    table = [
-        "| collective | N | size | path (fit / check) | measured us | predicted us | "
-        "predicted / measured | held out |",
-        "|---|---:|---:|---|---:|---:|---:|---|",
-    ]
-    out_rows, ratios = [], []
-    for r in sorted(check_rows, key=lambda r: (r["collective"], r["nranks"], r["size"])):
+    seen = {(r["collective"], ranks_of(r), r["size"]) for r in fit_rows}
+
+    def predict(r: dict) -> tuple[float, str]:
         coll, n, size = r["collective"], r["nranks"], r["size"]
-        pred = model.time(coll, n, size) * 1e6
-        ratio = pred / r["time_us"]
-        held = (coll, n, size) not in seen
-        ratios.append((ratio, held))
-        chosen = model.path(coll, n, size)
-        table.append(
-            f"| {coll} | {n} | {size_label(size)} | {chosen} / {row_path(r)} | "
-            f"{r['time_us']:.1f} | {pred:.1f} | {ratio:.2f} | {'yes' if held else ''} |"
-        )
-        out_rows.append({"collective": coll, "nranks": n, "size": size, "measured_us": r["time_us"],
-                         "predicted_us": pred, "path_fit": chosen, "path_check": row_path(r),
-                         "held_out": held})  # fmt: skip
-    within = sum(abs(x - 1) <= 0.2 for x, _ in ratios)
-    within_held = sum(abs(x - 1) <= 0.2 for x, h in ratios if h)
-    n_held = sum(h for _, h in ratios)
-    med_err = statistics.median(abs(x - 1) for x, _ in ratios)
-    summary = (
-        f"shared memory, fit {args.fit_ranks} ranks / check {args.check_ranks}: {within}/"
-        f"{len(ratios)} rows within 20% ({within_held}/{n_held} held out), median |error| "
-        f"{med_err:.0%}"
+        return model.time(coll, n, size), model.path(coll, n, size)
+
+    table, out_rows, ratios = check_table(check_rows, predict, seen)
+    summary = summarize(
+        f"shared memory, fit {args.fit_ranks} ranks / check {args.check_ranks}", ratios
     )
     load1 = os.getloadavg()
-    fitted = [
-        "| collective | path | regime | alpha us | GB/s | rows |",
-        "|---|---|---|---:|---:|---|",
-    ] + [
-        f"| {d['collective']} | {d['path']} | {d['regime']} | {d['alpha_us']:.2f} | "
-        f"{d['bandwidth_GBps']:.2f} | {d['source'].split(', ')[-1]} |"
-        for d in model.describe()
-        if d["path"] != "any" and d["regime"] != "any"
-    ]
+    fitted = fitted_table(model)
     notes = [
         f"Result: {summary}.",
         f"A row's time: the {args.estimator} over its {args.trials} trials (pycollectives-bench "

@@ -7,7 +7,8 @@
 prints the inputs as understood, the best layouts by predicted step time (memory and time
 itemized) and the rejected ones with their reason; --json FILE writes all of it.
 --bench-json FILE fits the intra-host link to a `pycollectives-bench --json` run (per path
-the communicator took and cache regime, strategies/plan/fitted.py).
+the communicator took and cache regime, strategies/plan/fitted.py), --inter-bench-json FILE
+the inter-host link to one run across hosts (TCP).
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ from .units import PlanInputError
 __all__ = ["main", "plan"]
 
 
-def _links(req: Request, bench: str | None) -> dict[str, LinkCost | CostModel]:
+def _links(
+    req: Request, bench: str | None, inter_bench: str | None = None
+) -> dict[str, LinkCost | CostModel]:
+    """The given links, the intra-host one fitted to `bench` and the inter-host one to
+    `inter_bench` (pycollectives-bench --json runs) where given."""
     c = req.cluster
     links = {
         "intra": LinkCost(c.intra.latency, 1 / c.intra.bandwidth, f"given {c.intra.text}"),
@@ -36,6 +41,8 @@ def _links(req: Request, bench: str | None) -> dict[str, LinkCost | CostModel]:
     }
     if bench:
         links["intra"] = fit_model(load_bench_json(bench), "shm", source=bench)
+    if inter_bench:
+        links["inter"] = fit_model(load_bench_json(inter_bench), "tcp", source=inter_bench)
     return links
 
 
@@ -96,6 +103,7 @@ def report(
             f"{a['ranks']} ranks {a['ring_s'] * 1e3:.1f} / {a['hierarchical_s'] * 1e3:.1f} ms"
             for a in alg
         )
+        + " (across hosts the communicator runs hierarchical; PYCOLL_ALGO=ring, the ring)"
     )
     lines.append(
         f"{'layout':42} {'mem GB':>8} {'states':>8} {'activ':>8} {'buffers':>8} {'step ms':>9} "
@@ -186,6 +194,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--bench-json", help="fit the intra-host link to this pycollectives-bench --json file"
     )
+    ap.add_argument(
+        "--inter-bench-json",
+        help="fit the inter-host link to this pycollectives-bench --json file, run across "
+        "hosts (one rank per host: benchmarks/plan/plan_costs_hosts.py writes one)",
+    )
     ap.add_argument("--top", type=int, default=10, help="how many layouts to print (default 10)")
     ap.add_argument(
         "--json", metavar="FILE", help="write the inputs, every layout and the rejected ones"
@@ -206,10 +219,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise PlanInputError(f"--config {args.config}: {e}") from None
             if not isinstance(d, dict):
                 raise PlanInputError(f"--config {args.config}: not a JSON object")
-        skip = {"config", "bench_json", "top", "json"}
+        skip = {"config", "bench_json", "inter_bench_json", "top", "json"}
         d.update({k: v for k, v in vars(args).items() if v is not None and k not in skip})
         req = parse_request(d)
-        links = _links(req, args.bench_json)
+        links = _links(req, args.bench_json, args.inter_bench_json)
         fits, rejected = plan(req, links)
     except PlanInputError as e:
         print(f"pycollectives-plan: {e}", file=sys.stderr)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,9 @@ from .units import PlanInputError
 
 __all__ = [
     "COLLECTIVES",
+    "INTRA_PATH",
     "LinkCost",
+    "across_hosts_time",
     "fit",
     "hierarchical_time",
     "load_bench_json",
@@ -59,33 +62,73 @@ def _terms(collective: str, n: int, size: float) -> tuple[float, float]:
     raise PlanInputError(f"collective={collective!r} is not one of {', '.join(COLLECTIVES)}")
 
 
-def ring_time(collective: str, n: int, size: float, link: LinkCost) -> float:
+def ring_time(
+    collective: str, n: int, size: float, link: LinkCost, path: str | None = None
+) -> float:
     """Seconds of a ring `collective` over `n` ranks of a `size`-byte (full) buffer; `link`
-    may also be a fitted.CostModel, whose per-path costs then price it."""
+    may also be a fitted.CostModel, whose per-path costs then price it: those of `path`
+    where given (the path a schedule is known to take), else of the path the code chose at
+    the nearest measured point."""
     if hasattr(link, "time"):
-        return link.time(collective, n, size)
+        return link.time(collective, n, size, path)
     if n <= 1 or size <= 0:
         return 0.0
     steps, wire = _terms(collective, n, size)
     return steps * link.alpha + wire * link.beta
 
 
+# The path of the hierarchical schedules' steps within a host: rings over the shared slots
+# (csrc/algo/hierarchical.cc), whatever a one-host collective of that size would take.
+INTRA_PATH = "slots"
+
+
 def hierarchical_time(
     collective: str, n: int, per_host: int, size: float, intra: LinkCost, inter: LinkCost
 ) -> float:
-    """Seconds of `collective` over `n` ranks, `per_host` on each host: an all-reduce is a
-    reduce-scatter within each host, an all-reduce across hosts of each rank's 1/per_host
-    (the hosts' ranks in parallel) and an all-gather within each host; a reduce-scatter or
-    all-gather is its within-host and across-host halves. One host: the ring on `intra`."""
+    """Seconds of `collective` over `n` ranks, `per_host` on each host, as the communicator
+    runs it across hosts (csrc/algo/hierarchical.cc): an all-reduce is a reduce-scatter
+    within each host, an all-reduce across hosts of each rank's 1/per_host (the hosts' ranks
+    in parallel, one rail per local rank) and an all-gather within each host; a
+    reduce-scatter is its within-host half then its across-host half, an all-gather the
+    reverse. The within-host steps are rings over the shared slots (INTRA_PATH) of the
+    whole buffer. One host: the ring on `intra`, by the path the code chose there."""
     if n % per_host:
         raise PlanInputError(f"hierarchical_time: n={n} is not a multiple of per_host={per_host}")
     hosts = n // per_host
     if hosts == 1:
         return ring_time(collective, n, size, intra)
-    within = ring_time("reduce_scatter", per_host, size, intra)
+    rs = ring_time("reduce_scatter", per_host, size, intra, INTRA_PATH)
+    ag = ring_time("all_gather", per_host, size, intra, INTRA_PATH)
+    across = ring_time(collective, hosts, size / per_host, inter)
     if collective == "all_reduce":
-        return 2 * within + ring_time("all_reduce", hosts, size / per_host, inter)
-    return within + ring_time(collective, hosts, size / per_host, inter)
+        return rs + across + ag
+    return (rs if collective == "reduce_scatter" else ag) + across
+
+
+def across_hosts_time(
+    collective: str,
+    ranks_per_host: Sequence[int],
+    size: float,
+    intra: LinkCost,
+    inter: LinkCost,
+    algo: str = "auto",
+) -> tuple[float, str]:
+    """Seconds of `collective` on a `size`-byte buffer over hosts holding ranks_per_host[h]
+    ranks each, as the communicator runs it, and which algorithm that is. The code's rule
+    (csrc/algo/hierarchical.cc): on one host, its own choice ("one host", the ring formulas
+    on `intra`); across hosts, "hierarchical" where every host has as many ranks and
+    PYCOLL_ALGO (`algo`) is not "ring", else "flat": one ring over every rank, host by host,
+    whose steps the inter-host link paces. Raises PlanInputError for an empty host list or
+    a host without ranks."""
+    counts = list(ranks_per_host)
+    if not counts or min(counts) < 1:
+        raise PlanInputError(f"across_hosts_time: ranks_per_host={counts} needs >= 1 rank per host")
+    n = sum(counts)
+    if len(counts) == 1:
+        return ring_time(collective, n, size, intra), "one host"
+    if algo == "ring" or len(set(counts)) > 1:
+        return ring_time(collective, n, size, inter), "flat"
+    return hierarchical_time(collective, n, counts[0], size, intra, inter), "hierarchical"
 
 
 def load_bench_json(path: str) -> list[dict[str, Any]]:
@@ -155,21 +198,25 @@ def ring_vs_hierarchical(
 ) -> list[dict[str, Any]]:
     """Per rank count (a multiple of per_host), the seconds of a flat ring over every rank
     (its slowest link: inter-host as soon as it spans hosts; PYCOLL_ALGO=ring) and of the
-    hierarchical algorithm the communicator runs across hosts, and which is faster."""
+    hierarchical algorithm, which is faster, and what the communicator runs by default
+    (across_hosts_time: "hierarchical" across hosts, every host holding per_host ranks)."""
     out = []
     for n in ranks:
         if n % per_host:
             raise PlanInputError(
                 f"ring_vs_hierarchical: {n} ranks not a multiple of per_host={per_host}"
             )
-        ring = ring_time(collective, n, size, inter if n > per_host else intra)
+        hosts = [per_host] * (n // per_host)
+        ring = across_hosts_time(collective, hosts, size, intra, inter, "ring")[0]
         hier = hierarchical_time(collective, n, per_host, size, intra, inter)
+        runs = across_hosts_time(collective, hosts, size, intra, inter)[1]
         out.append(
             {
                 "ranks": n,
                 "ring_s": ring,
                 "hierarchical_s": hier,
                 "faster": "ring" if ring < hier else "hierarchical",
+                "runs": runs,
             }
         )
     return out

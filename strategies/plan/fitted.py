@@ -16,7 +16,10 @@ hosts it runs hierarchically. Each bench row records the paths its timed calls t
   then nearest size on a log scale), the choice the code made there.
 
 A (collective, path, regime) with no rows falls back to the collective's rows of that
-regime, then to every row of the collective, then to every row.
+regime, then to every row of the collective, then to every row. One whose rows resolve no
+latency (only large sizes, whose intercept is lost in the noise) takes the latency of the
+same path's other regime and refits its bandwidth with it: a ring over thousands of ranks
+pays that latency at each of its steps.
 """
 
 from __future__ import annotations
@@ -61,6 +64,14 @@ def _solve(pts: list[tuple[float, float, float]]) -> tuple[float, float]:
         if alpha >= 0 and beta > 0:
             return alpha, beta
     return 0.0, sy / syy
+
+
+def _solve_beta(pts: list[tuple[float, float, float]], alpha: float) -> float:
+    """beta minimizing sum over (steps, wire, t) of ((alpha steps + beta wire)/t - 1)^2 for a
+    given alpha (<= 0 where alpha alone overshoots the times)."""
+    num = sum(w / t * (1 - alpha * s / t) for s, w, t in pts)
+    den = sum((w / t) ** 2 for _, w, t in pts)
+    return num / den if den else 0.0
 
 
 @dataclass
@@ -110,15 +121,18 @@ class CostModel:
                 return self.links[key]
         return self.overall
 
-    def time(self, collective: str, n: int, size: float) -> float:
+    def time(self, collective: str, n: int, size: float, path: str | None = None) -> float:
         """Predicted seconds of `collective` over `n` ranks of this transport on a
-        `size`-byte full buffer (all-gather: the output). Raises PlanInputError for a
-        collective other than all_reduce, reduce_scatter, all_gather."""
+        `size`-byte full buffer (all-gather: the output), by the costs fitted to `path`
+        where given (the path a schedule is known to take; link()'s fallbacks where that
+        path has no rows), else to the path the code took at the nearest measured point.
+        Raises PlanInputError for a collective other than all_reduce, reduce_scatter,
+        all_gather."""
         if n <= 1 or size <= 0:
             _terms(collective, 2, 1.0)  # names an unknown collective
             return 0.0
         steps, wire = _terms(collective, n, size)
-        lk = self.link(collective, self.path(collective, n, size), self.regime(size))
+        lk = self.link(collective, path or self.path(collective, n, size), self.regime(size))
         return steps * lk.alpha + wire * lk.beta
 
     def describe(self) -> list[dict[str, Any]]:
@@ -182,6 +196,20 @@ def fit_model(
     for key, pts in groups.items():
         alpha, beta = _solve(pts)
         links[key] = LinkCost(alpha, beta, f"{source}: {'/'.join(key)}, {len(pts)} rows")
+    for (coll, path, regime), lk in list(links.items()):
+        # A regime whose rows resolve no latency (large sizes only: the intercept is lost in
+        # their noise) takes the per-step latency of the same path's other rows: a flat ring
+        # over thousands of ranks pays it at every one of its steps, whatever the size.
+        if lk.alpha > 0 or regime == "any":
+            continue
+        for other in ("cached" if regime == "memory" else "memory", "any"):
+            if (sib := links.get((coll, path, other))) is not None and sib.alpha > 0:
+                beta = _solve_beta(groups[(coll, path, regime)], sib.alpha)
+                if beta > 0:
+                    links[(coll, path, regime)] = LinkCost(
+                        sib.alpha, beta, f"{lk.source}, latency of the {other} rows"
+                    )
+                break
     overall = links.pop(("any", "any", "any"))
     overall = LinkCost(overall.alpha, overall.beta, f"{source}: {transport}, per path and regime")
     return CostModel(transport, cache, overall, links, dict(choices))

@@ -3,7 +3,8 @@ memory per rank itemized, step time itemized, or the reason it is rejected.
 
 Ranks are numbered tp fastest, then dp, then pp (Megatron's order): a tp group is tp
 consecutive ranks, a dp group has stride tp, a pp group stride tp * dp. A group that
-spans hosts runs hierarchically (costs.hierarchical_time) with the inter-host link.
+spans hosts is priced as the communicator runs it (costs.across_hosts_time): hierarchically
+where each host holds as many of its ranks, else one flat ring paced by the inter-host link.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from pycollectives.strategies.pipeline import build, simulate
 
-from .costs import LinkCost, hierarchical_time, ring_time
+from .costs import LinkCost, across_hosts_time, ring_time
 from .inputs import DTYPES, ModelSpec, Request
 from .memory import activation_bytes_per_layer, model_states, reduce_window_bytes
 from .trainer import stage_params
@@ -85,9 +86,8 @@ def _collective(req: Request, coll: str, n: int, stride: int, size: float, links
     if not _crosses(n, stride, dph):
         return ring_time(coll, n, size, links["intra"])
     per_host = max(1, dph // stride) if stride < dph else 1
-    if n % per_host:
-        return ring_time(coll, n, size, links["inter"])
-    return hierarchical_time(coll, n, per_host, size, links["intra"], links["inter"])
+    hosts = [per_host] * (n // per_host) + ([n % per_host] if n % per_host else [])
+    return across_hosts_time(coll, hosts, size, links["intra"], links["inter"])[0]
 
 
 def _check(req: Request, lo: Layout) -> str | None:

@@ -1,0 +1,266 @@
+"""The planner's collective cost model across hosts (TCP) against this machine's measured times.
+
+    sudo python benchmarks/plan/plan_costs_hosts.py        # root: network namespaces
+    sudo python benchmarks/plan/plan_costs_hosts.py --no-write
+
+Two hosts made of network namespaces on one bridge (tests/support/netns.py), the
+project's `pycollectives-bench` run across them (benchmarks/common/_bench_hosts.py: one
+rank process per namespace, met the torchrun way), all_reduce, reduce_scatter and
+all_gather, each row's time the least of its trials by default (the machine is shared:
+other processes only add time), the trials of --rounds rounds, each of which runs every
+fit and check once in turn. Fit runs, 64 KiB to --max x4 apart:
+
+- TCP: 2 hosts x 1 rank, fitted as plan_costs.py fits shared memory (strategies/plan/
+  fitted.py: alpha and beta of the ring formulas per collective, path and cache regime);
+- shared memory: 2 ranks on one host under PYCOLL_ALGO=ring, the rings over the shared
+  slots that the hierarchical schedules run within a host (costs.INTRA_PATH).
+
+Check runs, 64 KiB to --max x2 apart: 2 hosts x 1 rank (sizes the fit never saw between
+its own), 2 hosts x 2 ranks as the code chooses (PYCOLL_ALGO default: hierarchical,
+priced by costs.hierarchical_time) and 2 hosts x 2 ranks under PYCOLL_ALGO=ring (one flat
+ring over the four ranks, priced as a ring paced by the TCP link), so that the measured
+choice between ring and hierarchical checks the predicted one. Target: within 20% from
+64 KiB up. Then the fitted figures' ring against hierarchical at 8 to 4096 ranks
+(costs.ring_vs_hierarchical). Writes its section of docs/benchmarks.md (between
+<!-- plan_costs_hosts:begin --> and <!-- plan_costs_hosts:end -->),
+docs/data/plan_costs_hosts-DATE.json and the TCP fit run as a bench JSON
+(docs/data/plan_costs_hosts-DATE-tcp.json, for `pycollectives-plan --inter-bench-json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "common"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+import netns  # noqa: E402
+from _bench_hosts import run_bench_hosts  # noqa: E402
+from _doc import cpu_model, emit_section, size_label  # noqa: E402
+from plan_costs import DATA, check_table, fitted_table, least_of_trials, ranks_of, summarize  # noqa: E402
+
+from pycollectives.strategies.plan.costs import (  # noqa: E402
+    hierarchical_time,
+    ring_time,
+    ring_vs_hierarchical,
+)
+from pycollectives.strategies.plan.fitted import fit_model  # noqa: E402
+
+BEGIN, END = "<!-- plan_costs_hosts:begin -->", "<!-- plan_costs_hosts:end -->"
+COLLS = "all_reduce,reduce_scatter,all_gather"
+# name -> (rank r's host, PYCOLL_ALGO or None for the default)
+LAYOUTS = {
+    "2x1": ([0, 1], None),
+    "2x2": ([0, 0, 1, 1], None),
+    "2x2 ring": ([0, 0, 1, 1], "ring"),
+    "1x2 ring": ([0, 0], "ring"),
+}
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+# The runs, in the order of each round: (key in the recorded data, layout name, -f factor)
+RUNS = (
+    ("tcp_fit", "2x1", "4"),
+    ("shm_fit", "1x2 ring", "4"),
+    ("check", "2x1", "2"),
+    ("check", "2x2", "2"),
+    ("check", "2x2 ring", "2"),
+)
+
+
+def measure(args: argparse.Namespace) -> tuple[dict[str, list[dict]], list[dict]]:
+    """The fit and check runs on a fresh 2-host fabric, --rounds times over (a round runs
+    each once, in RUNS' order, so that a change of the machine's load between runs weighs on
+    fit and check alike): ({"tcp_fit", "shm_fit", "check"}: their pycoll rows, each tagged
+    with its layout, its trials those of every round; what ran, with the load average)."""
+    if why := netns.unavailable():
+        raise SystemExit(f"plan_costs_hosts: {why}")
+    runs: list[dict] = []  # what ran, with the load average (1/5/15 min) before and after
+    got: dict[tuple[str, str, str], dict] = {}  # (key, layout, collective/size) -> row
+
+    def run(fabric: netns.Fabric, key: str, name: str, factor: str) -> None:
+        layout, algo = LAYOUTS[name]
+        flags = ["-b", "64K", "-e", args.max, "-f", factor, "-c", "0", "-w", "3"]
+        flags += ["-n", args.iters, "--trials", args.trials, "--coll", COLLS]
+        before, t = _load(), time.perf_counter()
+        data = run_bench_hosts(fabric, layout, flags, {"PYCOLL_ALGO": algo} if algo else {})
+        for r in data["rows"]:
+            if r["backend"] != "pycoll" or not r.get("time_us"):
+                continue
+            r["layout"] = name
+            old = got.setdefault((key, name, f"{r['collective']}/{r['size']}"), r)
+            if old is not r:  # another round's trials of the same point
+                old["trials_us"] += r["trials_us"]
+                for path, calls in r["paths"].items():
+                    old["paths"][path] = old["paths"].get(path, 0) + calls
+        runs.append({"run": f"{name} -f {factor}", "load_before": before, "load_after": _load(),
+                     "seconds": round(time.perf_counter() - t, 1), "metadata": data["metadata"]})  # fmt: skip
+
+    with netns.Fabric(2) as fabric:
+        for _ in range(args.rounds):
+            for key, name, factor in RUNS:
+                run(fabric, key, name, factor)
+    raw: dict[str, list[dict]] = {"tcp_fit": [], "shm_fit": [], "check": []}
+    for (key, _, _), r in got.items():
+        if args.estimator == "median":
+            r["time_us"] = statistics.median(r["trials_us"])
+        raw[key] += least_of_trials([r], args.estimator)
+    return raw, runs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max", default="16M", help="largest size (default 16M)")
+    ap.add_argument("--trials", default="10", help="trials per size and round (default 10)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of every run (default 2)")
+    ap.add_argument("--iters", default="5", help="calls per trial (-n; default 5)")
+    ap.add_argument(
+        "--estimator",
+        choices=("min", "median"),
+        default="min",
+        help="a row's time from its trials (default min: the machine is shared)",
+    )
+    ap.add_argument(
+        "--replay",
+        metavar="JSON",
+        help="price the runs recorded in this plan_costs_hosts JSON again instead of measuring",
+    )
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    settings = {k: getattr(args, k) for k in ("max", "trials", "rounds", "iters", "estimator")}
+    date = datetime.date.today().isoformat()
+    cmd = "sudo python benchmarks/plan/plan_costs_hosts.py" + "".join(f" {a}" for a in sys.argv[1:])
+    if args.replay:  # the recorded runs, priced by the model as it is now
+        old = json.loads(Path(args.replay).read_text())
+        raw, runs, settings, date, cmd = (
+            old[k] for k in ("raw", "runs", "settings", "date", "command")
+        )
+    else:
+        raw, runs = measure(args)
+    t_all = sum(r["seconds"] for r in runs)
+    tcp_rows, shm_rows, check = raw["tcp_fit"], raw["shm_fit"], raw["check"]
+    tcp = fit_model(tcp_rows, "tcp", source="TCP fit run")
+    shm = fit_model(shm_rows, "shm", source="shared-memory fit run")
+    seen = {(r["collective"], ranks_of(r), r["size"]) for r in tcp_rows}
+
+    def predict(r: dict) -> tuple[float, str]:
+        coll, n, size = r["collective"], r["nranks"], r["size"]
+        if r["layout"] == "2x2 ring":  # one ring over every rank, paced by its TCP links
+            return ring_time(coll, n, size, tcp), "flat"
+        per_host = 2 if r["layout"] == "2x2" else 1
+        return hierarchical_time(coll, n, per_host, size, shm, tcp), "hierarchical"
+
+    table, out_rows, _ = check_table(check, predict, seen)
+    by: dict[str, list[tuple[float, bool]]] = {}
+    for o in out_rows:
+        by.setdefault(o["ranks"], []).append((o["predicted_us"] / o["measured_us"], o["held_out"]))
+    what = {"2x1": "TCP", "2x2": "hierarchical", "2x2 ring": "flat ring"}
+    summaries = [summarize(f"{k} ({what[k]})", v) for k, v in by.items()]
+    # The noise floor: the points both 2 x 1 runs measured (the fit's sizes), check / fit.
+    fit_at = {(r["collective"], r["size"]): r["time_us"] for r in tcp_rows}
+    again = sorted(
+        r["time_us"] / fit_at[(r["collective"], r["size"])]
+        for r in check
+        if r["layout"] == "2x1" and (r["collective"], r["size"]) in fit_at
+    )
+
+    # Ring against hierarchical on the 2 x 2 check run, measured and predicted, per size.
+    meas = {(r["layout"], r["collective"], r["size"]): r["time_us"] for r in check}
+    pred = {(o["ranks"], o["collective"], o["size"]): o["predicted_us"] for o in out_rows}
+    choice = ["| collective | size | measured ring / hierarchical | predicted ring / hierarchical | same choice |",
+              "|---|---:|---:|---:|---|"]  # fmt: skip
+    agree = total = 0
+    for coll, size in sorted({(c, s) for lay, c, s in meas if lay == "2x2"}):
+        m = [meas.get((lay, coll, size)) for lay in ("2x2 ring", "2x2")]
+        p = [pred.get((lay, coll, size)) for lay in ("2x2 ring", "2x2")]
+        if None in m or None in p:
+            continue
+        same = (m[0] < m[1]) == (p[0] < p[1])
+        agree, total = agree + same, total + 1
+        choice.append(f"| {coll} | {size_label(size)} | {m[0] / m[1]:.2f} | {p[0] / p[1]:.2f} | "
+                      f"{'yes' if same else 'no'} |")  # fmt: skip
+
+    # The fitted figures at scale: the flat ring against what the communicator runs.
+    scale = ["| all-reduce of | ranks per host | " + " | ".join(str(n) for n in (8, 64, 512, 4096)) + " |",
+             "|---|---:|" + "---:|" * 4]  # fmt: skip
+    at_scale = []
+    for size in (1 << 20, 64 << 20):
+        for per_host in (2, 8):
+            got = ring_vs_hierarchical("all_reduce", size, per_host, shm, tcp)
+            at_scale.append({"size": size, "per_host": per_host, "rows": got})
+            cells = [f"{g['ring_s'] / g['hierarchical_s']:.2f}" for g in got if g["ranks"] in (8, 64, 512, 4096)]  # fmt: skip
+            scale.append(f"| {size_label(size)} | {per_host} | " + " | ".join(cells) + " |")
+
+    notes = [
+        "Result: " + "; ".join(summaries) + f"; ring vs hierarchical at 2 x 2: the predicted "
+        f"faster one measured faster at {agree}/{total} sizes.",
+        f"A row's time: the {settings['estimator']} over its {settings['trials']} trials of "
+        f"{settings['iters']} calls in each of {settings['rounds']} rounds (a round runs each "
+        "fit and check once, in turn) "
+        "(pycollectives-bench trials_us; each trial the slowest rank's mean over its calls).",
+        f"Cache regime boundary: {tcp.cache_bytes >> 10} KiB (the L2 per core).",
+        "Load average (1/5/15 min) before and after each run: "
+        + "; ".join(f"{r['run']}: {r['load_before']} -> {r['load_after']}" for r in runs)
+        + f"; {t_all:.0f} s of runs."
+        + (
+            f" Priced again ({time.perf_counter() - t0:.0f} s) with --replay."
+            if args.replay
+            else ""
+        ),
+        f"The same points measured twice (2 x 1, the fit's {len(again)} collective and size "
+        "pairs, in the check run against the fit run): check / fit from "
+        + (
+            f"{again[0]:.2f} to {again[-1]:.2f}, median {statistics.median(again):.2f}"
+            if again
+            else "-"
+        )
+        + ": how far apart two runs of the same thing land on this machine at this load, a "
+        "floor under any model's error.",
+        "Hosts: network namespaces on one machine, one veth pair each to a bridge: the two "
+        f"hosts' ranks share its {os.cpu_count()} cores (and the kernel that copies TCP's bytes).",
+    ]
+    if not args.no_write:
+        DATA.mkdir(exist_ok=True)
+        fit_json = DATA / f"plan_costs_hosts-{date}-tcp.json"
+        fit_json.write_text(json.dumps({"metadata": {**runs[0]["metadata"], "estimator": settings["estimator"]},
+                                        "rows": tcp_rows}, indent=1) + "\n")  # fmt: skip
+        (DATA / f"plan_costs_hosts-{date}.json").write_text(json.dumps({
+            "summary": summaries, "ring_vs_hierarchical_agree": [agree, total], "command": cmd,
+            "machine": f"{cpu_model()}, {os.cpu_count()} cores", "date": date, "runs": runs,
+            "fitted": {"tcp": tcp.describe(), "shm": shm.describe()}, "rows": out_rows,
+            "at_scale": at_scale, "settings": settings, "raw": raw,
+        }, indent=1) + "\n")  # fmt: skip
+    tables = [
+        "Fitted, TCP (2 hosts x 1 rank):", "", *fitted_table(tcp), "",
+        "Fitted, shared memory within a host (2 ranks, PYCOLL_ALGO=ring):", "", *fitted_table(shm), "",
+        "Check runs against the fit (N: hosts x ranks per host):", "", *table, "",
+        "Ring (PYCOLL_ALGO=ring) against hierarchical (the default) at 2 x 2, time ratios:", "", *choice, "",
+        "The fitted figures at scale: predicted flat ring / hierarchical all-reduce time "
+        "(above 1: hierarchical faster; the communicator runs hierarchical wherever every host "
+        "has as many ranks):", "", *scale,
+    ]  # fmt: skip
+    emit_section(
+        BEGIN,
+        END,
+        "Planner: the collective cost model across hosts (TCP) against measured times",
+        f"`{cmd}` (data: docs/data/plan_costs_hosts-{date}.json)",
+        notes,
+        tables,
+        not args.no_write,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
