@@ -1,7 +1,11 @@
 """Where a Trainer3D rank's resident memory goes during a step, phase by phase.
 
     python benchmarks/plan/plan_rss_phases.py --dp 4 --mode zero3 [--tp 1 --pp 1]
-        [--schedule 1f1b] [--env MALLOC_MMAP_THRESHOLD_=65536] [--json out.json]
+        [--schedule 1f1b] [--env NAME=VALUE] [--json out.json]
+    MALLOC_MMAP_THRESHOLD_=65536 python benchmarks/plan/plan_rss_phases.py ...  # glibc's
+
+(--env sets a variable in each rank once it runs: too late for glibc's MALLOC_*
+variables, read when the process starts; put those in the command's environment.)
 
 Runs one layout of benchmarks/plan/plan_memory.py's peak-RSS model (BIG: 25.5M
 parameters, global batch 8 in 2 micro-batches) on 4 fresh ranks for 2 steps and,
@@ -156,7 +160,9 @@ def main() -> int:
     ap.add_argument("--mode", default="zero3")
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the ranks")
+    ap.add_argument(
+        "--env", action="append", default=[], help="NAME=VALUE set in each rank (not MALLOC_*)"
+    )
     ap.add_argument("--json", help="write every rank's samples here")
     args = ap.parse_args()
     lo = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "mode": args.mode,
