@@ -34,6 +34,7 @@ __all__ = [
     "peer_window_bytes",
     "rank_stages",
     "stage_params",
+    "step_transient_bytes",
     "trainer_storage",
 ]
 
@@ -137,6 +138,69 @@ def peer_window_bytes(
         width * peers * touched.get(mode, lambda p, w: w)(p, windows)
         for p, windows in _rank_params(spec, dp, tp, pp, mode, schedule)
     ]
+
+
+def step_transient_bytes(
+    spec: ModelSpec,
+    dp: int,
+    tp: int,
+    pp: int,
+    mode: str,
+    schedule: str = "1f1b",
+    microbatches: int = 4,
+    prefetch: int = 2,
+    width: int = 4,
+) -> list[dict[str, float]]:
+    """Predicted bytes of tensors each pipeline rank holds during a step beyond its
+    storage between steps (trainer_storage), by origin, at the step's peak (the last
+    micro-batch's backward begins), for Trainer3D with `microbatches` per step:
+
+    - unreduced_grads: gradients not yet reduced. ZeRO-1 keeps autograd's .grad of
+      every parameter (p) through the pipeline step; they go into its gradient
+      window after it. ZeRO-2/3 and FSDP accumulate the micro-batches but the last
+      unsynced (no_sync, as FSDP2's): the engine's unsharded buffer of every unit (p);
+      FSDP with pp > 1 every micro-batch. With those, the .grad of the unit whose
+      backward runs (a block) and the root's (complete only when the embeddings'
+      gradients arrive, last) before the engine copies them out. --zero 0 counts its .grad
+      between steps already.
+    - gathered_params: ZeRO-3 and FSDP (pp = 1): the root, gathered from its forward
+      to the end of backward, and the unit computing with the `prefetch` ones
+      gathered ahead (a unit freed hands its buffer to the next gather); FSDP with
+      pp > 1 keeps every unit of its stages gathered through the step (p).
+    - grad_shards (negative): ZeRO-2/3 and FSDP drop their reduced gradient shards
+      (p / dp) at the step's start (zero_grad) and rebuild them as that backward
+      reduces: trainer_storage counts them, the peak has none.
+
+    `width` bytes per element (4: float32); shard padding left out. Raises
+    PlanInputError as trainer_storage does, or for microbatches or prefetch < 1 / 0."""
+    _check_layout("step_transient_bytes", spec, dp, tp, pp, mode)
+    if microbatches < 1 or prefetch < 0:
+        raise PlanInputError(
+            f"step_transient_bytes: microbatches={microbatches} must be >= 1 and "
+            f"prefetch={prefetch} >= 0"
+        )
+    held = rank_stages(schedule if pp > 1 else "1f1b", pp)
+    stages = stage_params(spec, sum(len(h) for h in held), tp)
+    out = []
+    for (p, _), mine in zip(_rank_params(spec, dp, tp, pp, mode, schedule), held, strict=True):
+        ss = [stages[s] for s in mine]
+        block = max(s["block"] for s in ss)
+        root = sum(s["embed"] + s["head"] + s["tied"] for s in ss)
+        blocks = sum(s["blocks"] for s in ss)
+        grads = gathered = shards = 0.0
+        if dp > 1 and mode == "zero1":
+            grads = p
+        elif dp > 1 and mode in ("zero2", "zero3", "fsdp"):
+            unsynced = pp > 1 or microbatches > 1  # FSDP with pp > 1: every backward
+            grads = (p if unsynced else 0) + block + root
+            shards = p / dp
+            if mode == "fsdp" and pp > 1:
+                gathered = p
+            elif mode in ("zero3", "fsdp"):
+                gathered = root + min(blocks, 1 + prefetch) * block
+        out.append({"unreduced_grads": width * grads, "gathered_params": width * gathered,
+                    "grad_shards": -width * shards})  # fmt: skip
+    return out
 
 
 def _check_layout(what: str, spec: ModelSpec, dp: int, tp: int, pp: int, mode: str) -> None:
