@@ -226,9 +226,9 @@ class ParallelDims:
                 + ", ".join(self.where(r) for r in failed)
                 + f" failed, in a {_describe(self.sizes)} grid: {named} lost a member; a tensor- "
                 "or pipeline-parallel group cannot go on short: recovery needs a replacement "
-                "process in the lost place (ParallelDims.replace on the survivors, "
-                "ParallelDims.join in the newcomer; parallel3d.ElasticTrainer3D does both and "
-                "moves the state), else restart from a checkpoint",
+                "process in the lost place (ParallelDims.replace on the survivors: shrink and "
+                "grow; ParallelDims.join in the newcomer; parallel3d.ElasticTrainer3D does both "
+                "and moves the state), else restart from a checkpoint",
                 failed,
                 groups,
             )
