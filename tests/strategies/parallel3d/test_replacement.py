@@ -6,8 +6,9 @@ receives the lost rank's stage shard and AdamW state from its buddy's copy,
 every rank rolls back to the copy's step, and after the remaining steps every
 rank's parameters equal, bit for bit, those of an uninterrupted run of the
 same layout (same seeds, same batches). And: a newcomer that dies while it
-joins fails every survivor with ReplacementFailed, within seconds. Every run
-is bounded."""
+joins fails every survivor with ReplacementFailed, within seconds; a newcomer's
+state comes from its buddy, else a dp replica, else it is lost. Every run is
+bounded."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from pycollectives.strategies.parallel3d import (
     Trainer3D,
     TrainOptions,
 )
+from pycollectives.strategies.parallel3d.replacement import sources
 from pycollectives.strategies.parallel_dims import ParallelDims
 
 STEPS = 5
@@ -158,3 +160,22 @@ def test_a_newcomer_that_dies_while_it_joins_fails_every_survivor():
         assert f"rank {r}: the recovery from the loss of rank 2 (dp=0, tp=0, pp=1)" in msg, msg
         assert "in step 1 failed" in msg, msg
         assert took < 30.0, got[r]  # the communicator's timeout is 30 s: no rank waited it out
+
+
+def _grid(replaced: tuple[int, ...]) -> ParallelDims:
+    """A dp=2 x tp=2 x pp=2 ParallelDims of 8 ranks seen from rank 0, without
+    communicators (sources() reads only its sizes and coordinates)."""
+    dims = object.__new__(ParallelDims)
+    dims.sizes = {"pp": 2, "dp": 2, "tp": 2}
+    dims.world = type("World", (), {"world_size": 8, "rank": 0})()
+    dims.replaced = replaced
+    return dims
+
+
+def test_a_newcomers_state_comes_from_its_buddy_else_a_dp_replica():
+    assert sources(_grid((3,))) == {3: (4, "remote")}
+    # rank 3's buddy (4) is replaced too: rank 3's dp replica, rank 1, sends its own copy
+    assert sources(_grid((3, 4))) == {3: (1, "local"), 4: (5, "remote")}
+    # rank 1's buddy (2) and its only dp replica (3) are gone: its state is lost
+    with pytest.raises(RuntimeError, match=r"rank 1 \(dp=0, tp=1, pp=0\) is lost"):
+        sources(_grid((1, 2, 3)))
