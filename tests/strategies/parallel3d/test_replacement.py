@@ -6,9 +6,10 @@ receives the lost rank's stage shard and AdamW state from its buddy's copy,
 every rank rolls back to the copy's step, and after the remaining steps every
 rank's parameters equal, bit for bit, those of an uninterrupted run of the
 same layout (same seeds, same batches). And: a newcomer that dies while it
-joins fails every survivor with ReplacementFailed, within seconds; a newcomer's
-state comes from its buddy, else a dp replica, else it is lost. Every run is
-bounded."""
+joins fails every survivor with ReplacementFailed, within seconds; two ranks
+of a dp=2 x tp=2 grid lost at once, one's state from its dp replica, match the
+uninterrupted run too; a newcomer's state comes from its buddy, else a dp
+replica, else it is lost. Every run is bounded."""
 
 from __future__ import annotations
 
@@ -179,3 +180,55 @@ def test_a_newcomers_state_comes_from_its_buddy_else_a_dp_replica():
     # rank 1's buddy (2) and its only dp replica (3) are gone: its state is lost
     with pytest.raises(RuntimeError, match=r"rank 1 \(dp=0, tp=1, pp=0\) is lost"):
         sources(_grid((1, 2, 3)))
+
+
+DP_GRID = {"dp": 2, "tp": 2, "pp": 1}
+
+
+def _two_lost(rank: int, world_size: int, port: int) -> Any:
+    """dp=2 x tp=2: ranks 1 and 2 die between steps 1 and 2; processes 4
+    and 5 take their places. Rank 1's buddy is rank 2: its state comes from
+    its dp replica, rank 3."""
+    import torch.distributed as dist
+
+    t = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, 6, rank == 0, t, wait_for_workers=False)
+    if rank >= 4:
+        et = ElasticTrainer3D.join(store, CONFIG, OPTIONS, timeout=120, **DP_GRID)
+    else:
+        comm = pc.init(rank, 4, store=store, timeout=30)
+        et = ElasticTrainer3D(ParallelDims(comm, **DP_GRID), CONFIG, OPTIONS, store)
+    while et.steps < STEPS:
+        if rank in (1, 2) and et.steps == 2:
+            _die()
+        et.step()
+    out = (et.dims.world.rank, _params(et.trainer), et.recoveries)
+    et.close()
+    return out
+
+
+def _dp_reference(rank: int, world_size: int) -> Any:
+    comm = pc.init(timeout=30)
+    with ParallelDims(comm, **DP_GRID) as dims:
+        trainer = Trainer3D(dims, CONFIG, OPTIONS)
+        for _ in range(STEPS):
+            trainer.step()
+        out = _params(trainer)
+    comm.close()
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_two_newcomers_one_state_from_a_dp_replica_match_the_uninterrupted_run():
+    import spawn
+
+    got = run(_two_lost, 6, spawn.free_port(), timeout=200, expect_exit={1: -9, 2: -9})
+    want = run(_dp_reference, 4, timeout=150)
+    by_rank = {g[0]: g for p, g in enumerate(got) if p not in (1, 2)}
+    assert sorted(by_rank) == [0, 1, 2, 3], by_rank.keys()
+    for w, (_, params, recoveries) in by_rank.items():
+        assert params == want[w], w
+        if w in (0, 3):
+            [rec] = recoveries
+            assert rec["failed"] == (1, 2) and rec["rolled_back_to"] == 2, rec
+            assert rec["sources"] == {1: (3, "local"), 2: (3, "remote")}, rec
