@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pycollectives import Communicator, PyCollectivesError
+from pycollectives import Communicator, PyCollectivesError, join
 
 from .autograd_threads import autograd_comm
 
@@ -41,9 +41,10 @@ def _as_size(value: Any) -> int:
 
 class NeedsReplacement(RuntimeError):
     """ParallelDims.shrink(): a tensor- or pipeline-parallel group lost a member,
-    so the grid cannot go on with fewer ranks: a replacement process must join
-    (grow). `failed`: the failed world ranks; `groups`: per axis with a size
-    above 1, the world ranks of each group that lost a member."""
+    so the grid cannot go on with fewer ranks: a replacement process must take
+    the lost place (ParallelDims.replace on the survivors, ParallelDims.join in
+    the newcomer). `failed`: the failed world ranks; `groups`: per axis with a
+    size above 1, the world ranks of each group that lost a member."""
 
     def __init__(self, message: str, failed: tuple[int, ...], groups: dict[str, list[list[int]]]):
         super().__init__(message)
@@ -77,6 +78,7 @@ class ParallelDims:
     def __init__(self, comm: Communicator, *, dp: int = 1, tp: int = 1, pp: int = 1) -> None:
         requested = {"dp": dp, "tp": tp, "pp": pp}
         self.world = comm
+        self.replaced: tuple[int, ...] = ()  # world ranks a replacement took (replace/join)
         self.sizes = _agree_on_sizes(comm, requested)
         self.coords = dict(zip(AXES, self._unravel(comm.rank), strict=True))
         self._comms: dict[str, Communicator] = {}
@@ -206,16 +208,10 @@ class ParallelDims:
         pipeline-parallel group lost a member (naming each such group by its
         world ranks): those cannot go on short, recovery needs a replacement
         process (grow); CommunicatorAborted on a rank fenced out."""
-        for c in [*self._comms.values(), self.world]:
-            with contextlib.suppress(PyCollectivesError):  # closed: nothing pending to wake
-                c.revoke("ParallelDims.shrink")
-        new = self.world.shrink(timeout=timeout)
-        with warnings.catch_warnings():  # their failed pending operations: reported already
-            warnings.simplefilter("ignore", RuntimeWarning)
-            self.close()
+        new = self._revoke_and_shrink("ParallelDims.shrink", timeout)
         failed = new.failed
         lost = {
-            axis: sorted({tuple(self._group_of(r, axis)) for r in failed})
+            axis: sorted({tuple(self.group_of(r, axis)) for r in failed})
             for axis in ("tp", "pp")
             if self.sizes[axis] > 1 and failed
         }
@@ -230,14 +226,112 @@ class ParallelDims:
                 + ", ".join(self.where(r) for r in failed)
                 + f" failed, in a {_describe(self.sizes)} grid: {named} lost a member; a tensor- "
                 "or pipeline-parallel group cannot go on short: recovery needs a replacement "
-                "process to join (grow), which is not supported yet: restart from a checkpoint",
+                "process in the lost place (ParallelDims.replace on the survivors: shrink and "
+                "grow; ParallelDims.join in the newcomer; parallel3d.ElasticTrainer3D does both "
+                "and moves the state), else restart from a checkpoint",
                 failed,
                 groups,
             )
         tp, pp = self.sizes["tp"], self.sizes["pp"]  # failures here: only dp lost ranks
         return ParallelDims(new, dp=new.world_size // (tp * pp), tp=tp, pp=pp)
 
-    def _group_of(self, rank: int, axis: str) -> list[int]:
+    def replace(
+        self, store: Any, *, timeout: float | None = None, prefix: str = "pycoll-grow"
+    ) -> ParallelDims:
+        """Collective over the surviving ranks of `world` and one replacement
+        process per failed rank (each calls ParallelDims.join with the same
+        `store`, `prefix` and sizes): revokes and shrinks as shrink() does,
+        grows the survivors' communicator by the failed ranks
+        (Communicator.grow) and rebuilds the grid on it with each newcomer in
+        a failed rank's place (the first to join takes the lowest) and every
+        survivor in its own: the new world's ranks, coordinates and groups are
+        this grid's. `replaced` on the result names the newcomers' ranks (empty
+        where nobody failed: the same grid, rebuilt). The caller closes the
+        new `world` and this one's; the communicators in between are closed.
+        `timeout` bounds the shrink and the wait for the newcomers.
+
+        Raises CommunicatorAborted on a rank fenced out, and grow's errors
+        (CollectiveTimeout when the newcomers do not come in time; init's when
+        one dies while they meet)."""
+        shrunk = self._revoke_and_shrink("ParallelDims.replace", timeout)
+        failed = tuple(shrunk.failed)
+        if not failed:
+            return self._regrid(shrunk, self.world.rank, self.sizes, ())
+        try:
+            grown = shrunk.grow(store, len(failed), timeout=timeout, prefix=prefix)
+        finally:
+            shrunk.close()
+        # The newcomers learn their places, and the survivors' timeout (theirs: join's bound).
+        places = torch.tensor([grown._c.default_timeout, *failed], dtype=torch.float64)
+        grown.broadcast(places, 0)
+        return self._regrid(grown, self.world.rank, self.sizes, failed)
+
+    @classmethod
+    def join(
+        cls,
+        store: Any,
+        *,
+        dp: int = 1,
+        tp: int = 1,
+        pp: int = 1,
+        timeout: float = 600.0,
+        prefix: str = "pycoll-grow",
+    ) -> ParallelDims:
+        """A replacement process's side of replace(): waits (up to `timeout`)
+        for the survivors' grow (pycollectives.join), learns which failed
+        rank's place it takes, and builds the grid (the same sizes as the
+        survivors': a ParallelDims ValueError on every rank otherwise). Its
+        `replaced` names every newcomer's rank.
+
+        Raises join's errors, and PyCollectivesError for a place out of range."""
+        grown = join(store, timeout=timeout, prefix=prefix)
+        new = grown.parent_ranks.count(-1)
+        places = torch.empty(1 + new, dtype=torch.float64)
+        grown.broadcast(places, 0)
+        failed = tuple(int(r) for r in places[1:])
+        if (
+            sorted(set(failed)) != list(failed)
+            or not 0 <= failed[0] <= failed[-1] < grown.world_size
+        ):
+            grown.close()
+            raise PyCollectivesError(
+                f"ParallelDims.join: rank {grown.rank}: the survivors sent the places {failed}, "
+                f"not distinct ranks of a world of {grown.world_size}"
+            )
+        if places[0] > 0:
+            grown._c.set_default_timeout(float(places[0]))
+        mine = failed[grown.rank - (grown.world_size - new)]
+        return cls._regrid(grown, mine, {"dp": dp, "tp": tp, "pp": pp}, failed)
+
+    @staticmethod
+    def _regrid(
+        comm: Communicator, rank: int, sizes: dict[str, int], replaced: tuple[int, ...]
+    ) -> ParallelDims:
+        """The grid of `sizes` on `comm` renumbered so that this process is
+        world rank `rank` (a split keyed by it; `comm` is closed)."""
+        try:
+            world = comm.split(0, key=rank)
+        finally:
+            comm.close()
+        assert world is not None and world.rank == rank, (world, rank)
+        dims = ParallelDims(world, dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"])
+        dims.replaced = replaced
+        return dims
+
+    def _revoke_and_shrink(self, what: str, timeout: float | None) -> Communicator:
+        """Revokes the sub-communicators and `world` (a survivor waiting in one
+        of them, on a live peer, raises at once and comes here too), closes
+        the sub-communicators and returns `world` shrunk to the survivors."""
+        for c in [*self._comms.values(), self.world]:
+            with contextlib.suppress(PyCollectivesError):  # closed: nothing pending to wake
+                c.revoke(what)
+        new = self.world.shrink(timeout=timeout)
+        with warnings.catch_warnings():  # their failed pending operations: reported already
+            warnings.simplefilter("ignore", RuntimeWarning)
+            self.close()
+        return new
+
+    def group_of(self, rank: int, axis: str) -> list[int]:
         """The world ranks of world rank `rank`'s `axis` group, in order."""
         coords = dict(zip(AXES, self._unravel(rank), strict=True))
         return [self.rank_of(**{**coords, axis: c}) for c in range(self.sizes[axis])]

@@ -24,6 +24,8 @@ a rank and its buddy both fail before the next refresh.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +33,22 @@ import torch
 
 from pycollectives import Communicator
 
-__all__ = ["BuddyCopy", "Entry", "gather_from_replicas", "gather_full_state", "pack"]
+__all__ = [
+    "BuddyCopy",
+    "Entry",
+    "decode_entries",
+    "encode_entries",
+    "gather_from_replicas",
+    "gather_full_state",
+    "pack",
+]
+
+_MAX_LAYOUT, _MAX_STATE = 1 << 26, 1 << 40  # bytes of a layout, and of its state, from a peer
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -51,7 +68,11 @@ class Entry:
     device: torch.device  # where the tensor lives (the copy itself is in host memory)
 
 
-def _shard_tensors(zero: Any) -> list[tuple[int, str, torch.Tensor, bool]]:
+# One tensor of a state to copy: (index, key, tensor, sharded), as Entry says.
+StateTensor = tuple[int, str, torch.Tensor, bool]
+
+
+def _shard_tensors(zero: Any) -> list[StateTensor]:
     """(flat index, key, tensor, sharded) of a ZeroOptimizer's shard state."""
     flats = [f for u in zero.engine.units for f in u.flats]
     out = [(i, "param", f.shard, True) for i, f in enumerate(flats)]
@@ -70,7 +91,7 @@ def _shard_tensors(zero: Any) -> list[tuple[int, str, torch.Tensor, bool]]:
     return out
 
 
-def _entries(tensors: list[tuple[int, str, torch.Tensor, bool]]) -> list[Entry]:
+def _entries(tensors: list[StateTensor]) -> list[Entry]:
     """The packed layout of _shard_tensors' tensors, end to end."""
     entries, off = [], 0
     for flat, key, t, sharded in tensors:
@@ -80,25 +101,83 @@ def _entries(tensors: list[tuple[int, str, torch.Tensor, bool]]) -> list[Entry]:
     return entries
 
 
+def _end(entries: list[Entry]) -> int:
+    """The packed bytes of a layout."""
+    return entries[-1].offset + entries[-1].nbytes if entries else 0
+
+
+def encode_entries(entries: list[Entry]) -> bytes:
+    """A layout as bytes (JSON), for a peer's decode_entries."""
+    rows = [[e.flat, e.key, str(e.dtype).removeprefix("torch."), list(e.shape), e.offset,
+             e.nbytes, e.sharded, str(e.device)] for e in entries]  # fmt: skip
+    return json.dumps(rows).encode()
+
+
+def decode_entries(raw: bytes, who: str) -> list[Entry]:
+    """The layout encode_entries wrote, checked: each entry's dtype known,
+    its bytes its shape's, packed end to end from 0. Raises RuntimeError
+    starting with `who` for anything else (it came from another process)."""
+    try:
+        rows = json.loads(raw.decode())
+        out, off = [], 0
+        for flat, key, dtype, shape, offset, nbytes, sharded, device in rows:
+            d, shape = _DTYPES[dtype], tuple(shape)
+            numel = 1
+            for s in shape:
+                numel *= s
+            ok = all(isinstance(v, int) and v >= 0 for v in (flat, offset, nbytes, *shape))
+            if not (ok and isinstance(key, str) and isinstance(sharded, bool)) or offset != off:
+                raise ValueError(f"entry {len(out)}")
+            if nbytes != numel * d.itemsize:
+                raise ValueError(f"entry {len(out)}: {nbytes} bytes for {shape} {dtype}")
+            out.append(Entry(flat, key, d, shape, offset, nbytes, sharded, torch.device(device)))
+            off += nbytes
+        if off > _MAX_STATE:
+            raise ValueError(f"{off} bytes in all")
+        return out
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError, RuntimeError) as e:
+        raise RuntimeError(f"{who} layout is malformed ({e}): {raw[:80]!r}") from None
+
+
 class BuddyCopy:
     """This rank's shard state (master shards and optimizer state of a
     ZeroOptimizer), copied into host memory here and on the buddy rank
     (rank + 1) % world_size, which in turn keeps rank - 1's copy.
 
+    Any other state: BuddyCopy(comm=comm, tensors=fn), fn() returning the
+    (index, key, tensor, sharded) of the tensors to copy (e.g. a pipeline
+    stage's parameters and their optimizer state). Its layout may differ
+    from rank to rank: a refresh then first tells the buddy this rank's
+    layout (`Entry`s, where they changed since the last commit: one more
+    small exchange per refresh); the buddy keeps it as `remote_entries`.
+
     `step` is the training step the committed copy holds (set by commit);
     `nbytes` the host bytes held (the copies and the staging buffers).
     """
 
-    def __init__(self, zero: Any) -> None:
+    def __init__(
+        self,
+        zero: Any = None,
+        *,
+        comm: Communicator | None = None,
+        tensors: Callable[[], list[StateTensor]] | None = None,
+    ) -> None:
+        if (zero is None) == (tensors is None) or (tensors is not None and comm is None):
+            raise ValueError("BuddyCopy: pass a ZeroOptimizer, or comm= and tensors=")
         self.zero = zero
-        self.comm: Communicator = zero.comm
-        self.rank, self.world_size = zero.comm.rank, zero.comm.world_size  # (outlive the comm)
+        self.comm: Communicator = zero.comm if zero is not None else comm
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size  # (outlive the comm)
+        self._tensors = tensors if tensors is not None else lambda: _shard_tensors(zero)
+        self._uniform = zero is not None  # every rank's layout is this one's
         self.step = -1  # nothing committed yet
         self.entries: list[Entry] = []
+        self.remote_entries: list[Entry] = []  # the layout of `remote`
         self.local = torch.empty(0, dtype=torch.uint8)  # this rank's state at `step`
         self.remote = torch.empty(0, dtype=torch.uint8)  # rank - 1's state at `step`
         self._staging = torch.empty(0, dtype=torch.uint8)  # what the next refresh receives into
-        self._staged: tuple[torch.Tensor, list[Entry], list[torch.Tensor]] | None = None
+        # a refresh not yet committed: (staging, entries, tensors, the predecessor's entries)
+        self._staged: tuple[torch.Tensor, list[Entry], list[torch.Tensor], list[Entry]] | None
+        self._staged = None
 
     @property
     def buddy(self) -> int:
@@ -117,22 +196,45 @@ class BuddyCopy:
         receives the predecessor's into a staging buffer; the committed copy
         is untouched until commit(). Raises the communicator's errors (a
         failed rank)."""
-        tensors = _shard_tensors(self.zero)
+        tensors = self._tensors()
         entries = _entries(tensors)
-        off = entries[-1].offset + entries[-1].nbytes
+        n = self.world_size
+        prev = (self.rank - 1) % n
+        theirs = entries if self._uniform or n == 1 else self._their_layout(entries, prev)
+        off = _end(theirs)
         staging = self._staging if self._staging.numel() == off else None
         if staging is None:
             staging = torch.empty(off, dtype=torch.uint8)
-        self._staged = (staging, entries, [t for _, _, t, _ in tensors])
-        n = self.world_size
+        self._staged = (staging, entries, [t for _, _, t, _ in tensors], theirs)
         if n == 1:  # no buddy: the local copy only
             return
-        prev = (self.rank - 1) % n
         ops = [("send", _bytes(t), self.buddy) for _, _, t, _ in tensors if t.numel()]
-        ops += [
-            ("recv", staging[e.offset : e.offset + e.nbytes], prev) for e in entries if e.nbytes
-        ]
+        ops += [("recv", staging[e.offset : e.offset + e.nbytes], prev) for e in theirs if e.nbytes]
         self.comm.batch_p2p(ops)
+
+    def _their_layout(self, entries: list[Entry], prev: int) -> list[Entry]:
+        """The predecessor's layout for this refresh: each rank sends its
+        buddy its layout's length in bytes (0: unchanged since the last
+        commit), then the layout itself where it changed. Checked before use."""
+        meta = encode_entries(entries) if entries != self.entries else b""
+        theirs = torch.empty(1, dtype=torch.int64)
+        mine = torch.tensor([len(meta)], dtype=torch.int64)
+        self.comm.batch_p2p([("send", mine, self.buddy), ("recv", theirs, prev)])
+        k = int(theirs[0])
+        if not 0 <= k <= _MAX_LAYOUT:
+            raise RuntimeError(
+                f"BuddyCopy: rank {self.rank}: rank {prev} announced a layout of {k} bytes"
+            )
+        raw = torch.empty(k, dtype=torch.uint8)
+        ops = []
+        if meta:
+            ops.append(("send", torch.frombuffer(bytearray(meta), dtype=torch.uint8), self.buddy))
+        ops += [("recv", raw, prev)] if k else []
+        if ops:
+            self.comm.batch_p2p(ops)
+        if not k:
+            return self.remote_entries
+        return decode_entries(bytes(raw.numpy()), f"BuddyCopy: rank {self.rank}: rank {prev}'s")
 
     def commit(self, step: int) -> None:
         """The refresh becomes the copy of training step `step` (call on every
@@ -142,9 +244,9 @@ class BuddyCopy:
         copied into its own copy."""
         if self._staged is None:
             raise RuntimeError(f"BuddyCopy: rank {self.rank}: commit without a refresh")
-        staging, entries, tensors = self._staged
+        staging, entries, tensors, theirs = self._staged
         self._staged = None
-        nbytes = entries[-1].offset + entries[-1].nbytes if entries else 0
+        nbytes = _end(entries)
         if self.local.numel() != nbytes:
             self.local = torch.empty(nbytes, dtype=torch.uint8)
         for e, t in zip(entries, tensors, strict=True):
@@ -152,6 +254,7 @@ class BuddyCopy:
                 self.local[e.offset : e.offset + e.nbytes].copy_(_bytes(t))
         if self.world_size > 1:
             self._staging, self.remote = self.remote, staging
+            self.remote_entries = theirs
         self.entries, self.step = entries, step
 
     def discard(self) -> None:
