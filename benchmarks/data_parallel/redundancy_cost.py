@@ -1,17 +1,21 @@
 """The cost of buddy copies when nothing fails: step time and memory of ZeRO with
-ElasticZero's redundancy (copy every k steps) against a plain ZeroOptimizer.
+ElasticZero's redundancy (copy every k steps) against a plain ZeroOptimizer, and
+of fully_shard with ElasticFSDP's against plain fully_shard.
 
-    python benchmarks/data_parallel/redundancy_cost.py                # ZeRO-2/3, 4 ranks, k = 1, 4
-    python benchmarks/data_parallel/redundancy_cost.py --stages 3 --no-write
+    python benchmarks/data_parallel/redundancy_cost.py   # ZeRO-2/3 and fully_shard, 4 ranks, k = 1, 4
+    python benchmarks/data_parallel/redundancy_cost.py --stages 3,fsdp --no-write
 
-Per stage, N fresh ranks each build the same GPT three times (the same initial
-values): a plain ZeroOptimizer ("off") and ElasticZero with copy_every = each k.
+Per stage ("fsdp": fully_shard on every block and the root, a torch AdamW over
+its shards), N fresh ranks each build the same GPT three times (the same initial
+values): a plain ZeroOptimizer or fully_shard model ("off") and ElasticZero or
+ElasticFSDP with copy_every = each k.
 Every round runs one step of each, in an order rotated every round (paired,
 alternating), each step started after a barrier; a step's time is the slowest
 rank's. Reported: the median step time of each variant over the rounds, and
 the median over rounds of each round's ratio to "off" (the paired ratio);
-memory: the bytes a rank's ZeroOptimizer holds (storage(), each storage once:
-parameters, shards, gradients, optimizer state, reduce windows) and the host
+memory: the bytes a rank's ZeroOptimizer (or fully_shard engine and its
+optimizer) holds (storage(), each storage once: parameters, shards,
+gradients, optimizer state, reduce windows) and the host
 bytes its BuddyCopy holds (HSDP: the replica group's ZeroOptimizer, no copy) (its own copy, the copy of its predecessor and the
 staging buffer a refresh receives into: 3 x the packed shard state S), and
 the time of a refresh with its agreement and commit alone. Writes
@@ -35,12 +39,18 @@ from _doc import emit_section  # noqa: E402
 BEGIN, END = "<!-- redundancy_cost:begin -->", "<!-- redundancy_cost:end -->"
 
 
-def job(rank: int, world: int, port: int, stage: int, args: argparse.Namespace) -> dict:
-    """One rank: the three variants, `args.rounds` paired rounds; times and bytes."""
+def job(rank: int, world: int, port: int, stage: int | str, args: argparse.Namespace) -> dict:
+    """One rank: the variants, `args.rounds` paired rounds; times and bytes."""
     import torch
 
     import pycollectives as pc
-    from pycollectives.strategies.data_parallel import ElasticZero, HybridZero, ZeroOptimizer
+    from pycollectives.strategies.data_parallel import (
+        ElasticFSDP,
+        ElasticZero,
+        HybridZero,
+        ZeroOptimizer,
+    )
+    from pycollectives.strategies.data_parallel.elastic_fsdp import shard_blocks
     from pycollectives.strategies.models.gpt import GPT, GPTConfig
 
     comm = pc.init(rank=rank, world_size=world, prefix=f"red{port}")
@@ -53,17 +63,24 @@ def job(rank: int, world: int, port: int, stage: int, args: argparse.Namespace) 
     )
     opt = {"lr": 1e-3}
     variants: dict[str, tuple] = {}
+    elastic = (ElasticZero, ElasticFSDP)
     torch.manual_seed(0)
     m = GPT(cfg)
-    variants["off"] = (m, ZeroOptimizer(m, torch.optim.AdamW, comm, stage, **opt))
+    if stage == "fsdp":
+        shard_blocks(m, comm)
+        variants["off"] = (m, torch.optim.AdamW(m.parameters(), **opt))
+    else:
+        variants["off"] = (m, ZeroOptimizer(m, torch.optim.AdamW, comm, stage, **opt))
     for k in args.every:
         torch.manual_seed(0)
         m = GPT(cfg)
         variants[f"k={k}"] = (
             m,
-            ElasticZero(m, torch.optim.AdamW, comm, stage, copy_every=k, **opt),
+            ElasticFSDP(m, torch.optim.AdamW, comm, copy_every=k, **opt)
+            if stage == "fsdp"
+            else ElasticZero(m, torch.optim.AdamW, comm, stage, copy_every=k, **opt),
         )
-    if args.hsdp and world % 2 == 0:  # replicas instead of copies: 2 groups of world / 2
+    if args.hsdp and world % 2 == 0 and stage != "fsdp":  # replicas instead of copies
         torch.manual_seed(0)
         m = GPT(cfg)
         hz = HybridZero(
@@ -76,7 +93,7 @@ def job(rank: int, world: int, port: int, stage: int, args: argparse.Namespace) 
 
     def step(name: str) -> None:
         model, z = variants[name]
-        if isinstance(z, ElasticZero):
+        if isinstance(z, elastic):
             if not z.step(lambda mod, r, n: mod(x, y)):
                 raise RuntimeError(f"rank {rank}: a step was dropped with no failure")
         else:
@@ -97,7 +114,7 @@ def job(rank: int, world: int, port: int, stage: int, args: argparse.Namespace) 
             times[name].append(time.perf_counter() - t0)
     refresh = {}  # the copy's own cost: refresh, agreement, commit (no training step)
     for name, (_, z) in variants.items():
-        if isinstance(z, ElasticZero):
+        if isinstance(z, elastic):
             refresh[name] = []
             for _ in range(args.rounds):
                 comm.barrier()
@@ -107,14 +124,19 @@ def job(rank: int, world: int, port: int, stage: int, args: argparse.Namespace) 
                     raise RuntimeError(f"rank {rank}: a refresh failed with no failure")
                 z.copy.commit(z.steps)
                 refresh[name].append(time.perf_counter() - t0)
-    storage = {
-        n: sum((z.zero if isinstance(z, (ElasticZero, HybridZero)) else z).storage().values())
-        for n, (_, z) in variants.items()
-    }
-    copies = {n: z.copy.nbytes for n, (_, z) in variants.items() if isinstance(z, ElasticZero)}
-    state = {
-        n: z.copy.local.numel() for n, (_, z) in variants.items() if isinstance(z, ElasticZero)
-    }
+
+    def held(model: torch.nn.Module, z: object) -> int:
+        """Bytes the variant's model and optimizer hold (each storage once)."""
+        if isinstance(z, (ElasticZero, HybridZero)):
+            z = z.zero
+        if isinstance(z, ZeroOptimizer):
+            return sum(z.storage().values())
+        optimizer = z.optimizer if isinstance(z, ElasticFSDP) else z
+        return sum(model.sharding_unit.engine.storage(optimizer).values())
+
+    storage = {n: held(m, z) for n, (m, z) in variants.items()}
+    copies = {n: z.copy.nbytes for n, (_, z) in variants.items() if isinstance(z, elastic)}
+    state = {n: z.copy.local.numel() for n, (_, z) in variants.items() if isinstance(z, elastic)}
     p = sum(q.numel() for q in GPT(cfg).parameters())
     comm.close()
     return {
@@ -127,16 +149,16 @@ def job(rank: int, world: int, port: int, stage: int, args: argparse.Namespace) 
     }
 
 
-def render(stage: int, n: int, res: list[dict]) -> list[str]:
+def render(stage: int | str, n: int, res: list[dict]) -> list[str]:
     """One table: per variant, the median step, the paired ratio and the bytes."""
     names = list(res[0]["times"])
     rounds = len(res[0]["times"]["off"])
     slowest = {k: [max(r["times"][k][i] for r in res) for i in range(rounds)] for k in names}
     mib = 2**20
     out = [
-        f"ZeRO-{stage}, {n} ranks:",
+        f"{'fully_shard' if stage == 'fsdp' else f'ZeRO-{stage}'}, {n} ranks:",
         "",
-        "| variant | median step (ms) | paired ratio to off | ZeroOptimizer storage MiB "
+        "| variant | median step (ms) | paired ratio to off | model + optimizer storage MiB "
         "| shard state S MiB | BuddyCopy host MiB | copies / storage | refresh + agree (ms) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -160,7 +182,7 @@ def render(stage: int, n: int, res: list[dict]) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--stages", default="2,3,fsdp", help="ZeRO stages and/or fsdp")
     ap.add_argument("--every", default="1,4", help="copy_every values (k)")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=64)
@@ -175,7 +197,7 @@ def main() -> int:
     args.every = [int(k) for k in args.every.split(",")]
     load0, t0 = os.getloadavg(), time.perf_counter()
     tables, p = [], 0
-    for stage in (int(s) for s in args.stages.split(",")):
+    for stage in (s if s == "fsdp" else int(s) for s in args.stages.split(",")):
         res = _ranks.run(job, args.ranks, stage, args)
         p = res[0]["P"]
         table = render(stage, args.ranks, res)
@@ -190,7 +212,8 @@ def main() -> int:
         "k=1 refreshes the copies after every step (one copy of the rank's shard state into "
         "host memory, one send of it to the buddy and one receive from the predecessor), k=4 "
         "after every 4th; both end every step in comm.agree. S: this rank's packed shard state "
-        "(master shards and AdamW's two moments: 12 bytes a parameter of its shard). HSDP 2xN/2: "
+        "(master shards and AdamW's two moments: 12 bytes a parameter of its shard; fully_shard: "
+        "its AdamW's `step` per parameter besides, each entry 64-byte aligned). HSDP 2xN/2: "
         "HybridZero, ZeRO within 2 groups of N/2 ranks and an all-reduce of the gradient shards "
         "across them: the redundancy is the replica (each rank holds twice the shard of "
         "ZeRO over N), no copies; ElasticHSDP adds one agreement a step to it.",
@@ -206,7 +229,7 @@ def main() -> int:
     emit_section(
         BEGIN,
         END,
-        "Buddy copies of sharded state: cost when nothing fails",
+        "Buddy copies of sharded state (ZeRO, fully_shard): cost when nothing fails",
         f"`python benchmarks/data_parallel/redundancy_cost.py{' ' + argv if argv else ''}`",
         notes,
         tables,

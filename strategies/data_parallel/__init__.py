@@ -5,6 +5,7 @@ model on its share of the batch, and the ranks keep it in step.
     elastic.py       ElasticDataParallel: DDP that drops the step a rank died in and goes on shrunk
     redundancy.py    BuddyCopy: each rank's shard state copied to its buddy's host memory
     elastic_sharded.py  ElasticZero: ZeRO that rebuilds a lost rank's shards and re-shards
+    elastic_fsdp.py  ElasticFSDP: fully_shard with buddy copies, sharded again on the survivors
     hybrid.py        HybridZero (HSDP: ZeRO within groups, replicated across) and ElasticHSDP
     grad_average.py  StepGradAverager: DDP's buckets for a driver with many backwards per step
                      (the pipeline's micro-batches, gradients computed outside autograd)
@@ -13,13 +14,15 @@ model on its share of the batch, and the ranks keep it in step.
     sharding/        the sharding engine: flat parameters, gather / reduce-scatter, prefetch
 
 Imports go down only: ddp <- grad_average, elastic; sharding <- zero, fsdp;
-zero <- redundancy <- elastic_sharded <- hybrid.
+ddp <- elastic <- elastic_sharded <- hybrid, elastic_fsdp; zero <- redundancy <- elastic_sharded;
+fsdp <- elastic_fsdp.
 """
 
 from .ddp import CompressionHook, DistributedDataParallel
 from .elastic import ElasticDataParallel
+from .elastic_fsdp import ElasticFSDP
 from .elastic_sharded import ElasticZero
-from .fsdp import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, fully_shard
+from .fsdp import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, fully_shard, fully_unshard
 from .grad_average import StepGradAverager
 from .hybrid import ElasticHSDP, HybridZero
 from .zero import ZeroOptimizer
@@ -28,6 +31,7 @@ __all__ = [
     "CompressionHook",
     "DistributedDataParallel",
     "ElasticDataParallel",
+    "ElasticFSDP",
     "ElasticHSDP",
     "ElasticZero",
     "FSDPModule",
@@ -37,4 +41,5 @@ __all__ = [
     "ZeroOptimizer",
     "clip_grad_norm_",
     "fully_shard",
+    "fully_unshard",
 ]

@@ -21,10 +21,13 @@ that every survivor committed: its samples count as consumed (its gradients
 were in every survivor's average), and the loss shows in the next step, which
 is dropped.
 
-For other data-parallel wrappers (ZeRO, sharded state kept redundant),
-override the hooks: wrap(comm) builds the wrapper, zero_grad / apply start and
-commit a step, unwrap() drops a failed step's wrapper, rebuild(old, new, failed)
-restores lost state between the shrink and the new wrap.
+The other data-parallel wrappers (ElasticZero, ElasticHSDP, ElasticFSDP:
+sharded state kept redundant) run this same loop through its hooks: wrap(comm)
+builds the wrapper, zero_grad / prepare / apply start, finish (before the
+agreement) and commit (after it) a step, revoke(why) fails the collectives of
+a step given up, unwrap() drops a failed step's wrapper, rebuild(old, new,
+failed) restores lost state between the shrink and the new wrap, recovered()
+ends a recovery every survivor agreed on.
 """
 
 from __future__ import annotations
@@ -54,10 +57,12 @@ class ElasticDataParallel:
     so a dropped step's samples are retried, re-split over the survivors.
     `ddp_kwargs` go to every DistributedDataParallel it builds (at start and
     after each recovery). `steps` counts the committed steps; `recoveries`
-    lists, per recovery, the step that was dropped, the failed ranks (of the
-    communicator of the time, those lost during the recovery included), the
-    new world size and the seconds the agreement and the recovery (shrink,
-    rebuild, wrap) took."""
+    lists, per recovery, the step that was dropped (`step`), the failed ranks
+    (of the communicator of the time, those lost during the recovery
+    included), the new world size, the step the survivors go on from
+    (`rolled_back_to`: `step` for DDP, the buddy copy's step for sharded
+    state) and the seconds the agreement, the whole recovery (`shrink_s`:
+    shrink, rebuild, wrap) and its rebuild and wrap alone (`rebuild_s`) took."""
 
     def __init__(
         self,
@@ -73,6 +78,7 @@ class ElasticDataParallel:
         self.comm = comm
         self.steps = 0
         self.recoveries: list[dict[str, Any]] = []
+        self.survivors = tuple(range(comm.world_size))  # set by each recovery (see rebuild)
         self.ddp = self.wrap(comm)
 
     @property
@@ -91,8 +97,8 @@ class ElasticDataParallel:
         optimizer: torch.optim.Optimizer,
     ) -> bool:
         """One training step: zeroes the gradients, runs loss_fn(ddp, rank,
-        world_size) (the forward on this rank's share of the batch) and its
-        backward, then agrees with the survivors whether every rank's step
+        world_size) (the forward on this rank's share of the batch), its
+        backward and prepare(), then agrees with the survivors whether every rank's step
         succeeded. Returns True once the optimizer stepped (and the sampler,
         if any, committed the step); False when the step was dropped (on
         every survivor alike): the communicator was shrunk to the survivors,
@@ -109,20 +115,30 @@ class ElasticDataParallel:
         ok = True
         try:
             loss_fn(self.ddp, self.rank, self.world_size).backward()
+            self.prepare(optimizer)
         except PyCollectivesError:
             ok = False
-            _revoke(self.comm, "its step failed")
+            self.revoke("its step failed")
         start = time.monotonic()
         agreed = self.comm.agree(ok)
-        if agreed.value and not agreed.failed:
-            size = self.world_size
+        if not agreed.value or agreed.failed:
+            self._recover(time.monotonic() - start)
+            return False
+        size = self.world_size
+        failed = False
+        try:
             self.apply(optimizer)
-            if self.sampler is not None:
-                self.sampler.commit(size)
-            self.steps += 1
-            return True
-        self._recover(time.monotonic() - start)
-        return False
+        except PyCollectivesError:  # after the agreement: the step counts on every survivor
+            failed = True
+        if self.sampler is not None:
+            self.sampler.commit(size)
+        self.steps += 1
+        if failed:  # the others meet this agreement in their next step, which fails too
+            self.revoke("its optimizer step failed")
+            start = time.monotonic()
+            self.comm.agree(False)
+            self._recover(time.monotonic() - start)
+        return True
 
     # -- hooks: what a subclass for another data-parallel wrapper overrides ----
     def wrap(self, comm: Communicator) -> Any:
@@ -134,12 +150,27 @@ class ElasticDataParallel:
         """Clears the gradients before a step (try)."""
         optimizer.zero_grad(set_to_none=True)
 
+    def prepare(self, optimizer: Any) -> None:
+        """Finishes a step after its backward, before the agreement (a
+        PyCollectivesError here drops the step, as one in backward does).
+        Default: nothing. ElasticZero and ElasticFSDP step the optimizer and
+        refresh the buddy copies here; ElasticHSDP all-reduces across replicas."""
+
     def apply(self, optimizer: Any) -> None:
         """Commits the step once every survivor agreed: the optimizer step.
-        It runs where the step is decided alike on every survivor; a subclass
-        whose step communicates must leave the survivors alike if a rank dies
-        in it."""
+        It runs where the step is decided alike on every survivor; one that
+        communicates must leave the survivors alike if a rank dies in it: a
+        PyCollectivesError here counts the step, then recovers (the others
+        recover at their next step's agreement)."""
         optimizer.step()
+
+    def revoke(self, why: str) -> None:
+        """Fails the collectives of a step this rank gives up (ULFM's revoke
+        before agree): a survivor still waiting for it in one raises at once
+        and comes to the agreement, instead of waiting out its timeout there
+        while the agreement declares it unresponsive. Default: revokes `comm`;
+        a wrapper with communicators of its own revokes those too."""
+        _revoke(self.comm, why)
 
     def unwrap(self) -> None:
         """Drops the wrapper of the failed step and its gradients (before the shrink)."""
@@ -148,9 +179,16 @@ class ElasticDataParallel:
     def rebuild(self, old: Communicator, new: Communicator, failed: tuple[int, ...]) -> None:
         """After the shrink, before wrap(new): restores state that lived on the
         `failed` ranks of `old` (nothing for DDP: every rank holds all of it).
-        `new.parent_ranks` maps the new ranks to the old. A PyCollectivesError
-        here (another rank died) makes the survivors shrink `new` in turn and
-        call it again, with `new` as `old`."""
+        `new.parent_ranks` maps the new ranks to the old; `self.survivors` the
+        new ranks to those of the communicator of the failed step (they differ
+        when a rank died during the recovery). A PyCollectivesError here (another
+        rank died) makes the survivors shrink `new` in turn and call it again,
+        with `new` as `old`."""
+
+    def recovered(self) -> None:
+        """Ends a recovery, once every survivor agreed that it rebuilt and
+        wrapped (local). Default: nothing; the sharded wrappers commit here the
+        buddy copy of the rebuilt state that wrap() took."""
 
     # -- recovery ----------------------------------------------------------------
     def _recover(self, agree_s: float) -> None:
@@ -164,9 +202,12 @@ class ElasticDataParallel:
         self.unwrap()
         old = comm = self.comm
         ranks = list(range(old.world_size))  # the rank in `old` of each rank of `comm`
-        start = time.monotonic()
+        dropped = self.steps
+        start, rebuild_s = time.monotonic(), 0.0
         while True:
             new = comm.shrink()
+            t0 = time.monotonic()
+            self.survivors = tuple(ranks[p] for p in new.parent_ranks)
             error: PyCollectivesError | None = None
             try:
                 self._check_alike(new)
@@ -175,10 +216,11 @@ class ElasticDataParallel:
             except PyCollectivesError as e:  # another rank died while we rebuilt?
                 error = e
                 _revoke(new, "its rebuild failed")
+            rebuild_s += time.monotonic() - t0
             agreed = new.agree(error is None)
             if comm is not old:
                 _close(comm)
-            comm, ranks = new, [ranks[p] for p in new.parent_ranks]
+            comm, ranks = new, list(self.survivors)
             self.comm = comm
             if agreed.value and not agreed.failed:
                 break
@@ -186,19 +228,22 @@ class ElasticDataParallel:
             if not agreed.failed:
                 _close(old)
                 raise PyCollectivesError(
-                    f"ElasticDataParallel: rank {comm.rank}: the survivors could not rebuild "
+                    f"{type(self).__name__}: rank {comm.rank}: the survivors could not rebuild "
                     f"on the shrunk communicator, and no rank failed meanwhile (here: "
                     f"{error or 'rebuilt'}): not a lost rank, recovery stops"
                 ) from error
+        self.recovered()
         shrink_s = time.monotonic() - start
         _close(old)
         self.recoveries.append(
             {
-                "step": self.steps,
+                "step": dropped,
                 "failed": tuple(r for r in range(old.world_size) if r not in ranks),
                 "world_size": comm.world_size,
+                "rolled_back_to": self.steps,
                 "agree_s": agree_s,
                 "shrink_s": shrink_s,
+                "rebuild_s": rebuild_s,
             }
         )
 

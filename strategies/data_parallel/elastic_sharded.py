@@ -18,28 +18,106 @@ as well, on every survivor alike.
     while model.steps < total:
         s = model.steps
         model.step(lambda m, rank, size: loss_of(m, batch(s, rank, size)))
+
+The step, the agreement and the recovery are ElasticDataParallel's loop
+(elastic.py); ElasticBuddyCopy gives its hooks for any sharded state kept in
+buddy copies (ElasticZero's ZeroOptimizer, ElasticFSDP's fully_shard model).
+A rank that dies while the survivors rebuild makes them shrink again and
+rebuild from the same copy (untested for sharded state).
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from pycollectives import Communicator, PyCollectivesError
+from pycollectives import Communicator
 
-from .redundancy import BuddyCopy, Entry, gather_full_state
+from .elastic import ElasticDataParallel
+from .redundancy import BuddyCopy, FullState, gather_full_state
 from .zero import ZeroOptimizer
 
-__all__ = ["ElasticZero", "reshard"]
+__all__ = ["ElasticBuddyCopy", "ElasticZero", "reshard"]
 
 
-class ElasticZero:
+class ElasticBuddyCopy(ElasticDataParallel):
+    """ElasticDataParallel's step loop for sharded state kept in buddy copies
+    (ElasticZero here, ElasticFSDP in elastic_fsdp.py): the optimizer step and
+    every `copy_every` steps the refresh before the agreement, the refresh
+    committed after it; on a failure the full state of the last committed copy
+    gathered on the survivors (`_full`) and `steps` rolled back to its step.
+
+    A subclass gives wrap(comm) (build over `comm`, from `_full` when it is
+    set, then `_stage` the first copy of what it built, which recovered()
+    commits), `_zero_grad()` and `_optimizer_step()`. Raises ValueError for a
+    copy_every that is not a positive int."""
+
+    copy: BuddyCopy  # the committed copy: the recovery point
+
+    def __init__(self, module: nn.Module, comm: Communicator, copy_every: int) -> None:
+        if isinstance(copy_every, bool) or not isinstance(copy_every, int) or copy_every < 1:
+            raise ValueError(
+                f"{type(self).__name__}: rank {comm.rank}: copy_every={copy_every!r} must be an "
+                "int >= 1"
+            )
+        self.copy_every = copy_every
+        self._full: FullState | None = None
+        self._next: BuddyCopy | None = None
+        self._refreshed = False
+        super().__init__(module, comm)
+        self.recovered()  # the copy of the starting state (a failure here is not recovered)
+
+    def _zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def _optimizer_step(self) -> None:
+        raise NotImplementedError
+
+    def _stage(self, source: Any) -> None:
+        """Stages the first copy of a newly built state (collective: a refresh)."""
+        self._next = BuddyCopy(source)
+        self._next.refresh()
+
+    # -- ElasticDataParallel's hooks -------------------------------------------------
+    def zero_grad(self, optimizer: Any) -> None:
+        self._refreshed = False
+        self._zero_grad()
+
+    def prepare(self, optimizer: Any) -> None:
+        """The optimizer step and, every copy_every steps, the buddy refresh."""
+        self._optimizer_step()
+        if (self.steps + 1) % self.copy_every == 0:
+            self._refreshed = True
+            self.copy.refresh()
+
+    def apply(self, optimizer: Any) -> None:
+        """The refresh, if any, becomes the copy of the step (local)."""
+        if self._refreshed:
+            self.copy.commit(self.steps + 1)
+
+    def unwrap(self) -> None:
+        """Nothing: rebuild() and wrap() replace the sharded state."""
+
+    def rebuild(self, old: Communicator, new: Communicator, failed: tuple[int, ...]) -> None:
+        """The full state of the last committed copy on every survivor
+        (gather_full_state: RuntimeError when a rank and its buddy both
+        failed), and `steps` rolled back to its step."""
+        self.copy.discard()
+        self._full = gather_full_state(self.copy, new, self.survivors)
+        self.steps = self.copy.step
+
+    def recovered(self) -> None:
+        """The copy wrap() staged becomes the copy of step `steps`."""
+        if self._next is None:
+            raise RuntimeError(f"{type(self).__name__}: rank {self.rank}: wrap() staged no copy")
+        self.copy, self._next, self._full = self._next, None, None
+        self.copy.commit(self.steps)
+
+
+class ElasticZero(ElasticBuddyCopy):
     """A ZeroOptimizer over `comm` (built with `optimizer_class`, `stage` and
     `zero_kwargs`) whose shard state survives the loss of ranks.
 
@@ -49,11 +127,14 @@ class ElasticZero:
             memory and one exchange of it with each neighbour) against the
             steps redone after a failure (up to k - 1 besides the failed one).
 
+    `zero` is the current ZeroOptimizer (a new one after each recovery);
     `recoveries` lists, per recovery, the failed ranks (of the communicator of
     the time), the new world size, the step rolled back to and the seconds
-    the agreement, the shrink and the rebuild took. Raises ValueError for a
-    copy_every that is not a positive int, and what ZeroOptimizer raises.
+    (ElasticDataParallel's). Raises ValueError for a copy_every that is not a
+    positive int, and what ZeroOptimizer raises.
     """
+
+    zero: ZeroOptimizer
 
     def __init__(
         self,
@@ -65,34 +146,11 @@ class ElasticZero:
         copy_every: int = 1,
         **zero_kwargs: Any,
     ) -> None:
-        if isinstance(copy_every, bool) or not isinstance(copy_every, int) or copy_every < 1:
-            raise ValueError(
-                f"ElasticZero: rank {comm.rank}: copy_every={copy_every!r} must be an int >= 1"
-            )
-        self.model, self.comm, self.copy_every = model, comm, copy_every
+        self.model = model
         self._build = (optimizer_class, stage, zero_kwargs)
-        self.zero = ZeroOptimizer(model, optimizer_class, comm, stage, **zero_kwargs)
-        self.steps = 0  # steps that counted: the next step to run
-        self.recoveries: list[dict[str, Any]] = []
-        self.copy = BuddyCopy(self.zero)
-        self._first_copy()
+        super().__init__(model, comm, copy_every)
 
-    @property
-    def rank(self) -> int:
-        """This rank in the current communicator."""
-        return self.comm.rank
-
-    @property
-    def world_size(self) -> int:
-        """The current data-parallel size."""
-        return self.comm.world_size
-
-    def _first_copy(self) -> None:
-        """The copy of the starting state (collective; a failure here is not recovered)."""
-        self.copy.refresh()
-        self.copy.commit(self.steps)
-
-    def step(self, loss_fn: Callable[[nn.Module, int, int], torch.Tensor]) -> bool:
+    def step(self, loss_fn: Callable[[nn.Module, int, int], torch.Tensor]) -> bool:  # type: ignore[override]
         """One training step: zero_grad, loss_fn(model, rank, world_size) (the
         forward on this rank's share of the batch) and its backward, the
         optimizer step, every copy_every steps the buddy refresh; then agrees
@@ -104,65 +162,29 @@ class ElasticZero:
         Raises what loss_fn raises other than a PyCollectivesError,
         CommunicatorAborted on a rank fenced out (it must leave), and
         RuntimeError when a rank and its buddy both failed (state lost)."""
-        ok, refreshed = True, False
-        try:
-            self.zero.zero_grad()
-            loss_fn(self.model, self.rank, self.world_size).backward()
-            self.zero.step()
-            if (self.steps + 1) % self.copy_every == 0:
-                refreshed = True
-                self.copy.refresh()
-        except PyCollectivesError:
-            ok = False
-            # ULFM's revoke before agree: a survivor still waiting for this rank in a
-            # collective raises at once and comes to the agreement, instead of waiting out
-            # its timeout there while the agreement declares it unresponsive.
-            with contextlib.suppress(PyCollectivesError):
-                self.comm.revoke("ElasticZero: its step failed")
-        start = time.monotonic()
-        agreed = self.comm.agree(ok)
-        if agreed.value and not agreed.failed:
-            self.steps += 1
-            if refreshed:
-                self.copy.commit(self.steps)
-            return True
-        self._recover(agreed.failed, time.monotonic() - start)
-        return False
+        return super().step(loss_fn, self.zero)
 
-    def _recover(self, failed: tuple[int, ...], agree_s: float) -> None:
-        """Shrinks the communicator, rebuilds the full state of the last
-        committed copy on the survivors, re-shards it in a new ZeroOptimizer
-        and takes a new copy of it."""
-        old, start = self.comm, time.monotonic()
-        old_size = old.world_size
-        self.comm = old.shrink()
-        shrink_s, start = time.monotonic() - start, time.monotonic()
-        self.copy.discard()
-        full = gather_full_state(self.copy, self.comm, self.comm.parent_ranks)
+    def wrap(self, comm: Communicator) -> nn.Module:
+        """A ZeroOptimizer over `comm`: new, or (after a failure) holding the
+        rebuilt state re-sharded (reshard); stages its first copy."""
         optimizer_class, stage, kwargs = self._build
-        self.zero = reshard(self.zero, full, self.comm, optimizer_class, stage, **kwargs)
-        with warnings.catch_warnings():  # its failed pending operations: reported above
-            warnings.simplefilter("ignore", RuntimeWarning)
-            old.close()
-        self.steps = self.copy.step
-        self.copy = BuddyCopy(self.zero)
-        self._first_copy()
-        self.recoveries.append(
-            {
-                "failed": tuple(sorted(set(range(old_size)) - set(self.comm.parent_ranks)))
-                or failed,
-                "world_size": self.comm.world_size,
-                "rolled_back_to": self.steps,
-                "agree_s": agree_s,
-                "shrink_s": shrink_s,
-                "rebuild_s": time.monotonic() - start,
-            }
-        )
+        if self._full is None:
+            self.zero = ZeroOptimizer(self.model, optimizer_class, comm, stage, **kwargs)
+        else:
+            self.zero = reshard(self.zero, self._full, comm, optimizer_class, stage, **kwargs)
+        self._stage(self.zero)
+        return self.model
+
+    def _zero_grad(self) -> None:
+        self.zero.zero_grad()
+
+    def _optimizer_step(self) -> None:
+        self.zero.step()  # ZeRO-1/2: its all-gather, before the agreement
 
 
 def reshard(
     old: ZeroOptimizer,
-    full: dict[tuple[int, str], tuple[torch.Tensor, Entry]],
+    full: FullState,
     comm: Communicator,
     optimizer_class: type[torch.optim.Optimizer],
     stage: int,
@@ -179,7 +201,7 @@ def reshard(
     for u in old.engine.units:
         prefix = "" if u is old.engine.root else u.name + "."
         for f in u.flats:
-            flat = full[(flats.index(f), "param")][0]
+            flat = full[(flats.index(f), "param", -1)][0]
             for s in f.layout.slots:
                 values[prefix + s.name] = flat[s.offset : s.end].view(s.shape)
     old.detach(values)
@@ -191,7 +213,7 @@ def reshard(
         i = index[id(f_old)]
         a, b = f_new.layout.shard_range(comm.rank)
         state = {}
-        for (j, key), (t, e) in full.items():
+        for (j, key, _), (t, e) in full.items():
             if j != i or key == "param":
                 continue
             if e.sharded:  # this rank's block at the new size (zeros in new padding)

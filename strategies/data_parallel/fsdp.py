@@ -28,12 +28,17 @@ forward and backward they are the full tensors. As FSDP2:
 - prefetch (set on the root, or set_prefetch): the next units' all-gathers start
   while a unit computes, at most `prefetch` units ahead, in forward and in
   backward, following the order the previous iteration took.
+
+fully_unshard(root, values) undoes it (locally): every parameter gets storage
+of its own in its full shape, the given values (e.g. rebuilt after a lost
+rank: elastic_fsdp.py), and the model can be sharded again on another
+communicator.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -47,7 +52,13 @@ from .sharding.communications import FORWARD
 from .sharding.engine import ShardingEngine
 from .sharding.unit import ShardedUnit
 
-__all__ = ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "fully_shard"]
+__all__ = [
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "clip_grad_norm_",
+    "fully_shard",
+    "fully_unshard",
+]
 
 
 @dataclass(frozen=True)
@@ -246,3 +257,40 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     if not isinstance(module, FSDPModule):
         raise TypeError("fsdp.clip_grad_norm_: give the root module returned by fully_shard")
     return module.clip_grad_norm_(max_norm, norm_type)
+
+
+def fully_unshard(module: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    """Undoes fully_shard on `module` and every unit inside it, locally (no
+    collective): removes the units' hooks and marks, gives the modules their
+    own classes back and each parameter storage of its own in its full shape
+    and dtype, holding `values[name]` (names in `module`, as
+    full_parameters() gives them; a tied parameter by any of its names),
+    without gradient. The module can then be sharded again, e.g. over the
+    survivors' communicator after a lost rank; an optimizer over the old
+    shards must not be used any more.
+
+    Raises ValueError, changing nothing, for a parameter without a value or
+    with a value of another shape."""
+    units = [(n, m) for n, m in module.named_modules() if isinstance(m, FSDPModule)]
+    new: list[tuple[nn.Parameter, torch.Tensor]] = []
+    problems = []
+    for path, m in units:
+        prefix = path + "." if path else ""
+        for f in m.sharding_unit.flats:
+            for s, p in zip(f.layout.slots, f.params, strict=True):
+                names = [prefix + n for n in (s.name, *s.aliases)]
+                v = next((values[n] for n in names if n in values), None)
+                if v is None:
+                    problems.append(f"'{names[0]}' has no value")
+                elif tuple(v.shape) != s.shape:
+                    problems.append(f"'{names[0]}': shape {tuple(v.shape)} != {s.shape}")
+                else:
+                    new.append((p, v.detach().to(f.device, f.layout.dtype, copy=True)))
+    if problems:
+        raise ValueError("fully_unshard: values: " + "; ".join(problems[:8]))
+    for _, m in units:
+        m.sharding_unit.detach()
+        m.__class__ = type(m).__bases__[1]  # fully_shard's class is (FSDPModule, its own)
+    for p, v in new:
+        p.data = v
+        p.grad = None

@@ -24,7 +24,6 @@ all the survivors (dp_replicate x dp_shard no longer divides them).
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -35,8 +34,9 @@ from torch import nn
 from pycollectives import Communicator, PyCollectivesError, ReduceOp
 
 from ..autograd_threads import autograd_comm
+from .elastic import ElasticDataParallel
 from .elastic_sharded import reshard
-from .redundancy import gather_from_replicas
+from .redundancy import FullState, gather_from_replicas
 from .zero import ZeroOptimizer
 
 __all__ = ["ElasticHSDP", "HybridZero"]
@@ -106,13 +106,16 @@ class HybridZero:
             self.replica_comm.close()
 
 
-class ElasticHSDP:
+class ElasticHSDP(ElasticDataParallel):
     """HybridZero over `comm` that survives the loss of ranks as long as every
-    shard keeps one replica (see the module docstring). After a recovery it
+    shard keeps one replica (see the module docstring), on
+    ElasticDataParallel's step loop through its hooks. After a recovery it
     trains as a plain ZeroOptimizer over the survivors (`zero`), with no
-    redundancy left: a further loss raises. `recoveries` lists the failed
-    ranks, the new world size and the seconds of agreement, shrink and
-    rebuild."""
+    redundancy left: a further loss raises. `recoveries` as
+    ElasticDataParallel's (the failed ranks, the new world size, the seconds
+    of agreement, shrink and rebuild)."""
+
+    zero: ZeroOptimizer
 
     def __init__(
         self,
@@ -125,22 +128,14 @@ class ElasticHSDP:
         dp_shard: int,
         **zero_kwargs: Any,
     ) -> None:
-        self.model, self.comm = model, comm
+        self.model = model
         self._build = (optimizer_class, stage, zero_kwargs)
-        self.hsdp: HybridZero | None = HybridZero(
-            model, optimizer_class, comm, stage,
-            dp_replicate=dp_replicate, dp_shard=dp_shard, **zero_kwargs,
-        )  # fmt: skip
-        self.zero = self.hsdp.zero
-        self.steps = 0
-        self.recoveries: list[dict[str, Any]] = []
+        self._sizes = (dp_replicate, dp_shard)
+        self.hsdp: HybridZero | None = None
+        self._full: FullState | None = None
+        super().__init__(model, comm)
 
-    @property
-    def world_size(self) -> int:
-        """The current data-parallel size."""
-        return self.comm.world_size
-
-    def step(self, loss_fn: Callable[[nn.Module, int, int], torch.Tensor]) -> bool:
+    def step(self, loss_fn: Callable[[nn.Module, int, int], torch.Tensor]) -> bool:  # type: ignore[override]
         """One step: zero_grad, loss_fn(model, rank, world_size) and its
         backward, the replica all-reduce; an agreement; then the optimizer
         step. Returns True when the step counted. A failure before the
@@ -151,67 +146,62 @@ class ElasticHSDP:
         Raises what loss_fn raises other than a PyCollectivesError,
         CommunicatorAborted on a rank fenced out, and RuntimeError when every
         replica of a shard failed (or a rank fails after a recovery)."""
-        ok = True
-        rank = self.comm.rank
-        try:
-            self.zero.zero_grad()
-            loss_fn(self.model, rank, self.world_size).backward()
-            if self.hsdp is not None:
-                self.hsdp.reduce_replicas()
-        except PyCollectivesError:
-            ok = False
-            self._revoke_groups()
-        start = time.monotonic()
-        agreed = self.comm.agree(ok)
-        if not agreed.value or agreed.failed:
-            self._recover(time.monotonic() - start)
-            return False
-        self.steps += 1
-        try:
-            self.zero.step()  # ZeRO-1/2: its group's all-gather
-        except PyCollectivesError:
-            self._revoke_groups()
-            start = time.monotonic()
-            self.comm.agree(False)  # the others find it in their next step
-            self._recover(time.monotonic() - start)
-        return True
+        return super().step(loss_fn, self.zero)
 
-    def _revoke_groups(self) -> None:
-        """Fails the group communicators' operations on every member: a rank
-        waiting there on this one (which goes to the agreement) raises and
+    # -- ElasticDataParallel's hooks -------------------------------------------------
+    def wrap(self, comm: Communicator) -> nn.Module:
+        """HybridZero over `comm` at start; after a failure the state taken
+        from the replicas (`_full`) re-sharded as plain ZeRO over `comm`."""
+        optimizer_class, stage, kwargs = self._build
+        if self._full is None:
+            r, s = self._sizes
+            self.hsdp = HybridZero(
+                self.model, optimizer_class, comm, stage, dp_replicate=r, dp_shard=s, **kwargs
+            )
+            self.zero = self.hsdp.zero
+        else:
+            self.zero = reshard(self.zero, self._full, comm, optimizer_class, stage, **kwargs)
+        return self.model
+
+    def zero_grad(self, optimizer: Any) -> None:
+        self.zero.zero_grad()
+
+    def prepare(self, optimizer: Any) -> None:
+        """The replica all-reduce (before the agreement)."""
+        if self.hsdp is not None:
+            self.hsdp.reduce_replicas()
+
+    def apply(self, optimizer: Any) -> None:
+        """The optimizer step (ZeRO-1/2: its group's all-gather, after the agreement)."""
+        self.zero.step()
+
+    def revoke(self, why: str) -> None:
+        """Also fails the group communicators' operations on every member: a
+        rank waiting there on this one (which goes to the agreement) raises and
         joins the agreement too, instead of waiting out its timeout."""
-        if self.hsdp is None:
-            return
-        for c in (self.hsdp.shard_comm, self.hsdp.replica_comm):
-            with contextlib.suppress(PyCollectivesError):  # aborted already
-                c.revoke("a rank of the HSDP job failed")
+        if self.hsdp is not None:
+            for c in (self.hsdp.shard_comm, self.hsdp.replica_comm):
+                with contextlib.suppress(PyCollectivesError):  # aborted already
+                    c.revoke(f"ElasticHSDP: {why}")
+        super().revoke(why)
 
-    def _recover(self, agree_s: float) -> None:
+    def unwrap(self) -> None:
+        """Nothing: rebuild() and wrap() replace the sharded state."""
+
+    def rebuild(self, old: Communicator, new: Communicator, failed: tuple[int, ...]) -> None:
+        """Each shard from its first surviving replica (gather_from_replicas)."""
         if self.hsdp is None:
             raise RuntimeError(
-                f"ElasticHSDP: rank {self.comm.rank}: a rank failed after a recovery: no replica "
+                f"ElasticHSDP: rank {new.rank}: a rank failed after a recovery: no replica "
                 "is left; restore the job from a checkpoint"
             )
-        old, hsdp = self.comm, self.hsdp
-        old_size, start = old.world_size, time.monotonic()
-        self.comm = old.shrink()
-        shrink_s, start = time.monotonic() - start, time.monotonic()
-        full = gather_from_replicas(
-            hsdp.zero, self.comm, self.comm.parent_ranks, hsdp.dp_shard, old_size
+        h = self.hsdp
+        self._full = gather_from_replicas(
+            h.zero, new, self.survivors, h.dp_shard, h.dp_replicate * h.dp_shard
         )
-        optimizer_class, stage, kwargs = self._build
-        self.zero = reshard(hsdp.zero, full, self.comm, optimizer_class, stage, **kwargs)
-        hsdp.close()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            old.close()
-        self.hsdp = None
-        self.recoveries.append(
-            {
-                "failed": tuple(sorted(set(range(old_size)) - set(self.comm.parent_ranks))),
-                "world_size": self.comm.world_size,
-                "agree_s": agree_s,
-                "shrink_s": shrink_s,
-                "rebuild_s": time.monotonic() - start,
-            }
-        )
+
+    def recovered(self) -> None:
+        """Closes the group communicators: plain ZeRO from here on."""
+        if self.hsdp is not None:
+            self.hsdp.close()
+        self.hsdp, self._full = None, None

@@ -15,11 +15,24 @@ shard state in bytes (its copy, the predecessor's and the staging buffer).
 The own copy is what lets the survivors roll back alike: after a failure
 every rank, not only the dead one's buddy, returns to the copy's step.
 
+What is copied comes from a `ShardSource`: the packed layout of a rank's
+shard state (entries end to end, alike on every rank) and where each of a
+rank's tensors goes in it. `ZeroShards` describes a ZeroOptimizer's (one
+tensor per entry); elastic_fsdp.py's FSDPShards a fully_shard model's, whose
+torch optimizer keeps its state per parameter piece (pieces placed at their
+offset in the shard, so every rank's packed state has the same entries).
+`TensorState` is any other state (a pipeline stage's parameters and their
+optimizer state: parallel3d/replacement.py), whose layout may differ from rank
+to rank: a refresh then first tells the buddy this rank's layout where it
+changed since the last commit (`encode_entries`, checked on arrival by
+`decode_entries`), and the buddy keeps it as `remote_entries`.
+
 After a failure, `gather_full_state` rebuilds, from the survivors' own copies
 and the buddies' copies of the dead ranks' shards, the full (unsharded) flat
 state of every flat parameter as of the copy's step; ElasticZero
-(elastic_sharded.py) re-shards it to the survivors. A shard is lost only when
-a rank and its buddy both fail before the next refresh.
+(elastic_sharded.py) and ElasticFSDP (elastic_fsdp.py) re-shard it to the
+survivors. A shard is lost only when a rank and its buddy both fail before the
+next refresh.
 """
 
 from __future__ import annotations
@@ -27,7 +40,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -36,6 +49,11 @@ from pycollectives import Communicator
 __all__ = [
     "BuddyCopy",
     "Entry",
+    "FullState",
+    "ShardSource",
+    "StateTensor",
+    "TensorState",
+    "ZeroShards",
     "decode_entries",
     "encode_entries",
     "gather_from_replicas",
@@ -56,7 +74,10 @@ class Entry:
     """One tensor of the shard state: flat parameter `flat` (its index among
     the engine's flat parameters), `key` ("param" for the master shard, else
     the optimizer state's key), its place in the packed bytes, and whether it
-    is sharded (a block per rank) or a scalar every rank holds alike."""
+    is sharded (a block per rank, laid out as the flat parameter's shard) or
+    a scalar every rank holds alike. `slot`: for state kept per parameter
+    (a torch optimizer over fully_shard's pieces), which parameter of the
+    flat; -1 for state of the whole flat."""
 
     flat: int
     key: str
@@ -66,6 +87,27 @@ class Entry:
     nbytes: int
     sharded: bool
     device: torch.device  # where the tensor lives (the copy itself is in host memory)
+    slot: int = -1
+
+
+# The full state, by (flat index, key, slot), with its Entry (gather_full_state).
+FullState = dict[tuple[int, str, int], tuple[torch.Tensor, Entry]]
+
+
+class ShardSource(Protocol):
+    """What BuddyCopy copies: a rank's shard state, packed."""
+
+    comm: Communicator
+
+    def layout(self) -> tuple[list[Entry], list[torch.Tensor]]:
+        """The packed entries (end to end, alike on every rank) and this
+        rank's tensors, in the order `place` places them."""
+        ...
+
+    def place(self, entries: list[Entry], rank: int) -> list[tuple[int, int]]:
+        """(byte offset, bytes) in the packed state of each of rank `rank`'s
+        tensors, in the order layout() lists this rank's."""
+        ...
 
 
 # One tensor of a state to copy: (index, key, tensor, sharded), as Entry says.
@@ -101,7 +143,41 @@ def _entries(tensors: list[StateTensor]) -> list[Entry]:
     return entries
 
 
-def _end(entries: list[Entry]) -> int:
+class ZeroShards:
+    """A ZeroOptimizer's shard state as a ShardSource: its master shards
+    (frozen ones included) and the optimizer state of its trainable shards,
+    one tensor per entry, alike on every rank."""
+
+    def __init__(self, zero: Any) -> None:
+        self.zero, self.comm = zero, zero.comm
+
+    def layout(self) -> tuple[list[Entry], list[torch.Tensor]]:
+        tensors = _shard_tensors(self.zero)
+        return _entries(tensors), [t for _, _, t, _ in tensors]
+
+    def place(self, entries: list[Entry], rank: int) -> list[tuple[int, int]]:
+        return [(e.offset, e.nbytes) for e in entries]
+
+
+class TensorState:
+    """Any tensors as a ShardSource (`tensors()`: their (index, key, tensor,
+    sharded), packed end to end in that order) whose layout may differ from
+    rank to rank: BuddyCopy then exchanges the layouts too."""
+
+    uniform = False
+
+    def __init__(self, comm: Communicator, tensors: Callable[[], list[StateTensor]]) -> None:
+        self.comm, self._tensors = comm, tensors
+
+    def layout(self) -> tuple[list[Entry], list[torch.Tensor]]:
+        tensors = self._tensors()
+        return _entries(tensors), [t for _, _, t, _ in tensors]
+
+    def place(self, entries: list[Entry], rank: int) -> list[tuple[int, int]]:
+        return [(e.offset, e.nbytes) for e in entries]
+
+
+def _size(entries: list[Entry]) -> int:
     """The packed bytes of a layout."""
     return entries[-1].offset + entries[-1].nbytes if entries else 0
 
@@ -109,7 +185,7 @@ def _end(entries: list[Entry]) -> int:
 def encode_entries(entries: list[Entry]) -> bytes:
     """A layout as bytes (JSON), for a peer's decode_entries."""
     rows = [[e.flat, e.key, str(e.dtype).removeprefix("torch."), list(e.shape), e.offset,
-             e.nbytes, e.sharded, str(e.device)] for e in entries]  # fmt: skip
+             e.nbytes, e.sharded, str(e.device), e.slot] for e in entries]  # fmt: skip
     return json.dumps(rows).encode()
 
 
@@ -120,17 +196,19 @@ def decode_entries(raw: bytes, who: str) -> list[Entry]:
     try:
         rows = json.loads(raw.decode())
         out, off = [], 0
-        for flat, key, dtype, shape, offset, nbytes, sharded, device in rows:
+        for flat, key, dtype, shape, offset, nbytes, sharded, device, slot in rows:
             d, shape = _DTYPES[dtype], tuple(shape)
             numel = 1
             for s in shape:
                 numel *= s
             ok = all(isinstance(v, int) and v >= 0 for v in (flat, offset, nbytes, *shape))
+            ok = ok and isinstance(slot, int) and slot >= -1
             if not (ok and isinstance(key, str) and isinstance(sharded, bool)) or offset != off:
                 raise ValueError(f"entry {len(out)}")
             if nbytes != numel * d.itemsize:
                 raise ValueError(f"entry {len(out)}: {nbytes} bytes for {shape} {dtype}")
-            out.append(Entry(flat, key, d, shape, offset, nbytes, sharded, torch.device(device)))
+            device = torch.device(device)
+            out.append(Entry(flat, key, d, shape, offset, nbytes, sharded, device, slot))
             off += nbytes
         if off > _MAX_STATE:
             raise ValueError(f"{off} bytes in all")
@@ -140,16 +218,15 @@ def decode_entries(raw: bytes, who: str) -> list[Entry]:
 
 
 class BuddyCopy:
-    """This rank's shard state (master shards and optimizer state of a
-    ZeroOptimizer), copied into host memory here and on the buddy rank
+    """This rank's shard state (`source`: a ShardSource, or a ZeroOptimizer
+    for its ZeroShards), copied into host memory here and on the buddy rank
     (rank + 1) % world_size, which in turn keeps rank - 1's copy.
 
     Any other state: BuddyCopy(comm=comm, tensors=fn), fn() returning the
-    (index, key, tensor, sharded) of the tensors to copy (e.g. a pipeline
-    stage's parameters and their optimizer state). Its layout may differ
-    from rank to rank: a refresh then first tells the buddy this rank's
-    layout (`Entry`s, where they changed since the last commit: one more
-    small exchange per refresh); the buddy keeps it as `remote_entries`.
+    (index, key, tensor, sharded) of the tensors to copy (a TensorState:
+    the layout may differ from rank to rank, and a refresh first tells the
+    buddy this rank's where it changed since the last commit: one more small
+    exchange; the buddy keeps it as `remote_entries`).
 
     `step` is the training step the committed copy holds (set by commit);
     `nbytes` the host bytes held (the copies and the staging buffers).
@@ -157,18 +234,21 @@ class BuddyCopy:
 
     def __init__(
         self,
-        zero: Any = None,
+        source: Any = None,
         *,
         comm: Communicator | None = None,
         tensors: Callable[[], list[StateTensor]] | None = None,
     ) -> None:
-        if (zero is None) == (tensors is None) or (tensors is not None and comm is None):
-            raise ValueError("BuddyCopy: pass a ZeroOptimizer, or comm= and tensors=")
-        self.zero = zero
-        self.comm: Communicator = zero.comm if zero is not None else comm
+        if (source is None) == (tensors is None) or (tensors is not None and comm is None):
+            raise ValueError(
+                "BuddyCopy: pass a ShardSource or a ZeroOptimizer, or comm= and tensors="
+            )
+        if tensors is not None:
+            source = TensorState(comm, tensors)  # type: ignore[arg-type]
+        self.source: ShardSource = source if hasattr(source, "place") else ZeroShards(source)
+        self._uniform = getattr(self.source, "uniform", True)  # every rank's layout is this one's
+        self.comm: Communicator = source.comm
         self.rank, self.world_size = self.comm.rank, self.comm.world_size  # (outlive the comm)
-        self._tensors = tensors if tensors is not None else lambda: _shard_tensors(zero)
-        self._uniform = zero is not None  # every rank's layout is this one's
         self.step = -1  # nothing committed yet
         self.entries: list[Entry] = []
         self.remote_entries: list[Entry] = []  # the layout of `remote`
@@ -178,6 +258,7 @@ class BuddyCopy:
         # a refresh not yet committed: (staging, entries, tensors, the predecessor's entries)
         self._staged: tuple[torch.Tensor, list[Entry], list[torch.Tensor], list[Entry]] | None
         self._staged = None
+        self._placed: list[tuple[int, int]] = []  # this rank's tensors in the staged layout
 
     @property
     def buddy(self) -> int:
@@ -196,20 +277,21 @@ class BuddyCopy:
         receives the predecessor's into a staging buffer; the committed copy
         is untouched until commit(). Raises the communicator's errors (a
         failed rank)."""
-        tensors = self._tensors()
-        entries = _entries(tensors)
+        entries, tensors = self.source.layout()
         n = self.world_size
         prev = (self.rank - 1) % n
         theirs = entries if self._uniform or n == 1 else self._their_layout(entries, prev)
-        off = _end(theirs)
+        off = _size(theirs)
         staging = self._staging if self._staging.numel() == off else None
-        if staging is None:
-            staging = torch.empty(off, dtype=torch.uint8)
-        self._staged = (staging, entries, [t for _, _, t, _ in tensors], theirs)
+        if staging is None:  # zeros: bytes no tensor is placed in (gaps between pieces)
+            staging = torch.zeros(off, dtype=torch.uint8)
+        self._staged = (staging, entries, tensors, theirs)
+        self._placed = self.source.place(entries, self.rank)
         if n == 1:  # no buddy: the local copy only
             return
-        ops = [("send", _bytes(t), self.buddy) for _, _, t, _ in tensors if t.numel()]
-        ops += [("recv", staging[e.offset : e.offset + e.nbytes], prev) for e in theirs if e.nbytes]
+        placed = self.source.place(theirs, prev)
+        ops = [("send", _bytes(t), self.buddy) for t in tensors if t.numel()]
+        ops += [("recv", staging[o : o + nb], prev) for o, nb in placed if nb]
         self.comm.batch_p2p(ops)
 
     def _their_layout(self, entries: list[Entry], prev: int) -> list[Entry]:
@@ -246,12 +328,12 @@ class BuddyCopy:
             raise RuntimeError(f"BuddyCopy: rank {self.rank}: commit without a refresh")
         staging, entries, tensors, theirs = self._staged
         self._staged = None
-        nbytes = _end(entries)
+        nbytes = _size(entries)
         if self.local.numel() != nbytes:
-            self.local = torch.empty(nbytes, dtype=torch.uint8)
-        for e, t in zip(entries, tensors, strict=True):
-            if e.nbytes:
-                self.local[e.offset : e.offset + e.nbytes].copy_(_bytes(t))
+            self.local = torch.zeros(nbytes, dtype=torch.uint8)
+        for (o, nb), t in zip(self._placed, tensors, strict=True):
+            if nb:
+                self.local[o : o + nb].copy_(_bytes(t))
         if self.world_size > 1:
             self._staging, self.remote = self.remote, staging
             self.remote_entries = theirs
@@ -274,12 +356,10 @@ def _view(buf: torch.Tensor, e: Entry) -> torch.Tensor:
     return buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
 
 
-def gather_full_state(
-    copy: BuddyCopy, comm: Communicator, survivors: tuple[int, ...]
-) -> dict[tuple[int, str], tuple[torch.Tensor, Entry]]:
+def gather_full_state(copy: BuddyCopy, comm: Communicator, survivors: tuple[int, ...]) -> FullState:
     """Collective over `comm` (the survivors; `survivors[i]` is new rank i's
     rank in copy.comm, as Communicator.shrink's parent_ranks): the full state
-    of every flat parameter as of copy.step, by (flat index, key), with its
+    of every flat parameter as of copy.step, by (flat index, key, slot), with its
     Entry: each sharded entry the concatenation of every old rank's block (the
     flat parameter's padded length at the old size), each scalar this rank's
     own, in host memory. A dead rank's block comes from its buddy's copy.
@@ -322,35 +402,33 @@ def gather_full_state(
     return _assemble(copy.entries, [blocks[r] for r in range(old_n)], copy.local)
 
 
-def _assemble(
-    entries: list[Entry], blocks: list[torch.Tensor], own: torch.Tensor
-) -> dict[tuple[int, str], tuple[torch.Tensor, Entry]]:
+def _assemble(entries: list[Entry], blocks: list[torch.Tensor], own: torch.Tensor) -> FullState:
     """The full state from every shard's packed bytes (`blocks`, by shard
     index) and this rank's (`own`, for the scalars)."""
     out = {}
     for e in entries:
         if e.sharded:
-            out[(e.flat, e.key)] = (torch.cat([_view(b, e) for b in blocks]), e)
+            out[(e.flat, e.key, e.slot)] = (torch.cat([_view(b, e) for b in blocks]), e)
         else:
-            out[(e.flat, e.key)] = (_view(own, e).clone(), e)
+            out[(e.flat, e.key, e.slot)] = (_view(own, e).clone(), e)
     return out
 
 
-def pack(zero: Any) -> tuple[torch.Tensor, list[Entry]]:
-    """A ZeroOptimizer's shard state now, packed into host bytes, and its entries."""
-    tensors = _shard_tensors(zero)
-    entries = _entries(tensors)
-    off = entries[-1].offset + entries[-1].nbytes
-    buf = torch.empty(off, dtype=torch.uint8)
-    for e, (_, _, t, _) in zip(entries, tensors, strict=True):
-        if e.nbytes:
-            buf[e.offset : e.offset + e.nbytes].copy_(_bytes(t))
+def pack(source: Any) -> tuple[torch.Tensor, list[Entry]]:
+    """A shard state now (a ShardSource, or a ZeroOptimizer), packed into
+    host bytes, and its entries."""
+    src: ShardSource = source if hasattr(source, "place") else ZeroShards(source)
+    entries, tensors = src.layout()
+    buf = torch.zeros(_size(entries), dtype=torch.uint8)
+    for (o, nb), t in zip(src.place(entries, src.comm.rank), tensors, strict=True):
+        if nb:
+            buf[o : o + nb].copy_(_bytes(t))
     return buf, entries
 
 
 def gather_from_replicas(
     zero: Any, comm: Communicator, survivors: tuple[int, ...], dp_shard: int, world_size: int
-) -> dict[tuple[int, str], tuple[torch.Tensor, Entry]]:
+) -> FullState:
     """Collective over `comm` (the survivors of a job of `world_size` ranks
     that sharded `zero`'s state over groups of `dp_shard` consecutive ranks
     and replicated it across the groups, as HSDP): the full state of every
