@@ -21,7 +21,10 @@ that fails (or, with --timeout, one that is stopped or hung) fails every rank,
 each saying so in one line; the script ends the ranks still running a few
 seconds later and exits non-zero with the first failure. With --survive (data
 parallel only) a rank that dies (kill -9) is left behind instead: the others
-shrink to the survivors, retry the step and go on (docs/recovery.md).
+shrink to the survivors, retry the step and go on (docs/recovery.md). Across
+hosts, start each rank with RANK, WORLD_SIZE, MASTER_ADDR (rank 0's host) and
+MASTER_PORT set, as torchrun would but without its agent (which ends every rank
+when one dies): a whole host may go, except rank 0's, which serves the store.
 """
 
 from __future__ import annotations
@@ -209,8 +212,9 @@ def survive_problems(args: argparse.Namespace, world: int | None) -> list[str]:
                (args.save or args.resume, "--save/--resume with --survive: the checkpoint is "
                 "Trainer3D's (not written from a shrunk run)"), (args.device != "cpu",
                 f"--device {args.device} with --survive: the recovery runs on the CPU only"),
-               (world is not None, "--survive under torchrun: its agent ends every rank when "
-                "one dies (run without torchrun: this script starts the ranks)")]  # fmt: skip
+               (world is not None and _torchrun_agent(), "--survive under torchrun: its agent "
+                "ends every rank when one dies (run without torchrun: this script starts the "
+                "ranks; or start each rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")]  # fmt: skip
     out = [f"--survive: {msg}" for bad, msg in refused if bad]
     for rank, step in args.kill:
         if rank >= args.dp or step >= args.steps:
@@ -221,11 +225,19 @@ def survive_problems(args: argparse.Namespace, world: int | None) -> list[str]:
     return out
 
 
+def _torchrun_agent() -> bool:
+    """Whether torchrun's agent started this process (it sets TORCHELASTIC_RUN_ID),
+    rather than a launcher that only set RANK, WORLD_SIZE, MASTER_ADDR/PORT."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def train_survive(args: argparse.Namespace) -> int:
-    """One rank's --survive training (ElasticTrainer); returns the exit code."""
+    """One rank's --survive training (ElasticTrainer); returns the exit code.
+    The communicator keeps init's store: across hosts the survivors agree and
+    shrink through it (rank 0 serves it: its host must survive)."""
     from pycollectives.strategies.parallel3d.elastic_trainer import ElasticTrainer
 
-    comm = pc.init(timeout=args.timeout)
+    comm = pc.init(timeout=args.timeout, keep_store=True)
     trainer = ElasticTrainer(comm, config_of(args), options_of(args), tuple(args.kill))
     if comm.rank == 0:
         n = sum(p.numel() for p in trainer.model.parameters())
@@ -411,8 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         if not torchrun or os.environ.get("RANK") == "0":
             print(f"{PROG}: error: {'; '.join(found)}", file=sys.stderr)
         return 2
-    if torchrun:
-        return run_rank(lambda: train(args), PROG)
+    if torchrun:  # with --survive: each rank started by hand or a cluster's launcher
+        return run_rank(lambda: train_survive(args) if args.survive else train(args), PROG)
     world = args.dp * args.tp * args.pp
     return spawn(_rank_main, world, (argv, world, planned), prog=PROG, survive=args.survive)
 

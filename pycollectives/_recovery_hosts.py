@@ -79,6 +79,7 @@ class HostRecovery:
         self.fenced: str | None = None
         self.lost = False  # a store call failed: close() then lets the store go without a word
         self._calls: queue.SimpleQueue | None = None  # _Store's thread, once started
+        self._last: threading.Event | None = None  # set once the latest call is answered
 
     def call(self, fn: str, args: tuple, seconds: float) -> Any:
         """store.fn(*args) on this communicator's store thread, waited for at
@@ -86,11 +87,15 @@ class HostRecovery:
         retransmissions, for many minutes, and cannot be interrupted. Raises
         TimeoutError past that (the thread stays blocked: the next call
         raises at once), or what the call raised."""
+        if self._last is not None and not self._last.is_set():
+            # An earlier call gave up waiting and is still blocked on the thread: this one
+            # would queue behind it and wait its whole bound again (a store on a cut link).
+            raise TimeoutError("an earlier call is still unanswered")
         if self._calls is None:
             self._calls = queue.SimpleQueue()
             threading.Thread(target=self._serve, args=(self._calls,), daemon=True).start()
         box: list = []
-        done = threading.Event()
+        done = self._last = threading.Event()
         self._calls.put((getattr(self.store, fn), args, box, done))
         if not done.wait(seconds):
             raise TimeoutError(f"no answer within {seconds:.1f} s")

@@ -80,13 +80,17 @@ def init(
     store: Any = None,
     timeout: Timeout = 600.0,
     prefix: str = "pycoll",
+    *,
+    keep_store: bool = False,
 ) -> Communicator:
     """Creates the communicator of all ranks of this host.
 
     Without `store`, reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT and
     creates a torch.distributed.TCPStore (rank 0 serves it) just for the
-    bootstrap. With `store` (any torch.distributed.Store), rank and world_size
-    are required. `timeout` (seconds or timedelta) bounds the bootstrap and is
+    bootstrap; with `keep_store`, the communicator keeps it for agree and
+    shrink across hosts (rank 0 serves it as long as it runs: the survivors
+    of a lost rank on another host agree through it). With `store` (any
+    torch.distributed.Store), rank and world_size are required. `timeout` (seconds or timedelta) bounds the bootstrap and is
     the default timeout of every operation. Every rank must call init the same
     number of times with the same prefix.
 
@@ -150,15 +154,16 @@ def init(
     comm = Communicator(core)
     # Across hosts agree/shrink go through the store: the caller's (pc.init's
     # own goes once every rank is done with it; they are then given one).
-    comm._host_recovery = HostRecovery(f"{prefix}/{generation}", None if own_store else store)
+    kept = store if keep_store or not own_store else None
+    comm._host_recovery = HostRecovery(f"{prefix}/{generation}", kept)
     if not own_store:
         # The caller's store may be served by this process and held nowhere
         # else (passed inline): it stays alive until every rank is done with
         # it, at close() (pc.init's own store: finish() waited already).
         comm._on_close.append(functools.partial(boot.release, min(seconds, 60.0)))
     # Every rank is done with pc.init's own store (finish): its server, if
-    # this process's, can go, freeing MASTER_PORT for the caller.
-    del boot, store
+    # this process's, can go, freeing MASTER_PORT for the caller (unless kept).
+    del boot, store, kept
     return comm
 
 

@@ -1,4 +1,4 @@
-"""Data-parallel training that goes on when a rank dies (one host; docs/recovery.md).
+"""Data-parallel training that goes on when a rank dies (on one host or across hosts; docs/recovery.md).
 
 Every step ends in a fault-tolerant agreement (Communicator.agree, as torchft's
 should_commit): the optimizer steps only where every rank's backward (its
