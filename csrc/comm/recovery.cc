@@ -269,8 +269,12 @@ Communicator::Shrunk Communicator::shrink(double timeout_s) {
         survivors.push_back(p);
       }
     // While building: a survivor that died, or that gave up and went on to
-    // the second agreement, ends the wait at once; the build as a whole is
-    // bounded by this timeout (the new communicator's own is the parent's).
+    // the second agreement with flag 0, ends the wait at once; the build as a
+    // whole is bounded by this timeout (the new communicator's own is the
+    // parent's). A survivor that went on with flag 1 built its part: one
+    // faster than this rank gets there while this rank still connects, and
+    // must not fail it (a loaded machine made every survivor but the fastest
+    // raise "could not join" and the shrink fail).
     const auto build_deadline = deadline_after(Clock::now(), timeout_s);
     auto check = [&] {
       if (Clock::now() > build_deadline)
@@ -282,8 +286,12 @@ Communicator::Shrunk Communicator::shrink(double timeout_s) {
         const std::string gone = peer_gone(p);
         if (!gone.empty())
           PYC_THROW(PeerFailure, "pycollectives: rank " << p << " " << gone << " during shrink");
-        if (reached(layout_.agree(seg_.data(), p)->entered.load(std::memory_order_acquire),
-                    a.number + 1))
+        const AgreeCtl* ctl = layout_.agree(seg_.data(), p);
+        // `flag` is stored before `entered` (release): read after it, it is
+        // that agreement's, and p cannot enter another one before this rank
+        // enters the second (or is declared failed in it).
+        if (reached(ctl->entered.load(std::memory_order_acquire), a.number + 1) &&
+            ctl->flag.load(std::memory_order_relaxed) == 0)
           PYC_THROW(Error,
                     "pycollectives: rank " << p << " could not join the shrunk communicator");
       }

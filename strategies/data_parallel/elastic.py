@@ -143,8 +143,15 @@ class ElasticDataParallel:
     # -- hooks: what a subclass for another data-parallel wrapper overrides ----
     def wrap(self, comm: Communicator) -> Any:
         """Builds the data-parallel wrapper over `comm` (collective), at start
-        and after each shrink; loss_fn receives it. Default: DistributedDataParallel."""
-        return DistributedDataParallel(self.module, comm, **self._kwargs)
+        and after each shrink; loss_fn receives it. Default: DistributedDataParallel;
+        after a shrink with init_sync="verify" (unless ddp_kwargs say otherwise):
+        the survivors hold the same parameters after a dropped step, so a
+        fingerprint of them replaces the broadcast (which took 14.6 s of a
+        52 s recovery at 200M parameters, docs/benchmarks.md)."""
+        kwargs = self._kwargs
+        if hasattr(self, "ddp"):  # not the first wrap: after a shrink
+            kwargs = {"init_sync": "verify", **kwargs}
+        return DistributedDataParallel(self.module, comm, **kwargs)
 
     def zero_grad(self, optimizer: Any) -> None:
         """Clears the gradients before a step (try)."""
@@ -194,8 +201,8 @@ class ElasticDataParallel:
     def _recover(self, agree_s: float) -> None:
         """Drops the step's gradients, shrinks the communicator, checks that
         every survivor committed the same steps, rebuilds and wraps the model
-        again on the survivors' (which broadcasts its new rank 0's parameters:
-        every survivor holds the same), then agrees that every survivor did: a
+        again on the survivors' (DDP's fingerprint check finds the parameters
+        alike: every survivor holds the same), then agrees that every survivor did: a
         rank that died meanwhile makes every survivor shrink again, without it.
         Raises PyCollectivesError on every survivor alike if a rebuild failed
         with no rank lost (retrying would fail the same way)."""

@@ -118,6 +118,8 @@ def _elastic(rank: int, world_size: int, kill: str) -> dict:
         "ledger": [(e.epoch, e.step, [s.tolist() for s in e.shares]) for e in sampler.ledger],
         "fed": fed,
         "rebuilt": model.rebuilt,
+        # on the survivors' communicator: none, DDP's init_sync="verify" found them alike
+        "broadcasts": model.comm.stats().get("broadcast", {}).get("calls", 0),
     }
     model.comm.close()
     return out
@@ -167,6 +169,7 @@ def test_rank_killed_survivors_match_the_surviving_layout_bitwise(kill, referenc
     failed_step = got[0]["recoveries"][0][0]
     for r, g in enumerate(got):
         assert g["world_size"] == n and g["recoveries"] == [(failed_step, dead, n)], (r, g)
+        assert g["broadcasts"] == 0, (r, g["broadcasts"])
         first = (4, 3, (0, 1, 2), (VICTIM,))
         if n == 3:
             assert g["rebuilt"] == [first], g["rebuilt"]
