@@ -10,14 +10,13 @@ project's any-layout re-sharding, independent of the recovery's) from there."""
 
 from __future__ import annotations
 
-import os
-import signal
 from typing import Any
 
 import pytest
 import torch
 from spawn import run
-from zero_common import CFG, DATA, OPT, build
+from test_elastic_sharded import TOTAL, _die, _gpt, _lists, _loss  # its helpers
+from zero_common import OPT, build
 
 import pycollectives as pc
 from pycollectives.strategies import checkpoint
@@ -28,29 +27,6 @@ from pycollectives.strategies.data_parallel import (
     fully_unshard,
 )
 from pycollectives.strategies.models.gpt import GPT
-
-TOTAL, BATCH = 6, 12  # steps; sequences per global batch (splits evenly over 4 and 3)
-
-
-def _gpt(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(CFG)
-
-
-def _loss(model: torch.nn.Module, step: int, rank: int, size: int) -> torch.Tensor:
-    """The mean loss of this rank's share of step `step`'s global batch."""
-    x, y = DATA.batch(torch.arange(step * BATCH, (step + 1) * BATCH) % len(DATA))
-    share = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
-    return model(x[share], y[share])
-
-
-def _lists(params: dict[str, torch.Tensor]) -> dict[str, list[float]]:
-    """float32 to float is exact: bitwise comparable after the process exits."""
-    return {n: p.reshape(-1).tolist() for n, p in params.items()}
-
-
-def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _elastic(rank: int, world_size: int, every: int, victim: int, where: str) -> Any:
