@@ -221,6 +221,17 @@ def paired(m: dict, a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(m[a]["rounds"], m[b]["rounds"], strict=True))
 
 
+def spread(m: dict, a: str, b: str) -> str:
+    """ " (rounds lo-hi, k of R within the target)": how far the paired ratio of a
+    to b moved between rounds, and in how many rounds it met the pair's target."""
+    qs = [x / y for x, y in zip(m[a]["rounds"], m[b]["rounds"], strict=True)]
+    if len(qs) < 2:
+        return ""
+    limit = DP_TARGET if b == "dp" else SHARDED_TARGET
+    k = sum(q <= limit for q in qs)
+    return f" (rounds {min(qs):.2f}-{max(qs):.2f}, {k} of {len(qs)} within the target)"
+
+
 def render(
     m: dict, ds_error: str, errors: dict[str, str] | None = None, digits: int = 0
 ) -> list[str]:
@@ -267,6 +278,7 @@ def render(
         rows.append(f"{head} | {cells} | {own} |")
     verdicts = [
         f"{LABELS[a].split(' (')[0]} / {LABELS[b]} = {q:.2f}: {'met' if ok else 'missed'}"
+        f"{spread(m, a, b)}"
         for a, b, q, ok in targets(m)
     ]
     return [
