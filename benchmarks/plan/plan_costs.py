@@ -2,6 +2,7 @@
 
     python benchmarks/plan/plan_costs.py              # fit 2 and 4 ranks, check 2, 3, 4
     python benchmarks/plan/plan_costs.py --no-write
+    python benchmarks/plan/plan_costs.py --replay docs/data/plan_costs-DATE.json  # price a recorded run again
 
 Two `pycollectives-bench --json` runs of all_reduce, reduce_scatter and all_gather: a fit
 run (--fit-ranks, 64 KiB to 16 MiB x4 apart) and, after it, a check run (--check-ranks,
@@ -9,7 +10,9 @@ run (--fit-ranks, 64 KiB to 16 MiB x4 apart) and, after it, a check run (--check
 machine is shared: other processes only add time). The planner's model (strategies/plan/fitted.py: alpha and beta
 of the ring formulas per collective, path taken and cache regime, the path of the nearest
 measured point) is fitted to the first and predicts every row of the second, which holds
-sizes (128 KiB, 512 KiB, 2 MiB, 8 MiB) and a rank count (3) the fit never saw. Target:
+sizes (128 KiB, 512 KiB, 2 MiB, 8 MiB) and a rank count (3) the fit never saw. Ranks
+beyond the machine's cores time-share them: the fit divides each row by its share of the
+cores (costs.core_share) and the predictions multiply it back. Target:
 within 20% from 64 KiB up. Writes its section of docs/benchmarks.md (between
 <!-- plan_costs:begin --> and <!-- plan_costs:end -->) and docs/data/plan_costs-DATE.json.
 """
@@ -29,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 from _doc import cpu_model, emit_section, run_bench, size_label  # noqa: E402
 
+from pycollectives.strategies.plan.costs import core_share  # noqa: E402
 from pycollectives.strategies.plan.fitted import CostModel, fit_model, row_path  # noqa: E402
 
 BEGIN, END = "<!-- plan_costs:begin -->", "<!-- plan_costs:end -->"
@@ -127,31 +131,53 @@ def main() -> int:
         default="min",
         help="a row's time from its trials (default min: the machine is shared)",
     )
+    ap.add_argument(
+        "--replay",
+        metavar="JSON",
+        help="price the rows recorded in this plan_costs JSON again instead of measuring",
+    )
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     load0, t0 = os.getloadavg(), time.perf_counter()
-    fit_rows = _sweep(args.fit_ranks, "4", args.trials, args.estimator)
-    check_rows = _sweep(args.check_ranks, "2", args.trials, args.estimator)
-    model = fit_model(fit_rows, "shm", source="fit run")
+    cores = os.cpu_count() or 1
+    date = datetime.date.today().isoformat()
+    if args.replay:
+        old = json.loads(Path(args.replay).read_text())
+        if "raw" not in old:
+            ap.error(f"--replay {args.replay}: no raw rows (recorded before 2026-12-07 04:50)")
+        fit_rows, check_rows, cores, date = (
+            old["raw"]["fit"],
+            old["raw"]["check"],
+            old["cores"],
+            old["date"],
+        )
+        load0, load1 = old["load_start"], old["load_end"]
+    else:
+        fit_rows = _sweep(args.fit_ranks, "4", args.trials, args.estimator)
+        check_rows = _sweep(args.check_ranks, "2", args.trials, args.estimator)
+        load1 = os.getloadavg()
+    model = fit_model(fit_rows, "shm", source="fit run", cores=cores)
     seen = {(r["collective"], ranks_of(r), r["size"]) for r in fit_rows}
 
     def predict(r: dict) -> tuple[float, str]:
         coll, n, size = r["collective"], r["nranks"], r["size"]
-        return model.time(coll, n, size), model.path(coll, n, size)
+        return model.time(coll, n, size) * core_share(n, cores), model.path(coll, n, size)
 
     table, out_rows, ratios = check_table(check_rows, predict, seen)
     summary = summarize(
         f"shared memory, fit {args.fit_ranks} ranks / check {args.check_ranks}", ratios
     )
-    load1 = os.getloadavg()
     fitted = fitted_table(model)
     notes = [
         f"Result: {summary}.",
         f"A row's time: the {args.estimator} over its {args.trials} trials (pycollectives-bench "
         "trials_us; each trial the slowest rank's mean over its calls).",
-        f"Cache regime boundary: {model.cache_bytes >> 10} KiB (the L2 per core).",
+        f"Cache regime boundary: {model.cache_bytes >> 10} KiB (the L2 per core). "
+        f"{cores} cores: a row of N ranks is priced at max(1, N / {cores}) times the fit's "
+        "per-core costs (costs.core_share).",
         f"Load average at start {', '.join(f'{x:.2f}' for x in load0)}, at end "
-        f"{', '.join(f'{x:.2f}' for x in load1)}; {time.perf_counter() - t0:.0f} s in all.",
+        f"{', '.join(f'{x:.2f}' for x in load1)}; {time.perf_counter() - t0:.0f} s in all"
+        + (f" (priced again with --replay {args.replay})." if args.replay else "."),
     ]
     if max(load0[0], load1[0]) > (os.cpu_count() or 1) / 2:
         notes.append(
@@ -159,13 +185,13 @@ def main() -> int:
             "on 2 cores ranks are descheduled mid-collective, and a size's median moves by "
             "more than 20% between the two runs; a quiet rerun is needed to judge the target."
         )
-    date = datetime.date.today().isoformat()
     if not args.no_write:
         DATA.mkdir(exist_ok=True)
         (DATA / f"plan_costs-{date}.json").write_text(json.dumps({
             "summary": summary, "command": "python benchmarks/plan/plan_costs.py " + " ".join(sys.argv[1:]),
             "machine": f"{cpu_model()}, {os.cpu_count()} cores", "date": date,
-            "load_start": load0, "load_end": load1, "fitted": model.describe(), "rows": out_rows,
+            "load_start": load0, "load_end": load1, "cores": cores, "fitted": model.describe(),
+            "rows": out_rows, "raw": {"fit": fit_rows, "check": check_rows},
         }, indent=1) + "\n")  # fmt: skip
     argv = " ".join(sys.argv[1:])
     emit_section(

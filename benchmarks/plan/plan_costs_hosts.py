@@ -47,6 +47,7 @@ from _doc import cpu_model, emit_section, size_label  # noqa: E402
 from plan_costs import DATA, check_table, fitted_table, least_of_trials, ranks_of, summarize  # noqa: E402
 
 from pycollectives.strategies.plan.costs import (  # noqa: E402
+    core_share,
     hierarchical_time,
     ring_time,
     ring_vs_hierarchical,
@@ -141,25 +142,29 @@ def main() -> int:
     settings = {k: getattr(args, k) for k in ("max", "trials", "rounds", "iters", "estimator")}
     date = datetime.date.today().isoformat()
     cmd = "sudo python benchmarks/plan/plan_costs_hosts.py" + "".join(f" {a}" for a in sys.argv[1:])
+    cores = os.cpu_count() or 1
     if args.replay:  # the recorded runs, priced by the model as it is now
         old = json.loads(Path(args.replay).read_text())
         raw, runs, settings, date, cmd = (
             old[k] for k in ("raw", "runs", "settings", "date", "command")
         )
+        cores = old.get("cores") or int(old["machine"].rsplit(", ", 1)[1].split()[0])
     else:
         raw, runs = measure(args)
     t_all = sum(r["seconds"] for r in runs)
     tcp_rows, shm_rows, check = raw["tcp_fit"], raw["shm_fit"], raw["check"]
-    tcp = fit_model(tcp_rows, "tcp", source="TCP fit run")
-    shm = fit_model(shm_rows, "shm", source="shared-memory fit run")
+    # Every "host" is a namespace of this one machine: a run's ranks share its cores.
+    tcp = fit_model(tcp_rows, "tcp", source="TCP fit run", cores=cores)
+    shm = fit_model(shm_rows, "shm", source="shared-memory fit run", cores=cores)
     seen = {(r["collective"], ranks_of(r), r["size"]) for r in tcp_rows}
 
     def predict(r: dict) -> tuple[float, str]:
         coll, n, size = r["collective"], r["nranks"], r["size"]
+        share = core_share(n, cores)  # all of the run's ranks on this machine's cores
         if r["layout"] == "2x2 ring":  # one ring over every rank, paced by its TCP links
-            return ring_time(coll, n, size, tcp), "flat"
+            return ring_time(coll, n, size, tcp) * share, "flat"
         per_host = 2 if r["layout"] == "2x2" else 1
-        return hierarchical_time(coll, n, per_host, size, shm, tcp), "hierarchical"
+        return hierarchical_time(coll, n, per_host, size, shm, tcp) * share, "hierarchical"
 
     table, out_rows, _ = check_table(check, predict, seen)
     by: dict[str, list[tuple[float, bool]]] = {}
@@ -228,7 +233,9 @@ def main() -> int:
         + ": how far apart two runs of the same thing land on this machine at this load, a "
         "floor under any model's error.",
         "Hosts: network namespaces on one machine, one veth pair each to a bridge: the two "
-        f"hosts' ranks share its {os.cpu_count()} cores (and the kernel that copies TCP's bytes).",
+        f"hosts' ranks share its {cores} cores (and the kernel that copies TCP's bytes); the "
+        "fits divide each row by the share of the cores its ranks had (costs.core_share: "
+        "max(1, ranks / cores)) and the predictions multiply the check run's back.",
     ]
     if not args.no_write:
         DATA.mkdir(exist_ok=True)
@@ -237,7 +244,7 @@ def main() -> int:
                                         "rows": tcp_rows}, indent=1) + "\n")  # fmt: skip
         (DATA / f"plan_costs_hosts-{date}.json").write_text(json.dumps({
             "summary": summaries, "ring_vs_hierarchical_agree": [agree, total], "command": cmd,
-            "machine": f"{cpu_model()}, {os.cpu_count()} cores", "date": date, "runs": runs,
+            "machine": f"{cpu_model()}, {cores} cores", "cores": cores, "date": date, "runs": runs,
             "fitted": {"tcp": tcp.describe(), "shm": shm.describe()}, "rows": out_rows,
             "at_scale": at_scale, "settings": settings, "raw": raw,
         }, indent=1) + "\n")  # fmt: skip

@@ -12,6 +12,12 @@ On one host the code picks the one-shot areas for small messages, single copy (C
 shared slots for large ones (docs/api.md); `fit` does not model those paths separately: it
 fits the alpha and beta of the ring formulas to what `pycollectives-bench --json` measured,
 so they are the effective latency and bandwidth of whatever ran at those sizes.
+
+The transports of a host copy with its CPU cores (the slots, single copy, the kernel's TCP
+stack): where a machine runs more ranks than it has cores, the ranks time-share them and a
+collective takes about `core_share(ranks, cores)` times as long as on a core each. The fits
+divide that factor out of their rows and the callers that know how many ranks share a
+machine's cores multiply it back (on a cluster with a core or more per rank it is 1).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ __all__ = [
     "INTRA_PATH",
     "LinkCost",
     "across_hosts_time",
+    "core_share",
     "fit",
     "hierarchical_time",
     "load_bench_json",
@@ -51,6 +58,17 @@ class LinkCost:
     def bandwidth(self) -> float:
         """Bytes per second."""
         return 1.0 / self.beta if self.beta else math.inf
+
+
+def core_share(ranks: int, cores: int | None) -> float:
+    """How many times slower a CPU-bound transfer runs when `ranks` busy ranks time-share
+    `cores` cores than with a core each: max(1, ranks / cores); 1 where cores is None
+    (unknown: no sharing modelled). Raises PlanInputError for cores < 1 or ranks < 0."""
+    if cores is None:
+        return 1.0
+    if cores < 1 or ranks < 0:
+        raise PlanInputError(f"core_share: ranks={ranks}, cores={cores}: need cores >= 1")
+    return max(1.0, ranks / cores)
 
 
 def _terms(collective: str, n: int, size: float) -> tuple[float, float]:

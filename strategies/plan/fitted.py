@@ -29,7 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .costs import COLLECTIVES, LinkCost, _terms
+from .costs import COLLECTIVES, LinkCost, _terms, core_share
 from .units import PlanInputError
 
 __all__ = ["CostModel", "fit_model", "local_cache_bytes", "row_path"]
@@ -164,11 +164,15 @@ def fit_model(
     min_bytes: int = 64 * 1024,
     cache_bytes: int | None = None,
     source: str = "bench",
+    cores: int | None = None,
 ) -> CostModel:
     """A CostModel of `transport` fitted to the pycoll rows (all_reduce, reduce_scatter,
     all_gather at >= min_bytes on >= 2 ranks, with a time) of a `pycollectives-bench --json`
     run (costs.load_bench_json). cache_bytes: where the "memory" regime starts (default:
-    local_cache_bytes()). Raises PlanInputError when no usable row remains."""
+    local_cache_bytes()). cores: the cores of the one machine every row's ranks ran on
+    (each row's time is divided by costs.core_share(its ranks, cores): the model prices a
+    core per rank, and its callers multiply the share of the machine they price back; None:
+    rows taken as they are). Raises PlanInputError when no usable row remains."""
     cache = local_cache_bytes() if cache_bytes is None else cache_bytes
     if cache < 1:
         raise PlanInputError(f"fit_model: cache_bytes={cache} must be >= 1")
@@ -182,7 +186,7 @@ def fit_model(
         coll, path = r["collective"], row_path(r)
         regime = "cached" if r["size"] <= cache else "memory"
         steps, wire = _terms(coll, r["nranks"], r["size"])
-        pt = (steps, wire, r["time_us"] * 1e-6)
+        pt = (steps, wire, r["time_us"] * 1e-6 / core_share(r["nranks"], cores))
         for key in ((coll, path, regime), (coll, "any", regime), (coll, path, "any"), (coll, "any", "any"), ("any", "any", "any")):  # fmt: skip
             if key not in groups or pt not in groups[key]:
                 groups[key].append(pt)

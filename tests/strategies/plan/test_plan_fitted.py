@@ -7,7 +7,12 @@ import pytest
 
 from pycollectives.strategies.plan import parse_request
 from pycollectives.strategies.plan.cli import main, plan
-from pycollectives.strategies.plan.costs import LinkCost, hierarchical_time, ring_time
+from pycollectives.strategies.plan.costs import (
+    LinkCost,
+    core_share,
+    hierarchical_time,
+    ring_time,
+)
 from pycollectives.strategies.plan.fitted import fit_model, local_cache_bytes, row_path
 from pycollectives.strategies.plan.inputs import PlanInputError
 
@@ -76,6 +81,27 @@ def test_one_alpha_beta_cannot_fit_what_the_paths_do():
     model = fit_model(rows, cache_bytes=CACHE)
     worst = max(abs(model.time(r["collective"], r["nranks"], r["size"]) * 1e6 / r["time_us"] - 1) for r in rows)  # fmt: skip
     assert worst_one > 0.2 and worst < 1e-6, (worst_one, worst)
+
+
+def test_ranks_beyond_the_cores_are_divided_out_of_the_fit_and_multiplied_back():
+    """Rows of 4 ranks time-sharing 2 cores take twice the per-core time: fitted with the
+    cores, the model recovers the per-core costs exactly, and prices 3 ranks (never
+    measured) at 1.5 times them; without the cores, one fit across 2 and 4 ranks cannot."""
+    rows = _rows()
+    for r in rows:
+        r["time_us"] *= core_share(r["nranks"], 2)
+    model = fit_model(rows, cache_bytes=CACHE, cores=2)
+    for coll in ("all_reduce", "reduce_scatter", "all_gather"):
+        for size, path in PATH.items():
+            for n in (2, 3, 4):
+                got = model.time(coll, n, size) * core_share(n, 2)
+                assert got == pytest.approx(_time(coll, n, size, path) * max(1, n / 2)), (coll, n)
+    naive = fit_model(rows, cache_bytes=CACHE)
+    worst = max(abs(naive.time(r["collective"], r["nranks"], r["size"]) * 1e6 / r["time_us"] - 1) for r in rows)  # fmt: skip
+    assert worst > 0.2, worst
+    assert core_share(3, None) == 1.0 and core_share(1, 8) == 1.0 and core_share(12, 8) == 1.5
+    with pytest.raises(PlanInputError, match="cores"):
+        core_share(4, 0)
 
 
 def test_fallbacks_and_bad_rows():
