@@ -5,7 +5,7 @@ pycollectives' own collectives.
     zero = ZeroOptimizer(model, torch.optim.AdamW, comm, stage=2, lr=1e-3)
     for x, y in batches:
         zero.zero_grad()
-        loss_fn(model(x), y).backward()  # stage 2/3: reduce-scatters overlap backward
+        loss_fn(model(x), y).backward()  # the reduce-scatters overlap backward
         zero.clip_grad_norm_(1.0)        # the global norm, from the shards
         zero.step()                      # stage 1/2: then all-gathers the parameters
 
@@ -24,11 +24,12 @@ the parameters as the collectives carry them):
 (Stage 3 in bf16 keeps no 16-bit copy of the parameter shard, which the paper
 counts: each gather casts the fp32 master shard into the gathered buffer.)
 
-Stage 1: after backward every unit's gradients are reduce-scattered in place in
-its gradient window; each rank steps its 1/N shard, then all-gathers the
-updated parameters. Stage 2: a unit's gradients are reduce-scattered as soon as
-backward has produced them all, while the rest of backward runs; only the shard
-is kept. Stage 3: parameters are sharded too, gathered before each unit's
+Stage 1: every unit's gradients are reduce-scattered in place in its gradient
+window as soon as the backward that synchronizes (the last micro-batch's) has
+produced them all, while the rest of backward runs (earlier micro-batches
+accumulate in the windows without communicating); each rank steps its 1/N
+shard, then all-gathers the updated parameters. Stage 2: a unit's gradients
+are reduce-scattered likewise, into a pooled buffer; only the shard is kept. Stage 3: parameters are sharded too, gathered before each unit's
 forward and backward (the next units prefetched) and freed after; the root
 (R bytes of the P: embeddings, final norm, tied head), whose forward encloses
 every other unit's and whose backward comes first, stays gathered from its
@@ -187,7 +188,7 @@ class ZeroOptimizer:
             prefetch=prefetch,
             check_order=check_order,
             reduce_buffers=reduce_buffers,
-            overlap_reduce=stage >= 2,
+            overlap_reduce=True,  # stage 1 too: in its windows, during the last backward
             master_grads=False,
             grad_hooks=not external_gradients,
         )

@@ -54,8 +54,9 @@ class ShardingEngine:
         check_order: exchange a fingerprint before every collective (see
             OrderGuard); False saves one small all-reduce per collective.
         reduce_buffers: window buffers for the gradients' reduce-scatters.
-        overlap_reduce: reduce-scatter each unit during backward (ZeRO-2/3,
-            FSDP); False: all at the end of backward (ZeRO-1).
+        overlap_reduce: reduce-scatter each unit during backward, as soon as
+            its gradients are all produced (ZeRO-1/2/3, FSDP); False: all at
+            the end of backward.
         master_grads: keep reduced gradients in the master dtype (FSDP: the
             parameters show them); False: in the reduce dtype (ZeroOptimizer
             casts them for its step).
