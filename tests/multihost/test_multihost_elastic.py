@@ -65,17 +65,21 @@ def fabric():
 # -- running the jobs on the hosts -----------------------------------------------
 
 
-def _plain(rank: int, world_size: int, hosts: list[str], job: Any, args: tuple) -> Any:
+def _plain(
+    rank: int, world_size: int, hosts: list[str], job: Any, args: tuple, net: float = mr.NET_TIMEOUT
+) -> Any:
     """job(rank, world_size, *args) on rank's host: a one-host test's job, whose
     pc.init() finds rank 0's store on host 0 (MASTER_ADDR) the torchrun way."""
     netns.enter(hosts[LAYOUT[rank]])
     os.environ["MASTER_ADDR"] = netns.addr(0)
-    os.environ["PYCOLL_NET_TIMEOUT"] = str(mr.NET_TIMEOUT)
+    os.environ["PYCOLL_NET_TIMEOUT"] = str(net)
     return job(rank, world_size, *args)
 
 
-def _on_hosts(fabric: netns.Fabric, job: Any, *args: Any, timeout: float = 240.0) -> list[Any]:
-    return spawn.run(_plain, len(LAYOUT), fabric.hosts, job, args, timeout=timeout)
+def _on_hosts(
+    fabric: netns.Fabric, job: Any, *args: Any, timeout: float = 240.0, net: float = mr.NET_TIMEOUT
+) -> list[Any]:
+    return spawn.run(_plain, len(LAYOUT), fabric.hosts, job, args, net, timeout=timeout)
 
 
 def _down(how: str, marks: str, switch: str = "") -> None:
