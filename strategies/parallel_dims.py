@@ -288,15 +288,19 @@ class ParallelDims:
         new = grown.parent_ranks.count(-1)
         places = torch.empty(1 + new, dtype=torch.float64)
         grown.broadcast(places, 0)
-        failed = tuple(int(r) for r in places[1:])
+        sent = places[1:].tolist()  # from another process: NaN, inf or 2.5 are no rank
+        whole = all(math.isfinite(r) and r == int(r) for r in sent)
+        failed = tuple(int(r) for r in sent) if whole else ()
         if (
-            sorted(set(failed)) != list(failed)
+            not whole
+            or sorted(set(failed)) != list(failed)
             or not 0 <= failed[0] <= failed[-1] < grown.world_size
         ):
             grown.close()
             raise PyCollectivesError(
-                f"ParallelDims.join: rank {grown.rank}: the survivors sent the places {failed}, "
-                f"not distinct ranks of a world of {grown.world_size}"
+                f"ParallelDims.join: rank {grown.rank}: the survivors sent the places "
+                f"{failed if whole else tuple(sent)}, not distinct ranks of a world of "
+                f"{grown.world_size}"
             )
         if places[0] > 0:
             grown._c.set_default_timeout(float(places[0]))

@@ -4,6 +4,8 @@ model on its share of the batch, and the ranks keep it in step.
     ddp.py           DistributedDataParallel (torch DDP): bucketed gradient all-reduces in backward
     elastic.py       ElasticDataParallel: DDP that drops the step a rank died in and goes on shrunk
     redundancy.py    BuddyCopy: each rank's shard state copied to its buddy's host memory
+    buddies.py       where the buddies go: rank + 1 on one host, another host across hosts
+    state_layout.py  the packed layout of a rank's state, its codec and checked exchange
     elastic_sharded.py  ElasticZero: ZeRO that rebuilds a lost rank's shards and re-shards
     elastic_fsdp.py  ElasticFSDP: fully_shard with buddy copies, sharded again on the survivors
     hybrid.py        HybridZero (HSDP: ZeRO within groups, replicated across) and ElasticHSDP
@@ -15,7 +17,7 @@ model on its share of the batch, and the ranks keep it in step.
 
 Imports go down only: ddp <- grad_average, elastic; sharding <- zero, fsdp;
 ddp <- elastic <- elastic_sharded <- hybrid, elastic_fsdp; zero <- redundancy <- elastic_sharded;
-fsdp <- elastic_fsdp.
+buddies, state_layout <- redundancy; fsdp <- elastic_fsdp.
 """
 
 from .ddp import CompressionHook, DistributedDataParallel

@@ -1,9 +1,10 @@
-"""fully_shard (FSDP2-style) training that goes on when a rank dies (one host;
-docs/recovery.md, "Sharded state: ElasticFSDP").
+"""fully_shard (FSDP2-style) training that goes on when a rank dies (on one
+host or across hosts; docs/recovery.md, "Sharded state: ElasticFSDP").
 
 Each rank's shard state (its parameter shards, frozen ones included, and its
 torch optimizer's state of them) has a buddy copy (redundancy.py's BuddyCopy:
-in host memory on the rank and on rank + 1), refreshed every `copy_every`
+in host memory on the rank and on its buddy, a rank on another host where the
+ranks span hosts), refreshed every `copy_every`
 steps, on ElasticDataParallel's step loop (elastic.py): backward, the
 optimizer step (local under FSDP) and the refresh, then an agreement
 (elastic_sharded.py's ElasticBuddyCopy gives that loop's hooks); where
@@ -154,12 +155,15 @@ class ElasticFSDP(ElasticBuddyCopy):
         copy_every: refresh the buddy copies every this many steps (k): up to
             k - 1 completed steps are redone after a failure, besides the
             failed one.
+        placement: where the buddies are (BuddyCopy's; default "auto": on
+            another host whenever the ranks span hosts).
 
     `optimizer` is the current torch optimizer (a new one after each
     recovery: a learning-rate scheduler must follow it); `steps` the steps
     that counted; `recoveries` as ElasticDataParallel's. Raises ValueError for
-    a copy_every that is not a positive int or a `shard` that left the module
-    unsharded, and what fully_shard raises.
+    a copy_every that is not a positive int, a placement that cannot be
+    honoured or a `shard` that left the module unsharded, and what
+    fully_shard raises.
     """
 
     optimizer: torch.optim.Optimizer
@@ -172,11 +176,12 @@ class ElasticFSDP(ElasticBuddyCopy):
         *,
         copy_every: int = 1,
         shard: Callable[[nn.Module, Communicator], Any] | None = None,
+        placement: str = "auto",
         **optimizer_kwargs: Any,
     ) -> None:
         self._shard = shard or shard_blocks
         self._build = (optimizer_class, optimizer_kwargs)
-        super().__init__(module, comm, copy_every)
+        super().__init__(module, comm, copy_every, placement)
 
     def step(self, loss_fn: Callable[[nn.Module, int, int], torch.Tensor]) -> bool:  # type: ignore[override]
         """One training step: zero_grad, loss_fn(model, rank, world_size) (the

@@ -1,8 +1,9 @@
-"""ZeRO training that goes on when a rank dies (one host; docs/recovery.md,
-"Sharded state").
+"""ZeRO training that goes on when a rank dies (on one host or across hosts;
+docs/recovery.md, "Sharded state").
 
 Each rank's shard state has a buddy copy (redundancy.py: an in-memory
-checkpoint on the rank and on rank + 1), refreshed every `copy_every` steps.
+checkpoint on the rank and on its buddy: rank + 1 on one host, a rank on
+another host across hosts, buddies.py), refreshed every `copy_every` steps.
 Every step ends in a fault-tolerant agreement (Communicator.agree): where
 every rank's forward, backward, optimizer step and refresh succeeded and no
 rank failed, the step counts (and the refresh is committed). Otherwise the
@@ -36,6 +37,7 @@ from torch import nn
 
 from pycollectives import Communicator
 
+from .buddies import buddy_ranks
 from .elastic import ElasticDataParallel
 from .redundancy import BuddyCopy, FullState, gather_full_state
 from .zero import ZeroOptimizer
@@ -52,18 +54,23 @@ class ElasticBuddyCopy(ElasticDataParallel):
 
     A subclass gives wrap(comm) (build over `comm`, from `_full` when it is
     set, then `_stage` the first copy of what it built, which recovered()
-    commits), `_zero_grad()` and `_optimizer_step()`. Raises ValueError for a
-    copy_every that is not a positive int."""
+    commits), `_zero_grad()` and `_optimizer_step()`. `placement` places the
+    buddies (BuddyCopy's: "auto", "hosts" or "ring"; buddies.py), at start
+    and again over the survivors after each recovery. Raises ValueError for a
+    copy_every that is not a positive int, and for a placement that is not
+    one of those or cannot be honoured on `comm`'s hosts ("hosts" on one
+    host, or with a host holding more than half of the ranks)."""
 
     copy: BuddyCopy  # the committed copy: the recovery point
 
-    def __init__(self, module: nn.Module, comm: Communicator, copy_every: int) -> None:
+    def __init__(
+        self, module: nn.Module, comm: Communicator, copy_every: int, placement: str = "auto"
+    ) -> None:
+        who = f"{type(self).__name__}: rank {comm.rank}"
         if isinstance(copy_every, bool) or not isinstance(copy_every, int) or copy_every < 1:
-            raise ValueError(
-                f"{type(self).__name__}: rank {comm.rank}: copy_every={copy_every!r} must be an "
-                "int >= 1"
-            )
-        self.copy_every = copy_every
+            raise ValueError(f"{who}: copy_every={copy_every!r} must be an int >= 1")
+        buddy_ranks(comm.hosts, placement, who)  # refused here rather than in the first wrap
+        self.copy_every, self.placement = copy_every, placement
         self._full: FullState | None = None
         self._next: BuddyCopy | None = None
         self._refreshed = False
@@ -78,7 +85,7 @@ class ElasticBuddyCopy(ElasticDataParallel):
 
     def _stage(self, source: Any) -> None:
         """Stages the first copy of a newly built state (collective: a refresh)."""
-        self._next = BuddyCopy(source)
+        self._next = BuddyCopy(source, placement=self.placement)
         self._next.refresh()
 
     # -- ElasticDataParallel's hooks -------------------------------------------------
@@ -126,12 +133,15 @@ class ElasticZero(ElasticBuddyCopy):
             cost of a refresh (a copy of this rank's shard state into host
             memory and one exchange of it with each neighbour) against the
             steps redone after a failure (up to k - 1 besides the failed one).
+        placement: where the buddies are (BuddyCopy's; default "auto": on
+            another host whenever the ranks span hosts).
 
     `zero` is the current ZeroOptimizer (a new one after each recovery);
     `recoveries` lists, per recovery, the failed ranks (of the communicator of
     the time), the new world size, the step rolled back to and the seconds
     (ElasticDataParallel's). Raises ValueError for a copy_every that is not a
-    positive int, and what ZeroOptimizer raises.
+    positive int or a placement that cannot be honoured, and what
+    ZeroOptimizer raises.
     """
 
     zero: ZeroOptimizer
@@ -144,11 +154,12 @@ class ElasticZero(ElasticBuddyCopy):
         stage: int = 3,
         *,
         copy_every: int = 1,
+        placement: str = "auto",
         **zero_kwargs: Any,
     ) -> None:
         self.model = model
         self._build = (optimizer_class, stage, zero_kwargs)
-        super().__init__(model, comm, copy_every)
+        super().__init__(model, comm, copy_every, placement)
 
     def step(self, loss_fn: Callable[[nn.Module, int, int], torch.Tensor]) -> bool:  # type: ignore[override]
         """One training step: zero_grad, loss_fn(model, rank, world_size) (the

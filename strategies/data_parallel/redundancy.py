@@ -4,10 +4,13 @@ kept on the rank itself and on its buddy (docs/recovery.md, "Sharded state").
 Under ZeRO the master parameters and the optimizer state of a shard live on one
 rank only. `BuddyCopy` keeps, in host memory, a copy of this rank's shard state
 (its master shards, frozen ones included, and the optimizer state of its
-trainable shards) and a copy of rank (r - 1) % n's, which that rank sends it:
-every shard is held twice, on its rank and on the next. A refresh sends the
-state straight from its tensors to the buddy (r + 1) and receives the
-predecessor's (r - 1) into a staging buffer; it becomes the copy only when
+trainable shards) and a copy of one other rank's, which that rank sends it:
+every shard is held twice, on its rank and on its buddy. Which rank is whose
+buddy is a permutation of the ranks (buddies.py): rank r + 1 on one host;
+across hosts a rank on another host, so that losing a whole host leaves every
+lost shard's copy on a survivor. A refresh sends the state straight from its
+tensors to the buddy and receives its predecessor's (`prev`, the rank whose
+buddy this one is) into a staging buffer; it becomes the copy only when
 `commit` is called, after every rank agreed that it succeeded (then each rank
 also copies its own state into its own copy): a failure during a refresh
 leaves the previous copy whole on every rank. Host memory: 3 S, S this rank's
@@ -16,16 +19,18 @@ The own copy is what lets the survivors roll back alike: after a failure
 every rank, not only the dead one's buddy, returns to the copy's step.
 
 What is copied comes from a `ShardSource`: the packed layout of a rank's
-shard state (entries end to end, alike on every rank) and where each of a
-rank's tensors goes in it. `ZeroShards` describes a ZeroOptimizer's (one
-tensor per entry); elastic_fsdp.py's FSDPShards a fully_shard model's, whose
-torch optimizer keeps its state per parameter piece (pieces placed at their
-offset in the shard, so every rank's packed state has the same entries).
-`TensorState` is any other state (a pipeline stage's parameters and their
-optimizer state: parallel3d/replacement.py), whose layout may differ from rank
-to rank: a refresh then first tells the buddy this rank's layout where it
-changed since the last commit (`encode_entries`, checked on arrival by
-`decode_entries`), and the buddy keeps it as `remote_entries`.
+shard state (entries end to end, alike on every rank: state_layout.py) and
+where each of a rank's tensors goes in it. `ZeroShards` describes a
+ZeroOptimizer's (one tensor per entry); elastic_fsdp.py's FSDPShards a
+fully_shard model's, whose torch optimizer keeps its state per parameter
+piece (pieces placed at their offset in the shard, so every rank's packed
+state has the same entries). `TensorState` is any other state (a pipeline
+stage's parameters and their optimizer state: parallel3d/replacement.py),
+whose layout may differ from rank to rank: a refresh then first tells the
+buddy this rank's layout where it changed since the last commit
+(state_layout.LayoutExchange: checked on arrival, and bounded by the
+capacity the sender declared at setup), and the buddy keeps it as
+`remote_entries`.
 
 After a failure, `gather_full_state` rebuilds, from the survivors' own copies
 and the buddies' copies of the dead ranks' shards, the full (unsharded) flat
@@ -37,14 +42,24 @@ next refresh.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from pycollectives import Communicator
+
+from .buddies import buddy_ranks, check_placement, survives_host_loss
+from .state_layout import (
+    Entry,
+    FullState,
+    LayoutExchange,
+    StateTensor,
+    decode_entries,
+    encode_entries,
+    entries_of,
+    packed_size,
+)
 
 __all__ = [
     "BuddyCopy",
@@ -61,38 +76,6 @@ __all__ = [
     "pack",
 ]
 
-_MAX_LAYOUT, _MAX_STATE = 1 << 26, 1 << 40  # bytes of a layout, and of its state, from a peer
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of the shard state: flat parameter `flat` (its index among
-    the engine's flat parameters), `key` ("param" for the master shard, else
-    the optimizer state's key), its place in the packed bytes, and whether it
-    is sharded (a block per rank, laid out as the flat parameter's shard) or
-    a scalar every rank holds alike. `slot`: for state kept per parameter
-    (a torch optimizer over fully_shard's pieces), which parameter of the
-    flat; -1 for state of the whole flat."""
-
-    flat: int
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int  # bytes
-    nbytes: int
-    sharded: bool
-    device: torch.device  # where the tensor lives (the copy itself is in host memory)
-    slot: int = -1
-
-
-# The full state, by (flat index, key, slot), with its Entry (gather_full_state).
-FullState = dict[tuple[int, str, int], tuple[torch.Tensor, Entry]]
-
 
 class ShardSource(Protocol):
     """What BuddyCopy copies: a rank's shard state, packed."""
@@ -108,10 +91,6 @@ class ShardSource(Protocol):
         """(byte offset, bytes) in the packed state of each of rank `rank`'s
         tensors, in the order layout() lists this rank's."""
         ...
-
-
-# One tensor of a state to copy: (index, key, tensor, sharded), as Entry says.
-StateTensor = tuple[int, str, torch.Tensor, bool]
 
 
 def _shard_tensors(zero: Any) -> list[StateTensor]:
@@ -133,16 +112,6 @@ def _shard_tensors(zero: Any) -> list[StateTensor]:
     return out
 
 
-def _entries(tensors: list[StateTensor]) -> list[Entry]:
-    """The packed layout of _shard_tensors' tensors, end to end."""
-    entries, off = [], 0
-    for flat, key, t, sharded in tensors:
-        n = t.numel() * t.element_size()
-        entries.append(Entry(flat, key, t.dtype, tuple(t.shape), off, n, sharded, t.device))
-        off += n
-    return entries
-
-
 class ZeroShards:
     """A ZeroOptimizer's shard state as a ShardSource: its master shards
     (frozen ones included) and the optimizer state of its trainable shards,
@@ -153,7 +122,7 @@ class ZeroShards:
 
     def layout(self) -> tuple[list[Entry], list[torch.Tensor]]:
         tensors = _shard_tensors(self.zero)
-        return _entries(tensors), [t for _, _, t, _ in tensors]
+        return entries_of(tensors), [t for _, _, t, _ in tensors]
 
     def place(self, entries: list[Entry], rank: int) -> list[tuple[int, int]]:
         return [(e.offset, e.nbytes) for e in entries]
@@ -162,71 +131,45 @@ class ZeroShards:
 class TensorState:
     """Any tensors as a ShardSource (`tensors()`: their (index, key, tensor,
     sharded), packed end to end in that order) whose layout may differ from
-    rank to rank: BuddyCopy then exchanges the layouts too."""
+    rank to rank: BuddyCopy then exchanges the layouts too
+    (state_layout.LayoutExchange, bounded by `capacity`)."""
 
     uniform = False
 
-    def __init__(self, comm: Communicator, tensors: Callable[[], list[StateTensor]]) -> None:
-        self.comm, self._tensors = comm, tensors
+    def __init__(
+        self,
+        comm: Communicator,
+        tensors: Callable[[], list[StateTensor]],
+        capacity: int | None = None,
+    ) -> None:
+        self.comm, self._tensors, self.capacity = comm, tensors, capacity
 
     def layout(self) -> tuple[list[Entry], list[torch.Tensor]]:
         tensors = self._tensors()
-        return _entries(tensors), [t for _, _, t, _ in tensors]
+        return entries_of(tensors), [t for _, _, t, _ in tensors]
 
     def place(self, entries: list[Entry], rank: int) -> list[tuple[int, int]]:
         return [(e.offset, e.nbytes) for e in entries]
 
 
-def _size(entries: list[Entry]) -> int:
-    """The packed bytes of a layout."""
-    return entries[-1].offset + entries[-1].nbytes if entries else 0
-
-
-def encode_entries(entries: list[Entry]) -> bytes:
-    """A layout as bytes (JSON), for a peer's decode_entries."""
-    rows = [[e.flat, e.key, str(e.dtype).removeprefix("torch."), list(e.shape), e.offset,
-             e.nbytes, e.sharded, str(e.device), e.slot] for e in entries]  # fmt: skip
-    return json.dumps(rows).encode()
-
-
-def decode_entries(raw: bytes, who: str) -> list[Entry]:
-    """The layout encode_entries wrote, checked: each entry's dtype known,
-    its bytes its shape's, packed end to end from 0. Raises RuntimeError
-    starting with `who` for anything else (it came from another process)."""
-    try:
-        rows = json.loads(raw.decode())
-        out, off = [], 0
-        for flat, key, dtype, shape, offset, nbytes, sharded, device, slot in rows:
-            d, shape = _DTYPES[dtype], tuple(shape)
-            numel = 1
-            for s in shape:
-                numel *= s
-            ok = all(isinstance(v, int) and v >= 0 for v in (flat, offset, nbytes, *shape))
-            ok = ok and isinstance(slot, int) and slot >= -1
-            if not (ok and isinstance(key, str) and isinstance(sharded, bool)) or offset != off:
-                raise ValueError(f"entry {len(out)}")
-            if nbytes != numel * d.itemsize:
-                raise ValueError(f"entry {len(out)}: {nbytes} bytes for {shape} {dtype}")
-            device = torch.device(device)
-            out.append(Entry(flat, key, d, shape, offset, nbytes, sharded, device, slot))
-            off += nbytes
-        if off > _MAX_STATE:
-            raise ValueError(f"{off} bytes in all")
-        return out
-    except (UnicodeDecodeError, ValueError, TypeError, KeyError, RuntimeError) as e:
-        raise RuntimeError(f"{who} layout is malformed ({e}): {raw[:80]!r}") from None
-
-
 class BuddyCopy:
     """This rank's shard state (`source`: a ShardSource, or a ZeroOptimizer
-    for its ZeroShards), copied into host memory here and on the buddy rank
-    (rank + 1) % world_size, which in turn keeps rank - 1's copy.
+    for its ZeroShards), copied into host memory here and on its buddy rank
+    (`buddy`), which in turn keeps the copy of one rank (`prev`).
+
+    `placement` (buddies.py): "auto" (the default: rank + 1 on one host;
+    across hosts every buddy on another host where no host holds more than
+    half of the ranks, else as many as can be), "hosts" (every buddy on
+    another host, or ValueError naming this rank and the operation) or "ring"
+    (rank + 1). Every rank must pass the same: the first refresh checks it.
 
     Any other state: BuddyCopy(comm=comm, tensors=fn), fn() returning the
     (index, key, tensor, sharded) of the tensors to copy (a TensorState:
     the layout may differ from rank to rank, and a refresh first tells the
     buddy this rank's where it changed since the last commit: one more small
-    exchange; the buddy keeps it as `remote_entries`).
+    exchange; the buddy keeps it as `remote_entries`). `capacity` bounds the
+    bytes that state may grow to (default: state_layout.default_capacity of
+    its layout at the first refresh); a peer announcing more is refused.
 
     `step` is the training step the committed copy holds (set by commit);
     `nbytes` the host bytes held (the copies and the staging buffers).
@@ -238,22 +181,38 @@ class BuddyCopy:
         *,
         comm: Communicator | None = None,
         tensors: Callable[[], list[StateTensor]] | None = None,
+        capacity: int | None = None,
+        placement: str = "auto",
     ) -> None:
         if (source is None) == (tensors is None) or (tensors is not None and comm is None):
             raise ValueError(
                 "BuddyCopy: pass a ShardSource or a ZeroOptimizer, or comm= and tensors="
             )
         if tensors is not None:
-            source = TensorState(comm, tensors)  # type: ignore[arg-type]
+            source = TensorState(comm, tensors, capacity)  # type: ignore[arg-type]
         self.source: ShardSource = source if hasattr(source, "place") else ZeroShards(source)
         self._uniform = getattr(self.source, "uniform", True)  # every rank's layout is this one's
         self.comm: Communicator = source.comm
         self.rank, self.world_size = self.comm.rank, self.comm.world_size  # (outlive the comm)
+        hosts = self.comm.hosts
+        # buddies[r]: the rank holding rank r's copy, the same on every rank
+        self.buddies = buddy_ranks(hosts, placement, f"BuddyCopy: rank {self.rank}")
+        self.prev = self.buddies.index(self.rank)  # the rank whose copy this one holds
+        self.survives_host_loss = survives_host_loss(hosts, self.buddies)
+        self._checked = self.world_size == 1  # the ranks' placements compared (first refresh)
+        self._layouts = (
+            None
+            if self._uniform or self.world_size == 1
+            else LayoutExchange(
+                self.comm, self.buddy, self.prev, getattr(self.source, "capacity", None),
+                "BuddyCopy.refresh",
+            )
+        )  # fmt: skip
         self.step = -1  # nothing committed yet
         self.entries: list[Entry] = []
         self.remote_entries: list[Entry] = []  # the layout of `remote`
         self.local = torch.empty(0, dtype=torch.uint8)  # this rank's state at `step`
-        self.remote = torch.empty(0, dtype=torch.uint8)  # rank - 1's state at `step`
+        self.remote = torch.empty(0, dtype=torch.uint8)  # prev's state at `step`
         self._staging = torch.empty(0, dtype=torch.uint8)  # what the next refresh receives into
         # a refresh not yet committed: (staging, entries, tensors, the predecessor's entries)
         self._staged: tuple[torch.Tensor, list[Entry], list[torch.Tensor], list[Entry]] | None
@@ -263,7 +222,7 @@ class BuddyCopy:
     @property
     def buddy(self) -> int:
         """The rank that holds this rank's copy."""
-        return (self.rank + 1) % self.world_size
+        return self.buddies[self.rank]
 
     @property
     def nbytes(self) -> int:
@@ -272,51 +231,33 @@ class BuddyCopy:
         return self.local.numel() + self.remote.numel() + staged.numel()
 
     def refresh(self) -> None:
-        """Collective (point to point with both neighbours): sends this rank's
+        """Collective (point to point with the buddy and prev; the first one
+        also checks the ranks' placements, an all-gather): sends this rank's
         state as it is now to the buddy, straight from its tensors, and
-        receives the predecessor's into a staging buffer; the committed copy
-        is untouched until commit(). Raises the communicator's errors (a
-        failed rank)."""
+        receives prev's into a staging buffer; the committed copy is untouched
+        until commit(). Raises the communicator's errors (a failed rank),
+        ValueError where the ranks' placements differ, and, for a TensorState,
+        LayoutExchange's errors (a peer's layout refused, the communicator
+        revoked first)."""
+        if not self._checked:
+            check_placement(self.comm, self.buddies, "BuddyCopy.refresh")
+            self._checked = True
         entries, tensors = self.source.layout()
-        n = self.world_size
-        prev = (self.rank - 1) % n
-        theirs = entries if self._uniform or n == 1 else self._their_layout(entries, prev)
-        off = _size(theirs)
+        theirs = entries
+        if self._layouts is not None:
+            theirs = self._layouts.swap(entries, entries != self.entries, self.remote_entries)
+        off = packed_size(theirs)
         staging = self._staging if self._staging.numel() == off else None
         if staging is None:  # zeros: bytes no tensor is placed in (gaps between pieces)
             staging = torch.zeros(off, dtype=torch.uint8)
         self._staged = (staging, entries, tensors, theirs)
         self._placed = self.source.place(entries, self.rank)
-        if n == 1:  # no buddy: the local copy only
+        if self.world_size == 1:  # no buddy: the local copy only
             return
-        placed = self.source.place(theirs, prev)
+        placed = self.source.place(theirs, self.prev)
         ops = [("send", _bytes(t), self.buddy) for t in tensors if t.numel()]
-        ops += [("recv", staging[o : o + nb], prev) for o, nb in placed if nb]
+        ops += [("recv", staging[o : o + nb], self.prev) for o, nb in placed if nb]
         self.comm.batch_p2p(ops)
-
-    def _their_layout(self, entries: list[Entry], prev: int) -> list[Entry]:
-        """The predecessor's layout for this refresh: each rank sends its
-        buddy its layout's length in bytes (0: unchanged since the last
-        commit), then the layout itself where it changed. Checked before use."""
-        meta = encode_entries(entries) if entries != self.entries else b""
-        theirs = torch.empty(1, dtype=torch.int64)
-        mine = torch.tensor([len(meta)], dtype=torch.int64)
-        self.comm.batch_p2p([("send", mine, self.buddy), ("recv", theirs, prev)])
-        k = int(theirs[0])
-        if not 0 <= k <= _MAX_LAYOUT:
-            raise RuntimeError(
-                f"BuddyCopy: rank {self.rank}: rank {prev} announced a layout of {k} bytes"
-            )
-        raw = torch.empty(k, dtype=torch.uint8)
-        ops = []
-        if meta:
-            ops.append(("send", torch.frombuffer(bytearray(meta), dtype=torch.uint8), self.buddy))
-        ops += [("recv", raw, prev)] if k else []
-        if ops:
-            self.comm.batch_p2p(ops)
-        if not k:
-            return self.remote_entries
-        return decode_entries(bytes(raw.numpy()), f"BuddyCopy: rank {self.rank}: rank {prev}'s")
 
     def commit(self, step: int) -> None:
         """The refresh becomes the copy of training step `step` (call on every
@@ -328,7 +269,7 @@ class BuddyCopy:
             raise RuntimeError(f"BuddyCopy: rank {self.rank}: commit without a refresh")
         staging, entries, tensors, theirs = self._staged
         self._staged = None
-        nbytes = _size(entries)
+        nbytes = packed_size(entries)
         if self.local.numel() != nbytes:
             self.local = torch.zeros(nbytes, dtype=torch.uint8)
         for (o, nb), t in zip(self._placed, tensors, strict=True):
@@ -370,10 +311,11 @@ def gather_full_state(copy: BuddyCopy, comm: Communicator, survivors: tuple[int,
     old_n, me = copy.world_size, comm.rank
     where = {old: new for new, old in enumerate(survivors)}
     dead = [r for r in range(old_n) if r not in where]
-    lost = [r for r in dead if (r + 1) % old_n not in where]
+    lost = [r for r in dead if copy.buddies[r] not in where]
     if lost or copy.step < 0:
+        buddies = ", ".join(f"rank {copy.buddies[r]}" for r in lost)
         why = (
-            f"the shards of ranks {lost} are lost: each and its buddy (rank + 1) failed"
+            f"the shards of ranks {lost} are lost: each and its buddy ({buddies}) failed"
             if lost
             else "no copy was committed"
         )
@@ -395,7 +337,7 @@ def gather_full_state(copy: BuddyCopy, comm: Communicator, survivors: tuple[int,
         old: own[new * nb : (new + 1) * nb] for new, old in enumerate(survivors)
     }
     for r in dead:  # from its buddy, which received it at the last refresh
-        root = where[(r + 1) % old_n]
+        root = where[copy.buddies[r]]
         buf = copy.remote if me == root else torch.empty(nb, dtype=torch.uint8)
         comm.broadcast(buf, root)
         blocks[r] = buf
@@ -419,7 +361,7 @@ def pack(source: Any) -> tuple[torch.Tensor, list[Entry]]:
     host bytes, and its entries."""
     src: ShardSource = source if hasattr(source, "place") else ZeroShards(source)
     entries, tensors = src.layout()
-    buf = torch.zeros(_size(entries), dtype=torch.uint8)
+    buf = torch.zeros(packed_size(entries), dtype=torch.uint8)
     for (o, nb), t in zip(src.place(entries, src.comm.rank), tensors, strict=True):
         if nb:
             buf[o : o + nb].copy_(_bytes(t))

@@ -8,10 +8,11 @@ dp x tp x pp grid so that a new process can take the lost place:
 
 - every `copy_every` (k) steps each rank's training state (the parameters of
   its stages' tensor shards and their AdamW state) is copied into its own and
-  its buddy's (world rank r + 1) host memory (BuddyCopy, data_parallel/
-  redundancy.py: the layouts differ between stages, so each refresh tells the
-  buddy the layout where it changed); the copy counts only once the step's
-  agreement says every rank succeeded;
+  its buddy's host memory (BuddyCopy, data_parallel/redundancy.py: world rank
+  r + 1 on one host, a rank on another host across hosts; the layouts differ
+  between stages, so each refresh tells the buddy the layout where it
+  changed); the copy counts only once the step's agreement says every rank
+  succeeded;
 - every step ends in world.agree(ok): a step that failed anywhere (a rank
   died in it) is dropped on every survivor alike;
 - then the survivors replace the grid (ParallelDims.replace: shrink, grow by
@@ -39,8 +40,10 @@ import torch
 
 from pycollectives import PyCollectivesError
 
-from ..data_parallel.redundancy import (
-    BuddyCopy,
+from ..data_parallel.redundancy import BuddyCopy
+from ..data_parallel.state_layout import (
+    MAX_LAYOUT,
+    MAX_STATE,
     Entry,
     StateTensor,
     decode_entries,
@@ -52,8 +55,6 @@ from ..pipeline import PipelineError
 from .trainer import StepStats, Trainer3D, TrainOptions
 
 __all__ = ["ElasticTrainer3D", "ReplacementFailed", "sources", "state_tensors"]
-
-_MAX_LAYOUT, _MAX_STATE = 1 << 26, 1 << 40  # bytes a peer may announce
 
 
 class ReplacementFailed(RuntimeError):
@@ -85,18 +86,20 @@ def state_tensors(trainer: Trainer3D) -> list[StateTensor]:
     return out
 
 
-def sources(dims: ParallelDims) -> dict[int, tuple[int, str]]:
+def sources(dims: ParallelDims, buddies: list[int] | None = None) -> dict[int, tuple[int, str]]:
     """For each replaced world rank (dims.replaced), the rank that sends it
-    its state and which copy: its buddy's ("remote", rank r + 1), else a
-    surviving data-parallel replica's own ("local"). The same on every rank.
+    its state and which copy: its buddy's ("remote", rank buddies[r], default
+    r + 1), else a surviving data-parallel replica's own ("local"). The same
+    on every rank.
 
     Raises RuntimeError when neither survived (the state is lost)."""
     n, gone = dims.world.world_size, set(dims.replaced)
+    buddies = buddies or [(r + 1) % n for r in range(n)]
     out, lost = {}, []
     for r in dims.replaced:
         replicas = [q for q in dims.group_of(r, "dp") if q not in gone]
-        if (r + 1) % n not in gone:
-            out[r] = ((r + 1) % n, "remote")
+        if buddies[r] not in gone:
+            out[r] = (buddies[r], "remote")
         elif replicas:
             out[r] = (replicas[0], "local")
         else:
@@ -105,7 +108,7 @@ def sources(dims: ParallelDims) -> dict[int, tuple[int, str]]:
         raise RuntimeError(
             f"ElasticTrainer3D: rank {dims.world.rank}: the state of "
             + ", ".join(dims.where(r) for r in lost)
-            + " is lost: its buddy (world rank + 1) and every data-parallel replica failed "
+            + " is lost: its buddy and every data-parallel replica failed "
             "with it; restart from a checkpoint"
         )
     return out
@@ -258,7 +261,7 @@ class ElasticTrainer3D:
                 "failed": new.replaced,
                 "step": k,
                 "rolled_back_to": self.steps,
-                "sources": sources(new),
+                "sources": self._sources,
                 "agree_s": agree_s,
                 "replace_s": replace_s,
                 "restore_s": time.monotonic() - start,
@@ -271,7 +274,9 @@ class ElasticTrainer3D:
         as initialized (a new job, copy None); then a first copy of it."""
         trainer = Trainer3D(dims, self.config, self.opts)
         me, step, state = dims.world.rank, 0, None
-        received = _transfer(dims, copy)
+        buddies = _placement(dims, copy)
+        self._sources = sources(dims, buddies) if dims.replaced else {}
+        received = _transfer(dims, copy, self._sources)
         if received is not None:
             step, state = received[0], received[1:]
         elif copy is not None:
@@ -291,14 +296,41 @@ class ElasticTrainer3D:
         self.dims.world.close()
 
 
+def _placement(dims: ParallelDims, copy: BuddyCopy | None) -> list[int] | None:
+    """Collective over dims.world where ranks were replaced (else None): each
+    world rank's buddy in the copies the survivors hold (placed on the old
+    world's hosts), sent by the lowest surviving rank to every rank. Checked:
+    a newcomer has none of its own. Raises RuntimeError for anything but a
+    placement of the world's ranks."""
+    if not dims.replaced:
+        return None
+    world, n = dims.world, dims.world.world_size
+    root = min(r for r in range(n) if r not in dims.replaced)
+    mine = copy.buddies if copy is not None and world.rank == root else [0] * n
+    got = torch.tensor(mine, dtype=torch.int64)
+    world.broadcast(got, root)
+    buddies = got.tolist()
+    if copy is not None and buddies != copy.buddies:  # a survivor: its copies' placement
+        raise RuntimeError(
+            f"ElasticTrainer3D: rank {world.rank}: world rank {root} placed the copies on "
+            f"{buddies[:16]}, this rank on {copy.buddies[:16]}"
+        )
+    if sorted(buddies) != list(range(n)) or any(b == r for r, b in enumerate(buddies)):
+        raise RuntimeError(
+            f"ElasticTrainer3D: rank {world.rank}: world rank {root} sent the buddies "
+            f"{buddies[:16]}, not a placement of {n} ranks"
+        )
+    return buddies
+
+
 def _transfer(
-    dims: ParallelDims, copy: BuddyCopy | None
+    dims: ParallelDims, copy: BuddyCopy | None, plan: dict[int, tuple[int, str]]
 ) -> tuple[int, list[Entry], torch.Tensor] | None:
-    """Point to point over dims.world: each source sends its newcomer the
-    copy's step, layout and bytes. Returns them on a newcomer (checked: they
-    came from another process), None elsewhere."""
+    """Point to point over dims.world: each source (`plan`, as sources()
+    gives it) sends its newcomer the copy's step, layout and bytes. Returns
+    them on a newcomer (checked: they came from another process), None
+    elsewhere."""
     world, me = dims.world, dims.world.rank
-    plan = sources(dims) if dims.replaced else {}
     header = torch.zeros(3, dtype=torch.int64)
     first: list[tuple[str, torch.Tensor, int]] = []
     second: list[tuple[str, torch.Tensor, int]] = []
@@ -323,7 +355,7 @@ def _transfer(
         return None
     step, k, nbytes = (int(v) for v in header)
     who = f"ElasticTrainer3D: rank {me}: world rank {plan[me][0]}'s"
-    if step < 0 or not 0 < k <= _MAX_LAYOUT or not 0 <= nbytes <= _MAX_STATE:
+    if step < 0 or not 0 < k <= MAX_LAYOUT or not 0 <= nbytes <= MAX_STATE:
         raise RuntimeError(f"{who} header is malformed: step {step}, {k} + {nbytes} bytes")
     raw, data = torch.empty(k, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     world.batch_p2p(

@@ -11,7 +11,9 @@ agreements and the shrink through the store (pycollectives/_recovery_hosts.py).
   cable): host 0, with the store, goes on; host 1's ranks raise within a
   bound, never hang.
 - ElasticZero (ZeRO-3, buddy copies every step), rank 3 SIGKILLed
-  mid-backward: the survivors rebuild its shard from rank 0's copy of it.
+  mid-backward: the survivors rebuild its shard from its buddy's copy (rank
+  1's: each rank's buddy is on the other host; test_multihost_buddies.py
+  loses a whole host).
 
 The survivors' parameters equal, bit for bit, a reference made by the
 one-host tests' own jobs (test_elastic.py, test_elastic_sharded.py), run on
@@ -63,17 +65,21 @@ def fabric():
 # -- running the jobs on the hosts -----------------------------------------------
 
 
-def _plain(rank: int, world_size: int, hosts: list[str], job: Any, args: tuple) -> Any:
+def _plain(
+    rank: int, world_size: int, hosts: list[str], job: Any, args: tuple, net: float = mr.NET_TIMEOUT
+) -> Any:
     """job(rank, world_size, *args) on rank's host: a one-host test's job, whose
     pc.init() finds rank 0's store on host 0 (MASTER_ADDR) the torchrun way."""
     netns.enter(hosts[LAYOUT[rank]])
     os.environ["MASTER_ADDR"] = netns.addr(0)
-    os.environ["PYCOLL_NET_TIMEOUT"] = str(mr.NET_TIMEOUT)
+    os.environ["PYCOLL_NET_TIMEOUT"] = str(net)
     return job(rank, world_size, *args)
 
 
-def _on_hosts(fabric: netns.Fabric, job: Any, *args: Any, timeout: float = 240.0) -> list[Any]:
-    return spawn.run(_plain, len(LAYOUT), fabric.hosts, job, args, timeout=timeout)
+def _on_hosts(
+    fabric: netns.Fabric, job: Any, *args: Any, timeout: float = 240.0, net: float = mr.NET_TIMEOUT
+) -> list[Any]:
+    return spawn.run(_plain, len(LAYOUT), fabric.hosts, job, args, net, timeout=timeout)
 
 
 def _down(how: str, marks: str, switch: str = "") -> None:
@@ -101,11 +107,16 @@ def _down_at(marks: str) -> float:
 def _parts(recovery: dict, ended: float, down_at: float) -> dict[str, float]:
     """A recovery's parts in seconds: detection (from the failure to the
     survivor entering the agreement: the failed step's collectives raising),
-    the agreement, and what follows (shrink, rebuild)."""
-    spent = sum(recovery[k] for k in ("agree_s", "shrink_s", "rebuild_s") if k in recovery)
-    out = {"detect": ended - spent - down_at}
-    out.update({k[:-2]: recovery[k] for k in ("agree_s", "shrink_s", "rebuild_s") if k in recovery})
-    return out
+    the agreement, the shrink and the rebuild (with the new wrapper; the
+    record's shrink_s holds both: the whole recovery after the agreement)."""
+    agree, whole = recovery["agree_s"], recovery["shrink_s"]
+    rebuild = recovery.get("rebuild_s", 0.0)
+    return {
+        "detect": ended - agree - whole - down_at,
+        "agree": agree,
+        "shrink": whole - rebuild,
+        "rebuild": rebuild,
+    }
 
 
 # -- ElasticDataParallel -----------------------------------------------------------

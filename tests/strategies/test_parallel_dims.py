@@ -117,3 +117,37 @@ def job_rank_of_errors(comm: pc.Communicator) -> str:
 
 def test_rank_of_out_of_range(pool):
     assert all("is not a point of" in msg for msg in pool(2).run(job_rank_of_errors))
+
+
+class _Grown:
+    """A grown communicator as a newcomer's pycollectives.join returns it (2
+    survivors and this newcomer), whose broadcast delivers `places`: what the
+    survivors' rank 0 sent, untrusted."""
+
+    parent_ranks, world_size, rank = (0, 1, -1), 3, 2
+
+    def __init__(self, places: list[float]) -> None:
+        self.places, self.closed = places, False
+
+    def broadcast(self, t: torch.Tensor, root: int) -> None:
+        t.copy_(torch.tensor(self.places, dtype=t.dtype))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize(
+    "place", [float("nan"), float("inf"), float("-inf"), 1.5, -1.0, 3.0, 1e300]
+)
+def test_join_refuses_a_place_that_is_no_rank_of_the_grid(monkeypatch, place):
+    """The survivors' places arrive as float64 (with their timeout): NaN, an
+    infinity or a fraction raises join's PyCollectivesError, as a rank out of
+    range does, never int()'s ValueError or OverflowError; the communicator
+    is closed."""
+    import pycollectives.strategies.parallel_dims as parallel_dims
+
+    grown = _Grown([20.0, place])
+    monkeypatch.setattr(parallel_dims, "join", lambda store, timeout, prefix: grown)
+    with pytest.raises(pc.PyCollectivesError, match=r"ParallelDims.join: rank 2: the survivors"):
+        ParallelDims.join(None, tp=3)
+    assert grown.closed

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from spawn import run
-from test_elastic_sharded import TOTAL, _die, _gpt, _lists, _loss  # its helpers
+from test_elastic_sharded import TOTAL, _die, _gpt, _lists, _loss, _ranks  # its helpers
 from zero_common import OPT, build
 
 import pycollectives as pc
@@ -65,12 +65,16 @@ def _train(model: torch.nn.Module, opt: Any, steps: range, comm: pc.Communicator
         opt.step()
 
 
-def _reference(rank: int, world_size: int, switch: int, victim: int, path: str) -> Any:
+def _reference(
+    rank: int, world_size: int, switch: int, victim: int | tuple[int, ...], path: str
+) -> Any:
+    """fully_shard on every rank up to step `switch`, a checkpoint, then on the
+    ranks but `victim` (a rank, or several: a host's, tests/multihost/)."""
     comm = pc.init(timeout=30)
     model, opt = build(comm, "fsdp", _gpt())
     _train(model, opt, range(switch), comm)
     checkpoint.save(path, comm, model, opt)
-    sub = comm.split(None if rank == victim else 0, key=rank)
+    sub = comm.split(None if rank in _ranks(victim) else 0, key=rank)
     if sub is None:
         return None
     model, opt = build(sub, "fsdp", _gpt(seed=1))  # the checkpoint must overwrite it all

@@ -51,6 +51,10 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _ranks(victim: int | tuple[int, ...]) -> tuple[int, ...]:
+    return victim if isinstance(victim, tuple) else (victim,)
+
+
 def _elastic(rank: int, world_size: int, stage: int, every: int, victim: int, where: str) -> Any:
     comm = pc.init(timeout=30)
     model = _gpt()
@@ -95,14 +99,18 @@ def _step(zero: ZeroOptimizer, model: torch.nn.Module, s: int, comm: pc.Communic
     zero.step()
 
 
-def _reference(rank: int, world_size: int, stage: int, switch: int, victim: int, path: str) -> Any:
+def _reference(
+    rank: int, world_size: int, stage: int, switch: int, victim: int | tuple[int, ...], path: str
+) -> Any:
+    """ZeRO on every rank up to step `switch`, a checkpoint, then on the ranks
+    but `victim` (a rank, or several: a host's, tests/multihost/) from there."""
     comm = pc.init(timeout=30)
     model = _gpt()
     zero = ZeroOptimizer(model, torch.optim.AdamW, comm, stage, **OPT)
     for s in range(switch):
         _step(zero, model, s, comm)
     checkpoint.save(path, comm, model, zero)
-    sub = comm.split(None if rank == victim else 0, key=rank)
+    sub = comm.split(None if rank in _ranks(victim) else 0, key=rank)
     if sub is None:
         return None
     model = _gpt(seed=1)  # other initial values: the checkpoint must overwrite them all
@@ -231,7 +239,9 @@ def _hsdp(rank: int, world_size: int) -> Any:
     return out
 
 
-def _hsdp_reference(rank: int, world_size: int, path: str) -> Any:
+def _hsdp_reference(rank: int, world_size: int, path: str, victims: tuple[int, ...] = (3,)) -> Any:
+    """HSDP 2 x 2 for 3 steps, replica group 0's checkpoint, then ZeRO-3 on
+    the ranks but `victims` (rank 3 here; host 1's two, tests/multihost/)."""
     comm = pc.init(timeout=30)
     model = _gpt()
     hsdp = HybridZero(model, torch.optim.AdamW, comm, 3, dp_replicate=2, dp_shard=2, **OPT)
@@ -242,7 +252,7 @@ def _hsdp_reference(rank: int, world_size: int, path: str) -> Any:
     if rank < 2:  # replica group 0 holds the whole state
         checkpoint.save(path, hsdp.shard_comm, model, hsdp.zero)
     comm.barrier()
-    sub = comm.split(None if rank == 3 else 0, key=rank)
+    sub = comm.split(None if rank in victims else 0, key=rank)
     if sub is None:
         return None
     model = _gpt(seed=1)

@@ -24,6 +24,7 @@ import torch
 from spawn import run
 
 import pycollectives as pc
+from pycollectives.strategies.data_parallel.buddies import buddy_ranks
 from pycollectives.strategies.models import GPTConfig
 from pycollectives.strategies.models.gpt import Block
 from pycollectives.strategies.parallel3d import (
@@ -180,6 +181,11 @@ def test_a_newcomers_state_comes_from_its_buddy_else_a_dp_replica():
     # rank 1's buddy (2) and its only dp replica (3) are gone: its state is lost
     with pytest.raises(RuntimeError, match=r"rank 1 \(dp=0, tp=1, pp=0\) is lost"):
         sources(_grid((1, 2, 3)))
+    # Across hosts (2 x 4 ranks) the buddies are on the other host (buddies.py): host 0
+    # lost whole, every rank's state comes from its buddy on host 1
+    across = buddy_ranks([0, 0, 0, 0, 1, 1, 1, 1], "auto", "test")
+    assert across == [4, 5, 6, 7, 0, 1, 2, 3]
+    assert sources(_grid((0, 1, 2, 3)), across) == {r: (r + 4, "remote") for r in range(4)}
 
 
 DP_GRID = {"dp": 2, "tp": 2, "pp": 1}
