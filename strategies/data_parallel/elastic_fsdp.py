@@ -39,6 +39,7 @@ from torch import nn
 
 from pycollectives import Communicator
 
+from ..data import ElasticSampler
 from .elastic_sharded import ElasticBuddyCopy
 from .fsdp import FSDPModule, fully_shard, fully_unshard
 from .redundancy import Entry, FullState
@@ -154,6 +155,8 @@ class ElasticFSDP(ElasticBuddyCopy):
         copy_every: refresh the buddy copies every this many steps (k): up to
             k - 1 completed steps are redone after a failure, besides the
             failed one.
+        sampler: an ElasticSampler the loss function takes its ids from
+            (committed with each step, rolled back with the copy).
 
     `optimizer` is the current torch optimizer (a new one after each
     recovery: a learning-rate scheduler must follow it); `steps` the steps
@@ -172,11 +175,12 @@ class ElasticFSDP(ElasticBuddyCopy):
         *,
         copy_every: int = 1,
         shard: Callable[[nn.Module, Communicator], Any] | None = None,
+        sampler: ElasticSampler | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         self._shard = shard or shard_blocks
         self._build = (optimizer_class, optimizer_kwargs)
-        super().__init__(module, comm, copy_every)
+        super().__init__(module, comm, copy_every, sampler)
 
     def step(self, loss_fn: Callable[[nn.Module, int, int], torch.Tensor]) -> bool:  # type: ignore[override]
         """One training step: zero_grad, loss_fn(model, rank, world_size) (the
