@@ -6,6 +6,8 @@ pycollectives (strategies/parallel3d/).
     python examples/train_gpt.py --dp 2 --pp 2 --zero 1
     python examples/train_gpt.py --dp 2 --tp 2 --fsdp
     python examples/train_gpt.py --dp 4 --survive   # then kill -9 any rank
+    python examples/train_gpt.py --dp 4 --zero 2 --survive
+    python examples/train_gpt.py --tp 2 --pp 2 --survive   # a new process replaces it
     python examples/train_gpt.py --dp 2 --pp 2 --fsdp
     python examples/train_gpt.py --tp 2 --pp 2 --sequence-parallel --device cuda
     torchrun --nproc-per-node 8 examples/train_gpt.py --dp 2 --tp 2 --pp 2
@@ -19,9 +21,12 @@ are reported once, before any rank starts, with exit status 2 (what only the
 ranks can check, once too). Ctrl-C: one line per rank, exit status 130. A rank
 that fails (or, with --timeout, one that is stopped or hung) fails every rank,
 each saying so in one line; the script ends the ranks still running a few
-seconds later and exits non-zero with the first failure. With --survive (data
-parallel only) a rank that dies (kill -9) is left behind instead: the others
-shrink to the survivors, retry the step and go on (docs/recovery.md). Across
+seconds later and exits non-zero with the first failure. With --survive a rank
+that dies (kill -9) does not end the run (_survive.py, docs/recovery.md): data
+parallel (also with --zero N or --fsdp) the others shrink to the survivors,
+retry the step and go on; with --tp/--pp > 1 this script starts a new process
+in the lost place (up to --max-replacements), which receives the place's state
+from its peers, and every rank resumes at the failed step. Data parallel across
 hosts, start each rank with RANK, WORLD_SIZE, MASTER_ADDR (rank 0's host) and
 MASTER_PORT set, as torchrun would but without its agent (which ends every rank
 when one dies): a whole host may go, except rank 0's, which serves the store.
@@ -43,6 +48,9 @@ import pycollectives as pc
 from pycollectives.launcher import run_rank, spawn
 from pycollectives.strategies.models import GPTConfig
 from pycollectives.strategies.parallel3d import SCHEDULES, TrainOptions, problems
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _survive.py, beside this file
+import _survive  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 DTYPE_BYTES = {"float32": 4, "float64": 8}
@@ -88,28 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="let the planner pick dp, tp, pp, --zero/--fsdp and --schedule for "
                    "RANKS ranks on this machine (replacing those flags), and print its "
                    "prediction beside what the run measures")  # fmt: skip
-    p.add_argument("--survive", action="store_true",
-                   help="data parallel only: when a rank dies the others go on without it "
-                   "(ElasticDataParallel: the step is dropped, the communicator shrinks, the "
-                   "step's batch is re-split over the survivors); docs/recovery.md")  # fmt: skip
-    # --kill RANK@STEP (with --survive; repeatable): that rank SIGKILLs itself in the
-    # backward of that step, for the test and the README's demonstration.
-    p.add_argument("--kill", action="append", default=[], type=_rank_at_step,
-                   help=argparse.SUPPRESS)  # fmt: skip
+    _survive.add_arguments(p)
     p.add_argument(
         "--bench-json",
         metavar="FILE",
         help="with --plan: price collectives from this pycollectives-bench --json run",
     )
     return p.parse_args(argv)
-
-
-def _rank_at_step(text: str) -> tuple[int, int]:
-    """--kill's RANK@STEP."""
-    rank, at, step = text.partition("@")
-    if not at or not rank.isdigit() or not step.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not RANK@STEP (two integers >= 0)")
-    return int(rank), int(step)
 
 
 def plan_layout(args: argparse.Namespace) -> list[str]:
@@ -181,7 +174,7 @@ def check(args: argparse.Namespace, world: int | None) -> list[str]:
             out.append(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
     if not args.timeout > 0:
         out.append(f"--timeout {args.timeout} must be > 0 seconds")
-    out += survive_problems(args, world)
+    out += _survive.problems(args, world)
     if out:
         return out
     size = args.dp * args.tp * args.pp
@@ -194,72 +187,6 @@ def check(args: argparse.Namespace, world: int | None) -> list[str]:
         return [*out, str(e)]
     dims = SimpleNamespace(dp=args.dp, tp=args.tp, pp=args.pp)
     return out + problems(dims, config, options_of(args))  # type: ignore[arg-type]
-
-
-def survive_problems(args: argparse.Namespace, world: int | None) -> list[str]:
-    """--survive's refusals (a layout whose state a survivor cannot rebuild
-    without the dead rank) and --kill's checks."""
-    if not args.survive:
-        return ["--kill needs --survive"] if args.kill else []
-    why = "cannot survive a lost rank"
-    refused = [(args.tp > 1, f"--tp {args.tp}: a tensor-parallel group {why} (its shards die "
-                "with the rank)"), (args.pp > 1, f"--pp {args.pp}: a pipeline {why} (its stage "
-                "dies with the rank)"), (args.zero > 0, f"--zero {args.zero}: ZeRO {why} (the "
-                "optimizer shard lives only on its rank; no sharded redundancy yet)"),
-               (args.fsdp, f"--fsdp: FSDP {why} (the parameter shard lives only on its rank; no "
-                "sharded redundancy yet)"), (args.plan is not None, "--plan with --survive: the "
-                "planner picks tp, pp, ZeRO, FSDP, which --survive refuses"),
-               (args.save or args.resume, "--save/--resume with --survive: the checkpoint is "
-                "Trainer3D's (not written from a shrunk run)"), (args.device != "cpu",
-                f"--device {args.device} with --survive: the recovery runs on the CPU only"),
-               (world is not None and _torchrun_agent(), "--survive under torchrun: its agent "
-                "ends every rank when one dies (run without torchrun: this script starts the "
-                "ranks; or start each rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")]  # fmt: skip
-    out = [f"--survive: {msg}" for bad, msg in refused if bad]
-    for rank, step in args.kill:
-        if rank >= args.dp or step >= args.steps:
-            out.append(f"--kill {rank}@{step}: rank must be < --dp {args.dp}, step < --steps "
-                       f"{args.steps}")  # fmt: skip
-    if len({r for r, _ in args.kill}) >= args.dp:
-        out.append(f"--kill: {len(args.kill)} kills leave no rank of --dp {args.dp}")
-    return out
-
-
-def _torchrun_agent() -> bool:
-    """Whether torchrun's agent started this process (it sets TORCHELASTIC_RUN_ID),
-    rather than a launcher that only set RANK, WORLD_SIZE, MASTER_ADDR/PORT."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def train_survive(args: argparse.Namespace) -> int:
-    """One rank's --survive training (ElasticTrainer); returns the exit code.
-    The communicator keeps init's store: across hosts the survivors agree and
-    shrink through it (rank 0 serves it: its host must survive)."""
-    from pycollectives.strategies.parallel3d.elastic_trainer import ElasticTrainer
-
-    comm = pc.init(timeout=args.timeout, keep_store=True)
-    trainer = ElasticTrainer(comm, config_of(args), options_of(args), tuple(args.kill))
-    if comm.rank == 0:
-        n = sum(p.numel() for p in trainer.model.parameters())
-        print(f"GPT {n:,} parameters; dp={comm.world_size} ranks, --survive (ElasticDataParallel)"
-              f", on cpu; steps 0..{args.steps}", flush=True)  # fmt: skip
-    progress = Progress(args.steps, 0, args.log_every, comm.rank == 0)
-    rates, loss = [], float("nan")
-    while trainer.step_index < args.steps:
-        stats = trainer.step()
-        progress.enabled = trainer.rank == 0  # rank 0 may have died: its successor reports
-        for rec in stats.recoveries:
-            progress.say(rec.line())
-        rates.append(stats.tokens / stats.seconds)
-        loss = stats.loss
-        progress.update(stats.step, loss, rates[-1])
-    progress.close()
-    if trainer.rank == 0 and rates:
-        print(f"final loss {loss:.4f} after {trainer.step_index} steps on "
-              f"{trainer.comm.world_size} ranks (world ranks {trainer.world_ranks} went on); "
-              f"median {statistics.median(rates[1:] or rates):,.0f} tokens/s", flush=True)  # fmt: skip
-    trainer.close()
-    return 0
 
 
 def save(trainer, directory: str) -> None:  # noqa: ANN001
@@ -295,7 +222,7 @@ class Progress:
             return
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
-            self.bar.update(1)
+            self.bar.update(step + 1 - self.bar.n)  # a step redone after a recovery: back
         elif (step + 1) % self.every == 0 or step + 1 == self.total or step == 0:
             print(f"step {step + 1}/{self.total}  loss {loss:.4f}  tokens/s {tokens_per_s:,.0f}")
             sys.stdout.flush()
@@ -392,7 +319,14 @@ def _rank_main(argv: list[str], world: int, planned: dict | None = None) -> int:
     args = parse_args(argv)
     if planned:
         vars(args).update(planned)
-    return train_survive(args) if args.survive else train(args)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """One rank's training, --survive's or Trainer3D's; returns the exit code."""
+    if args.survive:
+        return _survive.train(args, config_of(args), options_of(args), Progress)
+    return train(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     planned = None
     if args.plan is not None and args.survive:
-        print(f"{PROG}: error: {survive_problems(args, None)[0]}", file=sys.stderr)
+        print(f"{PROG}: error: {'; '.join(_survive.problems(args, None))}", file=sys.stderr)
         return 2
     if args.plan is not None:
         from pycollectives.strategies.plan import PlanInputError
@@ -424,9 +358,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: error: {'; '.join(found)}", file=sys.stderr)
         return 2
     if torchrun:  # with --survive: each rank started by hand or a cluster's launcher
-        return run_rank(lambda: train_survive(args) if args.survive else train(args), PROG)
+        return run_rank(lambda: run(args), PROG)
     world = args.dp * args.tp * args.pp
-    return spawn(_rank_main, world, (argv, world, planned), prog=PROG, survive=args.survive)
+    replace = args.max_replacements if args.survive and _survive.replaces(args) else None
+    return spawn(_rank_main, world, (argv, world, planned), prog=PROG, survive=args.survive,
+                 replace=replace, serve_store=args.survive)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ exits 1. `spawn(target, n, prog=...)` starts n ranks as spawned processes (as
 `torchrun --nproc-per-node n` does) and, once a rank has failed, ends the
 others after a grace period, so that a stopped or hung rank cannot hold the
 launcher; it returns the first failure's exit status and prints its message.
+With `survive`, a rank killed by a signal is left behind (the others go on
+without it) or, with `replace=N`, replaced by a new process (at most N): the
+launcher then serves the job's store itself, so that it outlives every rank
+(`launcher_store()` in the ranks), and a replacement finds the rank it
+replaces in `replacing()`.
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ from typing import Any
 
 from ._base import _close_all_at_exit, abort_all_interrupted
 
-__all__ = ["run_rank", "spawn"]
+__all__ = ["launcher_store", "replacing", "run_rank", "spawn"]
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 # What a rank the survivors left out raises (csrc/comm/recovery.cc).
 FENCED = "was fenced out of its communicator"
+STORE_ENV = "PYCOLL_LAUNCHER_STORE"  # "1": spawn() serves the store on MASTER_PORT
+REPLACES_ENV = "PYCOLL_REPLACES"  # the rank a replacement process replaces
 
 
 def _say(line: str) -> None:
@@ -112,11 +119,60 @@ def _free_port() -> int:
 
 
 def _rank_entry(target: Callable[..., int | None], args: Sequence[Any], rank: int, world: int,
-                port: int, prog: str, report: Any) -> None:  # fmt: skip
+                port: int, prog: str, report: Any, env: dict[str, str]) -> None:  # fmt: skip
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+                      LOCAL_WORLD_SIZE=str(world), **env)  # fmt: skip
     sys.exit(run_rank(lambda: target(*args), prog, report))
+
+
+def _serve_store(port: int) -> Any:
+    """A TCPStore served by this process on 127.0.0.1:`port` (listening
+    there only, as pycollectives.init's rank 0 does), for the ranks it spawns."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from .rendezvous import _listen
+
+    return dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=60),
+                         wait_for_workers=False, master_listen_fd=_listen("127.0.0.1", port))  # fmt: skip
+
+
+def launcher_store(timeout: float) -> Any | None:
+    """In a rank that spawn(serve_store=True) or spawn(replace=N) started: a
+    client of the store the launcher serves (MASTER_ADDR:MASTER_PORT; its
+    operations wait up to `timeout` seconds), which outlives every rank: pass
+    it to pycollectives.init(rank, world_size, store=...) and to what grows
+    the job (Communicator.grow, pycollectives.join). None where the launcher
+    serves no store. Raises ValueError for a malformed environment."""
+    flag = os.environ.get(STORE_ENV)
+    if flag is None:
+        return None
+    port = os.environ.get("MASTER_PORT", "")
+    if flag != "1" or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"pycollectives: launcher_store: {STORE_ENV}={flag!r}, "
+                         f"MASTER_PORT={port!r}: expected 1 and a port")  # fmt: skip
+    import datetime
+
+    import torch.distributed as dist
+
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    wait = datetime.timedelta(seconds=min(max(timeout, 1.0), 365 * 86400.0))
+    return dist.TCPStore(addr, int(port), None, False, wait)
+
+
+def replacing() -> int | None:
+    """In a process that spawn(replace=N) started in a lost rank's place: that
+    rank (the place it asks for; with several lost at once the first to join
+    takes the lowest). None in a rank started at the beginning. Raises
+    ValueError for a malformed environment."""
+    value = os.environ.get(REPLACES_ENV)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"pycollectives: replacing: {REPLACES_ENV}={value!r} is not a rank")
+    return int(value)
 
 
 def _report(conn: Any, code: int) -> str:
@@ -141,7 +197,8 @@ def _describe(code: int) -> str:
 
 
 def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = (), *,
-          prog: str, grace: float = 5.0, survive: bool = False) -> int:  # fmt: skip
+          prog: str, grace: float = 5.0, survive: bool = False, replace: int | None = None,
+          serve_store: bool = False) -> int:  # fmt: skip
     """Runs `target(*args)` in `nprocs` spawned processes with RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set, each under
     run_rank, and returns the exit status for the launcher: 0 when every rank
@@ -157,22 +214,57 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
     named ("rank R killed by SIGKILL: the others go on") and the others are
     left running;
     the status is then 0 when the ranks left all succeeded. A rank that fails
-    with an error of its own (status > 0) still ends the others as above."""
+    with an error of its own (status > 0) still ends the others as above.
+
+    `replace` (with `survive`; for programs whose survivors take in a new
+    process, as ElasticTrainer3D's do): such a rank is replaced instead, at
+    most `replace` times in all: a new process runs `target(*args)` with the
+    lost rank's RANK and `replacing()` returning it ("rank R killed by
+    SIGKILL: a new process takes its place (replacement 1 of 3)"). Once they
+    are used up, the next lost rank fails the run as a rank failure does,
+    the message saying so. A replacement that is lost in turn is replaced
+    the same way (the survivors fail, and so the run, if it was lost while
+    they took it in). A rank lost once another has finished is not replaced
+    (the training is over), and a replacement still running `grace` seconds
+    after every other rank finished is ended (its rank was lost after the
+    last step: no recovery comes for it to join); neither fails the run.
+    `serve_store` (implied by `replace`): this process
+    serves the job's TCPStore on MASTER_PORT, which then outlives every rank;
+    the ranks connect with launcher_store() (their pycollectives.init must be
+    given it: on its own, rank 0 would serve one on the same port).
+
+    Raises ValueError for `replace` < 0 or without `survive`."""
+    if replace is not None and (replace < 0 or not survive):
+        raise ValueError(f"spawn: replace={replace!r} needs survive=True and must be >= 0")
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs, reports = [], []
-    for r in range(nprocs):
+    store = _serve_store(port) if serve_store or replace is not None else None
+    env = {STORE_ENV: "1"} if store is not None else {}
+    procs: dict[int, Any] = {}  # each rank's current process
+    reports: dict[int, Any] = {}
+    every: list[Any] = []  # every process started, replacements included
+
+    def start(r: int, replaces: bool) -> None:
         recv_end, send_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_rank_entry, args=(target, args, r, nprocs, port, prog, send_end),
-                        name=f"{prog} rank {r}")  # fmt: skip
+        extra = {**env, REPLACES_ENV: str(r)} if replaces else env
+        name = f"{prog} rank {r}" + (" (replacement)" if replaces else "")
+        p = ctx.Process(target=_rank_entry, args=(target, args, r, nprocs, port, prog, send_end,
+                                                  extra), name=name)  # fmt: skip
         p.start()
         send_end.close()
-        procs.append(p)
-        reports.append(recv_end)
+        procs[r], reports[r] = p, recv_end
+        every.append(p)
+
+    for r in range(nprocs):
+        start(r, replaces=False)
     first: tuple[int, int, str] | None = None  # (rank, status, message)
     interrupted, deadline, cause = False, None, ""
     running = set(range(nprocs))
     lost: set[int] = set()  # survive: ranks killed by a signal, the others went on
+    used = 0  # replacements started
+    fresh: set[int] = set()  # ranks whose current process is a replacement
+    finished: set[int] = set()  # ranks whose process exited 0
+    idle_since: float | None = None  # since when only replacements run, the others done
     while running:
         try:
             mp.connection.wait([procs[r].sentinel for r in running], timeout=0.2)
@@ -187,15 +279,42 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
             if code is None:
                 continue
             running.discard(r)
+            if code == 0:
+                finished.add(r)
             msg = _report(reports[r], code) if code != 0 else ""
             if survive and not interrupted and deadline is None and (code < 0 or FENCED in msg):
                 why = _describe(code) if code < 0 else "was fenced out (stopped past the timeout)"
-                _say(f"{prog}: rank {r} {why}: the others go on")
-                lost.add(r)
-                continue
+                if replace is None or finished:  # finished: the training is over
+                    _say(
+                        f"{prog}: rank {r} {why}: the others {'finished' if finished else 'go on'}"
+                    )
+                    lost.add(r)
+                    continue
+                if used < replace:
+                    used += 1
+                    _say(f"{prog}: rank {r} {why}: a new process takes its place (replacement "
+                         f"{used} of {replace})")  # fmt: skip
+                    start(r, replaces=True)
+                    fresh.add(r)
+                    running.add(r)
+                    continue
+                msg = f"{why}, and no replacement is left ({used} of {replace} used)"
+                _say(f"{prog}: rank {r} {msg}: the run ends")
             if code != 0 and first is None and not interrupted:
                 first = (r, code if code > 0 else 128 - code, msg)
                 deadline, cause = time.monotonic() + grace, f"rank {r} failed"
+        # The others finished (a grid steps together: a replacement that joined
+        # finished with them): a replacement still running waits for a recovery
+        # that will not come (its rank was lost after the last step).
+        if finished and running and running <= fresh and deadline is None:
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since >= grace:
+                for r in sorted(running):
+                    _say(f"{prog}: rank {r}'s replacement still running {grace:g} s after the "
+                         "others finished (nothing left to join): ended")  # fmt: skip
+                    procs[r].kill()
+                    procs[r].join(5)
+                running.clear()
         if deadline is not None and running and time.monotonic() >= deadline:
             for r in sorted(running):
                 _say(f"{prog}: rank {r} still running {grace:g} s after {cause}: killed")
@@ -203,8 +322,9 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
             for r in sorted(running):
                 procs[r].join(5)
             running.clear()
-    for p in procs:
+    for p in every:
         p.join()
+    del store  # its server stops: every rank has ended
     if interrupted:
         return INTERRUPTED
     if first is None and len(lost) < nprocs:

@@ -54,12 +54,14 @@ class ElasticDataParallel:
 
     `sampler` (optional): the ElasticSampler whose ids the loss function
     takes; each committed step is committed in it (its cursor and ledger),
-    so a dropped step's samples are retried, re-split over the survivors.
+    so a dropped step's samples are retried, re-split over the survivors (the
+    buddy-copy wrappers roll it back with their copy: elastic_sharded.py).
     `ddp_kwargs` go to every DistributedDataParallel it builds (at start and
     after each recovery). `steps` counts the committed steps; `recoveries`
     lists, per recovery, the step that was dropped (`step`), the failed ranks
     (of the communicator of the time, those lost during the recovery
-    included), the new world size, the step the survivors go on from
+    included), each new rank's rank in that communicator (`survivors`), the
+    new world size, the step the survivors go on from
     (`rolled_back_to`: `step` for DDP, the buddy copy's step for sharded
     state) and the seconds the agreement, the whole recovery (`shrink_s`:
     shrink, rebuild, wrap) and its rebuild and wrap alone (`rebuild_s`) took."""
@@ -124,14 +126,13 @@ class ElasticDataParallel:
         if not agreed.value or agreed.failed:
             self._recover(time.monotonic() - start)
             return False
-        size = self.world_size
+        if self.sampler is not None:  # before apply: a copy apply commits holds its cursor
+            self.sampler.commit(self.world_size)
         failed = False
         try:
             self.apply(optimizer)
         except PyCollectivesError:  # after the agreement: the step counts on every survivor
             failed = True
-        if self.sampler is not None:
-            self.sampler.commit(size)
         self.steps += 1
         if failed:  # the others meet this agreement in their next step, which fails too
             self.revoke("its optimizer step failed")
@@ -246,6 +247,7 @@ class ElasticDataParallel:
             {
                 "step": dropped,
                 "failed": tuple(r for r in range(old.world_size) if r not in ranks),
+                "survivors": tuple(ranks),
                 "world_size": comm.world_size,
                 "rolled_back_to": self.steps,
                 "agree_s": agree_s,

@@ -40,6 +40,7 @@ from torch import nn
 
 from pycollectives import Communicator
 
+from ..data import ElasticSampler
 from .elastic_sharded import ElasticBuddyCopy
 from .fsdp import FSDPModule, fully_shard, fully_unshard
 from .redundancy import Entry, FullState
@@ -157,6 +158,8 @@ class ElasticFSDP(ElasticBuddyCopy):
             failed one.
         placement: where the buddies are (BuddyCopy's; default "auto": on
             another host whenever the ranks span hosts).
+        sampler: an ElasticSampler the loss function takes its ids from
+            (committed with each step, rolled back with the copy).
 
     `optimizer` is the current torch optimizer (a new one after each
     recovery: a learning-rate scheduler must follow it); `steps` the steps
@@ -177,11 +180,12 @@ class ElasticFSDP(ElasticBuddyCopy):
         copy_every: int = 1,
         shard: Callable[[nn.Module, Communicator], Any] | None = None,
         placement: str = "auto",
+        sampler: ElasticSampler | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         self._shard = shard or shard_blocks
         self._build = (optimizer_class, optimizer_kwargs)
-        super().__init__(module, comm, copy_every, placement)
+        super().__init__(module, comm, copy_every, placement, sampler)
 
     def step(self, loss_fn: Callable[[nn.Module, int, int], torch.Tensor]) -> bool:  # type: ignore[override]
         """One training step: zero_grad, loss_fn(model, rank, world_size) (the

@@ -37,6 +37,7 @@ from torch import nn
 
 from pycollectives import Communicator
 
+from ..data import ElasticSampler
 from .buddies import buddy_ranks
 from .elastic import ElasticDataParallel
 from .redundancy import BuddyCopy, FullState, gather_full_state
@@ -52,6 +53,11 @@ class ElasticBuddyCopy(ElasticDataParallel):
     committed after it; on a failure the full state of the last committed copy
     gathered on the survivors (`_full`) and `steps` rolled back to its step.
 
+    `sampler` (an ElasticSampler, optional) is committed with each step, as
+    under ElasticDataParallel, and rolled back with the copy: its cursor and
+    ledger as of the copy's step (the steps redone are taken again from the
+    same samples, re-split over the survivors: none skipped or seen twice).
+
     A subclass gives wrap(comm) (build over `comm`, from `_full` when it is
     set, then `_stage` the first copy of what it built, which recovered()
     commits), `_zero_grad()` and `_optimizer_step()`. `placement` places the
@@ -64,7 +70,12 @@ class ElasticBuddyCopy(ElasticDataParallel):
     copy: BuddyCopy  # the committed copy: the recovery point
 
     def __init__(
-        self, module: nn.Module, comm: Communicator, copy_every: int, placement: str = "auto"
+        self,
+        module: nn.Module,
+        comm: Communicator,
+        copy_every: int,
+        placement: str = "auto",
+        sampler: ElasticSampler | None = None,
     ) -> None:
         who = f"{type(self).__name__}: rank {comm.rank}"
         if isinstance(copy_every, bool) or not isinstance(copy_every, int) or copy_every < 1:
@@ -74,7 +85,9 @@ class ElasticBuddyCopy(ElasticDataParallel):
         self._full: FullState | None = None
         self._next: BuddyCopy | None = None
         self._refreshed = False
-        super().__init__(module, comm)
+        # The sampler's cursor and ledger length as of the committed copy.
+        self._cursor: tuple[dict[str, Any], int] | None = None
+        super().__init__(module, comm, sampler=sampler)
         self.recovered()  # the copy of the starting state (a failure here is not recovered)
 
     def _zero_grad(self) -> None:
@@ -82,6 +95,11 @@ class ElasticBuddyCopy(ElasticDataParallel):
 
     def _optimizer_step(self) -> None:
         raise NotImplementedError
+
+    def _mark(self) -> None:
+        """The sampler's position as of the copy just committed (local)."""
+        if self.sampler is not None:
+            self._cursor = (self.sampler.state_dict(), len(self.sampler.ledger))
 
     def _stage(self, source: Any) -> None:
         """Stages the first copy of a newly built state (collective: a refresh)."""
@@ -101,9 +119,11 @@ class ElasticBuddyCopy(ElasticDataParallel):
             self.copy.refresh()
 
     def apply(self, optimizer: Any) -> None:
-        """The refresh, if any, becomes the copy of the step (local)."""
+        """The refresh, if any, becomes the copy of the step (local; the
+        sampler has committed the step: its cursor goes with the copy)."""
         if self._refreshed:
             self.copy.commit(self.steps + 1)
+            self._mark()
 
     def unwrap(self) -> None:
         """Nothing: rebuild() and wrap() replace the sharded state."""
@@ -111,10 +131,14 @@ class ElasticBuddyCopy(ElasticDataParallel):
     def rebuild(self, old: Communicator, new: Communicator, failed: tuple[int, ...]) -> None:
         """The full state of the last committed copy on every survivor
         (gather_full_state: RuntimeError when a rank and its buddy both
-        failed), and `steps` rolled back to its step."""
+        failed), and `steps` and the sampler rolled back to its step."""
         self.copy.discard()
         self._full = gather_full_state(self.copy, new, self.survivors)
         self.steps = self.copy.step
+        if self.sampler is not None and self._cursor is not None:
+            cursor, entries = self._cursor
+            self.sampler.load_state_dict(cursor)
+            del self.sampler.ledger[entries:]
 
     def recovered(self) -> None:
         """The copy wrap() staged becomes the copy of step `steps`."""
@@ -122,6 +146,7 @@ class ElasticBuddyCopy(ElasticDataParallel):
             raise RuntimeError(f"{type(self).__name__}: rank {self.rank}: wrap() staged no copy")
         self.copy, self._next, self._full = self._next, None, None
         self.copy.commit(self.steps)
+        self._mark()
 
 
 class ElasticZero(ElasticBuddyCopy):
@@ -135,6 +160,8 @@ class ElasticZero(ElasticBuddyCopy):
             steps redone after a failure (up to k - 1 besides the failed one).
         placement: where the buddies are (BuddyCopy's; default "auto": on
             another host whenever the ranks span hosts).
+        sampler: an ElasticSampler the loss function takes its ids from
+            (committed with each step, rolled back with the copy).
 
     `zero` is the current ZeroOptimizer (a new one after each recovery);
     `recoveries` lists, per recovery, the failed ranks (of the communicator of
@@ -155,11 +182,12 @@ class ElasticZero(ElasticBuddyCopy):
         *,
         copy_every: int = 1,
         placement: str = "auto",
+        sampler: ElasticSampler | None = None,
         **zero_kwargs: Any,
     ) -> None:
         self.model = model
         self._build = (optimizer_class, stage, zero_kwargs)
-        super().__init__(model, comm, copy_every, placement)
+        super().__init__(model, comm, copy_every, placement, sampler)
 
     def step(self, loss_fn: Callable[[nn.Module, int, int], torch.Tensor]) -> bool:  # type: ignore[override]
         """One training step: zero_grad, loss_fn(model, rank, world_size) (the

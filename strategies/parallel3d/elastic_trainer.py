@@ -1,13 +1,20 @@
 """Data-parallel training of the GPT that goes on when ranks die
-(`examples/train_gpt.py --survive`; docs/recovery.md).
+(`examples/train_gpt.py --survive`, with or without --zero/--fsdp;
+docs/recovery.md).
 
 `ElasticTrainer` trains the same model on the same global batches as
-Trainer3D with dp = world size, tp = pp = 1 (AdamW, strategies.data's global
-sample order), through ElasticDataParallel: the step in which a rank dies is
-dropped on every survivor alike, the communicator shrinks to the survivors and
-the step is retried with its global batch re-split over them (contiguous
-shares, uneven when the batch does not divide; each share's loss weighted by
-its samples, so the gradient is the global batch's mean whatever the split).
+Trainer3D with dp = world size, tp = pp = 1 (AdamW, strategies.data's
+per-epoch sample order, walked by an ElasticSampler) through one of the
+elastic data-parallel wrappers: ElasticDataParallel (zero=0, fsdp off),
+ElasticZero (zero=1..3) or ElasticFSDP (fsdp), the last two with buddy copies
+of the shard state refreshed every `copy_every` steps. The step in which a
+rank dies is dropped on every survivor alike, the communicator shrinks to the
+survivors (the sharded state rebuilt from the copies and re-sharded over
+them, every survivor rolled back to the copy's step: the failed step with
+copy_every=1), and training goes on with each step's global batch re-split
+over the survivors (contiguous shares, uneven when the batch does not divide;
+each share's loss weighted by its samples, so the gradient is the global
+batch's mean whatever the split; the sampler rolled back with the copy).
 """
 
 from __future__ import annotations
@@ -16,13 +23,14 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from pycollectives import Communicator, PyCollectivesError, ReduceOp
 
-from ..data import GlobalBatches, SyntheticSequences
-from ..data_parallel import ElasticDataParallel
+from ..data import ElasticSampler, SyntheticSequences
+from ..data_parallel import ElasticDataParallel, ElasticFSDP, ElasticZero
 from ..models.gpt import GPT, GPTConfig
 from .trainer import TrainOptions
 
@@ -32,21 +40,28 @@ __all__ = ["ElasticStep", "ElasticTrainer", "Recovery"]
 @dataclass(frozen=True)
 class Recovery:
     """One recovery: the original ranks lost, the step they were lost in, how
-    many ranks go on, and the seconds of the agreement and the shrink."""
+    many ranks go on, the seconds of the agreement and of the whole recovery
+    (shrink, rebuild, wrap), and the step training resumes at (`step` where
+    the failed step is retried; the buddy copy's step with copy_every > 1)."""
 
     lost: tuple[int, ...]
     step: int
     world_size: int
     agree_s: float
     shrink_s: float
+    resumes_at: int = -1  # -1: `step`
 
     def line(self) -> str:
         """The progress line, e.g. "rank 2 died at step 7: 3 ranks go on (...)"."""
         who = ", ".join(map(str, self.lost))
+        back = self.step if self.resumes_at < 0 else self.resumes_at
+        then = (
+            "the step is retried" if back == self.step else f"back to step {back}, the buddy copy's"
+        )
         return (f"rank{'s' if len(self.lost) > 1 else ''} {who} died at step {self.step}: "
                 f"{self.world_size} rank{'s' if self.world_size > 1 else ''} go on "
                 f"(agree {self.agree_s * 1e3:.1f} ms, shrink {self.shrink_s * 1e3:.1f} ms; "
-                "the step is retried)")  # fmt: skip
+                f"{then})")  # fmt: skip
 
 
 @dataclass
@@ -64,40 +79,75 @@ class ElasticStep:
 
 class ElasticTrainer:
     """Trains `config` with `opts` on every rank of `comm` (data parallel
-    only). `kills`: (original rank, step) pairs; that rank SIGKILLs itself in
-    the backward of that step (for tests and demonstrations). `world_ranks`
+    only: opts.zero 0 with DDP, 1-3 with ElasticZero, opts.fsdp with
+    ElasticFSDP). `copy_every`: the buddy copies' refresh interval under
+    ZeRO/FSDP (k: up to k - 1 completed steps are redone after a failure).
+    `kills`: (original rank, step) pairs; that rank SIGKILLs itself in the
+    backward of that step (for tests and demonstrations). `world_ranks`
     maps each rank of the current communicator to its original rank.
 
-    Raises ValueError for options this trainer cannot survive with
-    (tp/pp/ZeRO/FSDP are not its options: callers refuse them)."""
+    Raises ValueError for a global batch the ranks do not divide, fewer than
+    one micro-batch, a copy_every that is not an int >= 1, or zero and fsdp
+    together."""
 
     def __init__(self, comm: Communicator, config: GPTConfig, opts: TrainOptions,
-                 kills: tuple[tuple[int, int], ...] = ()) -> None:  # fmt: skip
+                 kills: tuple[tuple[int, int], ...] = (), *, copy_every: int = 1) -> None:  # fmt: skip
         if opts.global_batch < comm.world_size or opts.global_batch % comm.world_size:
             raise ValueError(f"--batch {opts.global_batch} is not divisible by the "
                              f"{comm.world_size} ranks")  # fmt: skip
         if opts.microbatches < 1:
             raise ValueError(f"--microbatches {opts.microbatches} must be >= 1")
+        if opts.zero and opts.fsdp:
+            raise ValueError(f"--zero {opts.zero} and --fsdp: choose one")
         self.config, self.opts = config, opts
         self.world_ranks = list(range(comm.world_size))
         self.model = GPT(config, dtype=opts.dtype)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opts.lr,
-                                           betas=opts.betas, weight_decay=opts.weight_decay)  # fmt: skip
-        self.elastic = ElasticDataParallel(self.model, comm)
+        self.parameters = sum(p.numel() for p in self.model.parameters())
+        adamw: dict[str, Any] = dict(lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay)
+        self.sampler = ElasticSampler(opts.num_samples, global_batch_size=opts.global_batch,
+                                      seed=opts.data_seed)  # fmt: skip
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.elastic: ElasticDataParallel
+        if opts.fsdp:
+            self.mode = "ElasticFSDP"
+            self.elastic = ElasticFSDP(self.model, torch.optim.AdamW, comm, copy_every=copy_every,
+                                       sampler=self.sampler, **adamw)  # fmt: skip
+        elif opts.zero:
+            self.mode = f"ElasticZero stage {opts.zero}"
+            self.elastic = ElasticZero(self.model, torch.optim.AdamW, comm, opts.zero,
+                                       copy_every=copy_every, sampler=self.sampler, **adamw)  # fmt: skip
+        else:
+            self.mode = "ElasticDataParallel"
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw)
+            self.elastic = ElasticDataParallel(self.model, comm, sampler=self.sampler)
         self.data = SyntheticSequences(config.vocab_size, config.seq_len, opts.num_samples,
                                        seed=opts.data_seed)  # fmt: skip
-        self.batches = GlobalBatches(opts.num_samples, opts.global_batch, seed=opts.data_seed)
-        self.step_index = 0
-        mine = sorted(step for rank, step in kills if rank == comm.rank)
-        if mine:
-            # The embedding's gradient is the backward's last: the other
-            # buckets' all-reduces have started when this rank dies.
-            def die(grad: torch.Tensor) -> torch.Tensor:
-                if self.step_index == mine[0]:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return grad
+        self._kill = min((s for r, s in kills if r == comm.rank), default=None)
+        self._hook: Any = None
+        self._arm()
 
-            self.model.embed.tok.weight.register_hook(die)
+    def _arm(self) -> None:
+        """Registers this rank's kill, if any, on the current parameters (a
+        recovery under ZeRO or FSDP may give the model new ones): a gradient
+        hook of the first block's MLP, mid-backward (the later blocks'
+        gradient communication is under way when this rank dies)."""
+        if self._kill is None:
+            return
+        if self._hook is not None:
+            self._hook.remove()
+
+        def die(grad: torch.Tensor) -> torch.Tensor:
+            if self.step_index == self._kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return grad
+
+        self._hook = self.model.blocks[0].mlp.fc.weight.register_hook(die)
+
+    @property
+    def step_index(self) -> int:
+        """The next step to run (committed steps; rolled back by a recovery
+        to the buddy copy's step under ZeRO/FSDP)."""
+        return self.elastic.steps
 
     @property
     def comm(self) -> Communicator:
@@ -108,49 +158,68 @@ class ElasticTrainer:
     def rank(self) -> int:
         return self.elastic.rank
 
-    def _loss(self, ddp: torch.nn.Module, rank: int, size: int) -> torch.Tensor:
-        """This rank's share of the step's global batch (contiguous, rank
-        order), in micro-batches; returns the last one's loss for
-        ElasticDataParallel to run backward (the others' backward ran here,
+    def _loss(self, model: Any, rank: int, size: int) -> torch.Tensor:
+        """This rank's share of the step's global batch (the sampler's:
+        contiguous, rank order), in micro-batches; returns the last one's
+        loss for the wrapper to run backward (the others' backward ran here,
         unsynced). Each loss is weighted by its samples over the global batch
-        times `size` (DDP divides the sum by `size`)."""
-        ids = self.batches.global_ids(self.step_index)
-        b = len(ids)
-        x, y = self.data.batch(ids[rank * b // size : (rank + 1) * b // size])
-        parts = list(zip(x.chunk(self.opts.microbatches), y.chunk(self.opts.microbatches),
-                         strict=True))  # fmt: skip
+        times `size` (the wrappers divide the sum by `size`). A rank with no
+        sample (more ranks than samples left in an epoch) runs one weighted 0."""
+        ids = self.sampler.global_ids(size)
+        b, mine = len(ids), self.sampler.ids(rank, size)
+        x, y = self.data.batch(mine if len(mine) else ids[:1])
+        # The same number of micro-batches on every rank (ZeRO-3 and FSDP gather
+        # in each forward), none empty: at most the smallest share's samples.
+        m = min(self.opts.microbatches, max(1, b // size))
+        parts = list(zip(x.tensor_split(m), y.tensor_split(m), strict=True))
+        unsynced = (
+            self.elastic.zero.no_sync if isinstance(self.elastic, ElasticZero) else model.no_sync
+        )
         self._sum = 0.0
         for j, (xj, yj) in enumerate(parts):
-            loss = ddp(xj, yj) * (len(xj) * size / b)
+            loss = model(xj, yj) * (len(xj) * size / b if len(mine) else 0.0)
             self._sum += float(loss.detach()) / size
             if j == len(parts) - 1:
                 return loss
-            with ddp.no_sync():
+            with unsynced():
                 loss.backward()
         raise AssertionError("not reached")
 
+    def _try(self) -> bool:
+        if self.optimizer is not None:
+            return self.elastic.step(self._loss, self.optimizer)
+        return self.elastic.step(self._loss)  # type: ignore[call-arg]
+
     def step(self) -> ElasticStep:
-        """Collective over the survivors: runs step `step_index` until it
-        commits (retried after each recovery), then increments `step_index`.
+        """Collective over the survivors: runs step `step_index` until a step
+        commits (retried after each recovery, from the copy's step under
+        ZeRO/FSDP with copy_every > 1), then returns it.
 
         Raises CommunicatorAborted on a rank fenced out, PyCollectivesError
-        when the survivors cannot shrink."""
-        start, k, seen = time.perf_counter(), self.step_index, len(self.elastic.recoveries)
-        done: list[Recovery] = []
-        while not self.elastic.step(self._loss, self.optimizer):
-            rec = self.elastic.recoveries[seen + len(done)]
+        when the survivors cannot shrink, RuntimeError when a rank and its
+        buddy were lost together (ZeRO/FSDP: the shard is gone)."""
+        start, seen = time.perf_counter(), len(self.elastic.recoveries)
+        while not self._try():
+            self._arm()  # the step is retried (or an earlier one, from the copy)
+        done = []
+        for rec in self.elastic.recoveries[seen:]:
             old = self.world_ranks
-            self.world_ranks = [old[p] for p in self.comm.parent_ranks]
+            # `survivors`: each new rank's rank in the communicator of the failed
+            # step, whatever number of shrinks (ranks lost during the recovery) it took.
+            self.world_ranks = [old[p] for p in rec["survivors"]]
             lost = tuple(old[r] for r in rec["failed"])
-            done.append(Recovery(lost, k, rec["world_size"], rec["agree_s"], rec["shrink_s"]))
+            done.append(Recovery(lost, rec["step"], rec["world_size"], rec["agree_s"],
+                                 rec["shrink_s"], rec["rolled_back_to"]))  # fmt: skip
+        if done:
+            self._arm()  # also after a recovery that followed the commit
         loss = torch.tensor([self._sum], dtype=torch.float64)
         try:
             self.comm.all_reduce(loss, ReduceOp.SUM)
         except PyCollectivesError:  # a rank died since the commit: the next step recovers
             loss.fill_(float("nan"))
-        self.step_index += 1
         tokens = self.opts.global_batch * self.config.seq_len
-        return ElasticStep(k, float(loss[0]), tokens, time.perf_counter() - start, done)
+        return ElasticStep(self.step_index - 1, float(loss[0]), tokens,
+                           time.perf_counter() - start, done)  # fmt: skip
 
     def close(self) -> None:
         """Closes the current communicator (the original one was closed by

@@ -290,19 +290,19 @@ def test_an_uncaught_ctrl_c_aborts_with_the_reason(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["--dp", "2", "--tp", "2"], "--survive: --tp 2: a tensor-parallel group cannot survive"),
-        (["--dp", "2", "--pp", "2"], "--survive: --pp 2: a pipeline cannot survive"),
-        (["--dp", "2", "--zero", "1"], "--survive: --zero 1: ZeRO cannot survive"),
-        (["--dp", "2", "--fsdp"], "--survive: --fsdp: FSDP cannot survive"),
+        (["--tp", "2", "--zero", "1"], "--survive: --tp 2 / --pp 1 with --zero/--fsdp: the "),
+        (["--pp", "2", "--fsdp"], "--survive: --tp 1 / --pp 2 with --zero/--fsdp: the "),
         (["--dp", "2", "--plan", "2"], "--survive: --plan with --survive"),
-        (["--dp", "2", "--kill", "2@0"], "--kill 2@0: rank must be < --dp 2"),
+        (["--dp", "2", "--copy-every", "0"], "--survive: --copy-every 0 must be >= 1"),
+        (["--tp", "2", "--max-replacements", "-1"], "--max-replacements -1 must be >= 0"),
+        (["--dp", "2", "--kill", "2@0"], "--kill 2@0: rank must be < 2 (dp x tp x pp)"),
         (["--dp", "2", "--kill", "0@1", "--kill", "1@1"], "--kill: 2 kills leave no rank"),
     ],
 )
 def test_train_gpt_survive_refuses_what_cannot_survive_before_starting_ranks(
     argv, says, monkeypatch, capsys
 ):
-    """--survive with a layout whose state dies with a rank: exit 2, one line naming the option."""
+    """--survive with what it cannot recover (or run): exit 2, one line naming the option."""
     module = _load_train_gpt()
     started = []
     monkeypatch.setattr(module, "spawn", lambda *a, **k: started.append(a) or 0)

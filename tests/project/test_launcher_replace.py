@@ -1,0 +1,91 @@
+"""pycollectives.launcher.spawn(survive=True, replace=N): the launcher serves
+the job's store (it outlives rank 0), starts a new process in a lost rank's
+place (replacing() names the rank), bounds the replacements, and does not
+wait for a replacement that has nothing left to join. Tiny programs without communicators (the one
+with the store imports torch for it: seconds each on a loaded machine)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from pycollectives.launcher import launcher_store, replacing, spawn
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _rank_0_replaced() -> int:
+    """Rank 0 dies at once; rank 1 waits in the store for rank 0's replacement
+    (the store must outlive rank 0), which answers."""
+    rank = int(os.environ["RANK"])
+    if rank == 0 and replacing() is None:
+        _die()
+    store = launcher_store(60)
+    if rank == 0:
+        assert replacing() == 0
+        store.set("back", "replacement of 0")
+        return 0
+    store.wait(["back"])
+    print(f"rank 1 heard: {store.get('back').decode()}", flush=True)
+    return 0
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_rank_0_is_replaced_and_the_store_outlives_it(capfd):
+    assert spawn(_rank_0_replaced, 2, prog="t", survive=True, replace=2) == 0
+    out, err = capfd.readouterr()
+    assert "rank 1 heard: replacement of 0" in out, (out, err)
+    assert "t: rank 0 killed by SIGKILL: a new process takes its place (replacement 1 of 2)" in err
+
+
+def _rank_1_dies() -> int:
+    if os.environ["RANK"] == "1":
+        _die()
+    time.sleep(30)  # a survivor waiting for a newcomer that never comes
+    return 0
+
+
+@pytest.mark.timeout(60)
+def test_with_no_replacement_left_the_run_ends_naming_the_rank(capfd):
+    start = time.monotonic()
+    assert spawn(_rank_1_dies, 2, prog="t", survive=True, replace=0, grace=1.0) == 128 + 9
+    assert time.monotonic() - start < 20
+    err = capfd.readouterr().err
+    assert "t: rank 1 killed by SIGKILL, and no replacement is left (0 of 0 used): the run " \
+           "ends" in err, err  # fmt: skip
+    assert "t: rank 0 still running 1 s after rank 1 failed: killed" in err, err
+    assert "t: rank 1 failed first: killed by SIGKILL, and no replacement is left" in err, err
+
+
+def _lost_after_the_end(marker: str) -> int:
+    """Rank 1 dies at once, its replacement waits (as in a grow that will not
+    open: the others are done); rank 0 finishes once the replacement runs
+    (it creates `marker`)."""
+    if os.environ["RANK"] == "1":
+        if replacing() is None:
+            _die()
+        open(marker, "w").close()
+        time.sleep(30)
+    while not os.path.exists(marker):
+        time.sleep(0.01)
+    return 0
+
+
+@pytest.mark.timeout(60)
+def test_a_replacement_with_nothing_left_to_join_is_ended_and_the_run_succeeds(capfd, tmp_path):
+    start = time.monotonic()
+    args = (str(tmp_path / "waiting"),)
+    assert spawn(_lost_after_the_end, 2, args, prog="t", survive=True, replace=3, grace=1.0) == 0
+    assert time.monotonic() - start < 20
+    err = capfd.readouterr().err
+    assert "t: rank 1's replacement still running 1 s after the others finished" in err, err
+
+
+def test_replace_needs_survive():
+    with pytest.raises(ValueError, match="needs survive=True"):
+        spawn(_die, 1, prog="t", replace=1)
