@@ -6,11 +6,14 @@ Every layout train_gpt.py runs at 4 ranks (dp x tp x pp, ZeRO 0-3, FSDP, every s
 benchmarks/plan/_plan_layouts.py) trains the GPT of benchmarks/pipeline/train_gpt_layouts.py (d_model
 128, 8 layers, 8 heads, vocab 256, 64 tokens, global batch 32 in 4 micro-batches per dp
 rank): one warm-up step, then --steps steps, the step time the median of the slowest
-rank's. The planner prices the same layouts for this machine (strategies/plan/local.py:
-a block's forward and backward timed at the micro-batch's shape, a copy bandwidth or the
-fit of --bench-json). Reported: Spearman's rho between the predicted and measured orders,
-and the measured step of the predicted best against the measured best (target: within
-10%). Writes docs/benchmarks.md's section, docs/data/plan_ranking-DATE.json and
+rank's, and the CPU seconds the ranks' processes used per step, summed. The planner prices
+the same layouts for this machine (strategies/plan/local.py: a core's rate and a cost per
+block call fitted to a block's forward and backward timed at the layouts' shapes, AdamW's
+step, a copy bandwidth or the fit of --bench-json, and what a collective loses where the 4
+ranks share the cores, measured on the ranks first: local.collective_wait; the model of
+ranks that outnumber the cores: strategies/plan/host.py). Reported: Spearman's rho between
+the predicted and measured orders, the measured step of the predicted best against the
+measured best (target: within 10%), and the predicted CPU per step against the measured. Writes docs/benchmarks.md's section, docs/data/plan_ranking-DATE.json and
 docs/data/plan_ranking-DATE.png (tensor storage per layout by role, predicted; the
 predicted step by part beside the measured step).
 """
@@ -35,7 +38,7 @@ from _plan_layouts import layouts, options  # noqa: E402
 from spawn import RankPool  # noqa: E402
 
 from pycollectives.strategies.plan.layout import Layout, Priced, price  # noqa: E402
-from pycollectives.strategies.plan.local import local_request  # noqa: E402
+from pycollectives.strategies.plan.local import collective_wait, local_request  # noqa: E402
 from pycollectives.strategies.plan.trainer import trainer_storage  # noqa: E402
 
 BEGIN, END = "<!-- plan_ranking:begin -->", "<!-- plan_ranking:end -->"
@@ -45,8 +48,9 @@ PIPE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zbh1": 
 DATA = ROOT / "docs" / "data"
 
 
-def job_steps(comm, lays: list[dict], steps: int) -> list[float]:  # noqa: ANN001
-    """Per layout: this rank's median step seconds after one warm-up step."""
+def job_steps(comm, lays: list[dict], steps: int) -> list[tuple[float, float]]:  # noqa: ANN001
+    """Per layout: this rank's median step seconds after one warm-up step, and the median
+    CPU seconds its process (the communicator's progress threads included) used per step."""
     import torch
 
     from pycollectives.strategies.models import GPTConfig
@@ -62,7 +66,12 @@ def job_steps(comm, lays: list[dict], steps: int) -> list[float]:  # noqa: ANN00
         with ParallelDims(comm, dp=lo["dp"], tp=lo["tp"], pp=lo["pp"]) as dims:
             trainer = Trainer3D(dims, cfg, options(lo, BATCH, MICRO))
             trainer.step()
-            out.append(statistics.median(trainer.step().seconds for _ in range(steps)))
+            walls, cpus = [], []
+            for _ in range(steps):
+                c0 = time.process_time()
+                walls.append(trainer.step().seconds)
+                cpus.append(time.process_time() - c0)
+            out.append((statistics.median(walls), statistics.median(cpus)))
             del trainer
     return out
 
@@ -108,8 +117,9 @@ def plot(path: Path, names: list[str], parts: list[dict], storage: list[dict], m
     ax1.set_ylabel("tensor storage, busiest rank (MiB)")
     ax1.legend(fontsize=8)
     bottom = [0.0] * len(names)
-    for part in ("compute", "tp_collectives", "pipeline_bubble", "dp_exposed"):
-        vals = [p[part] * 1e3 for p in parts]
+    for part in ("compute", "tp_collectives", "pipeline_bubble", "dp_exposed", "optimizer",
+                 "shared_cores", "collective_waits"):  # fmt: skip
+        vals = [p.get(part, 0.0) * 1e3 for p in parts]
         ax2.bar(x, vals, bottom=bottom, label=f"predicted {part}")
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax2.plot(list(x), [t * 1e3 for t in measured], "k_", markersize=14, mew=2, label="measured")
@@ -137,13 +147,15 @@ def main() -> int:
         return 0
     load0, t0 = os.getloadavg(), time.perf_counter()
     lays = layouts(4, MODEL["layers"], MODEL["heads"])
-    req, links, said = local_request(MODEL, BATCH, 4, MICRO, args.bench_json)
     pool = RankPool(4)
     try:
+        wait = pool.run(collective_wait, timeout=300)[0]  # the same on every rank
+        req, links, said = local_request(MODEL, BATCH, 4, MICRO, args.bench_json, wait)
         per_rank = pool.run(job_steps, lays, args.steps, timeout=900)
     finally:
         pool.close()
-    measured = [max(r[i] for r in per_rank) for i in range(len(lays))]
+    measured = [max(r[i][0] for r in per_rank) for i in range(len(lays))]
+    cpu = [sum(r[i][1] for r in per_rank) for i in range(len(lays))]  # all ranks, per step
     priced, storage, names = [], [], []
     for lo in lays:
         sharding = "none" if lo["mode"] == "zero0" else lo["mode"]
@@ -167,13 +179,14 @@ def main() -> int:
         f"measures {measured[best_pred] * 1e3:.1f} ms, {gap:+.0%} against the measured best "
         f"{names[best_meas]} ({measured[best_meas] * 1e3:.1f} ms; target within 10%)"
     )
-    table = ["| layout | predicted ms | measured ms | predicted rank | measured rank |",
-             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    table = ["| layout | predicted ms | measured ms | predicted rank | measured rank "
+             "| predicted CPU ms | measured CPU ms |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     rp = {i: k + 1 for k, i in enumerate(sorted(range(len(lays)), key=lambda i: predicted[i]))}
     rm = {i: k + 1 for k, i in enumerate(sorted(range(len(lays)), key=lambda i: measured[i]))}
     for i in sorted(range(len(lays)), key=lambda i: measured[i]):
         table.append(f"| {names[i]} | {predicted[i] * 1e3:.2f} | {measured[i] * 1e3:.1f} | "
-                     f"{rp[i]} | {rm[i]} |")  # fmt: skip
+                     f"{rp[i]} | {rm[i]} | {priced[i].host_cpu_s * 1e3:.0f} | "
+                     f"{cpu[i] * 1e3:.0f} |")  # fmt: skip
     load1 = os.getloadavg()
     date = datetime.date.today().isoformat()
     notes = [f"Result: {summary}.", *[f"Planner input: {s}." for s in said],
@@ -184,8 +197,8 @@ def main() -> int:
             f"The load average exceeded half of the {os.cpu_count()} cores: other processes "
             "take the ranks' cores for tens of ms at a time, a layout's measured step moves "
             "by more than the layouts differ, and the ranking cannot be judged; a quiet "
-            "rerun is needed. The planner prices FLOPs and bandwidth, not the latency of "
-            "ranks descheduled mid-collective."
+            "rerun is needed. The planner prices the collectives' waits for descheduled "
+            "ranks as measured at the start (collective_wait), not the load's changes."
         )
     if not args.no_write:
         DATA.mkdir(exist_ok=True)
@@ -195,8 +208,9 @@ def main() -> int:
             "machine": f"{cpu_model()}, {os.cpu_count()} cores", "date": date,
             "load_start": load0, "load_end": load1, "planner_inputs": said,
             "layouts": [{"name": n, "predicted_s": p.step_s, "predicted_parts_s": p.time,
-                         "measured_s": m, "predicted_storage": s}
-                        for n, p, m, s in zip(names, priced, measured, storage, strict=True)],
+                         "measured_s": m, "predicted_cpu_s": p.host_cpu_s, "measured_cpu_s": u,
+                         "predicted_storage": s}
+                        for n, p, m, u, s in zip(names, priced, measured, cpu, storage, strict=True)],
         }, indent=1) + "\n")  # fmt: skip
         notes.append(f"Plot: docs/data/plan_ranking-{date}.png.")
     argv = " ".join(sys.argv[1:])
