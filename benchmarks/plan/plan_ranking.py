@@ -9,8 +9,8 @@ rank): one warm-up step, then --steps steps, the step time the median of the slo
 rank's, and the CPU seconds the ranks' processes used per step, summed. The planner prices
 the same layouts for this machine (strategies/plan/local.py: a core's rate and a cost per
 block call fitted to a block's forward and backward timed at the layouts' shapes, AdamW's
-step, a copy bandwidth or the fit of --bench-json, and what a collective loses where the 4
-ranks share the cores, measured on the ranks first: local.collective_wait; the model of
+step, a copy bandwidth or the fit of --bench-json, and what a collective costs where the 4
+ranks share the cores, measured on the ranks first: local.collective_costs; the model of
 ranks that outnumber the cores: strategies/plan/host.py). Reported: Spearman's rho between
 the predicted and measured orders, the measured step of the predicted best against the
 measured best (target: within 10%), and the predicted CPU per step against the measured. Writes docs/benchmarks.md's section, docs/data/plan_ranking-DATE.json and
@@ -38,7 +38,7 @@ from _plan_layouts import layouts, options  # noqa: E402
 from spawn import RankPool  # noqa: E402
 
 from pycollectives.strategies.plan.layout import Layout, Priced, price  # noqa: E402
-from pycollectives.strategies.plan.local import collective_wait, local_request  # noqa: E402
+from pycollectives.strategies.plan.local import collective_costs, local_request  # noqa: E402
 from pycollectives.strategies.plan.trainer import trainer_storage  # noqa: E402
 
 BEGIN, END = "<!-- plan_ranking:begin -->", "<!-- plan_ranking:end -->"
@@ -149,8 +149,8 @@ def main() -> int:
     lays = layouts(4, MODEL["layers"], MODEL["heads"])
     pool = RankPool(4)
     try:
-        wait = pool.run(collective_wait, timeout=300)[0]  # the same on every rank
-        req, links, said = local_request(MODEL, BATCH, 4, MICRO, args.bench_json, wait)
+        costs = pool.run(collective_costs, timeout=300)[0]  # the same on every rank
+        req, links, said = local_request(MODEL, BATCH, 4, MICRO, args.bench_json, costs)
         per_rank = pool.run(job_steps, lays, args.steps, timeout=900)
     finally:
         pool.close()
@@ -197,8 +197,8 @@ def main() -> int:
             f"The load average exceeded half of the {os.cpu_count()} cores: other processes "
             "take the ranks' cores for tens of ms at a time, a layout's measured step moves "
             "by more than the layouts differ, and the ranking cannot be judged; a quiet "
-            "rerun is needed. The planner prices the collectives' waits for descheduled "
-            "ranks as measured at the start (collective_wait), not the load's changes."
+            "rerun is needed. The planner prices the collectives' costs on shared cores "
+            "as measured at the start (collective_costs), not the load's changes."
         )
     if not args.no_write:
         DATA.mkdir(exist_ok=True)

@@ -10,7 +10,8 @@ itemized) and the rejected ones with their reason; --json FILE writes all of it.
 the communicator took and cache regime, strategies/plan/fitted.py), --inter-bench-json FILE
 the inter-host link to one run across hosts (TCP). --cores-per-host N, where the ranks of
 a host outnumber its cores (CPU training), bounds the step by the host's CPU work over its
-cores and prices --collective-wait per synchronizing collective; --block-call and
+cores and prices --collective-cpu and --collective-wait per synchronizing collective;
+--block-call and
 --optimizer-per-param add CPU costs per block call and per parameter stepped
 (strategies/plan/host.py; examples/train_gpt.py --plan measures all of them).
 """
@@ -193,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     ):
         ap.add_argument(f"--{name}", type=int)
     for name in ("memory-per-device", "intra-host", "inter-host", "flops", "dtype",
-                 "block-call", "optimizer-per-param", "collective-wait"):  # fmt: skip
+                 "block-call", "optimizer-per-param", "collective-cpu", "collective-wait"):  # fmt: skip
         ap.add_argument(f"--{name}")
     for name in ("dp", "tp", "pp", "microbatches"):
         ap.add_argument(f"--{name}", type=ints)

@@ -14,11 +14,16 @@ rank's critical path alone. layout.price then prices
   communication and the optimizer's step, as on any cluster;
 - busy CPU of a rank: its compute (FLOPs at that rate, plus `block_call_s` per block forward
   and backward: the per-operation costs of small layers), its collectives at their priced
-  time (through shared memory the rank's own CPU copies and reduces the bytes), the
-  optimizer's step (`optimizer_param_s` per parameter it steps) and its pipeline messages;
-- wait: what a collective loses when its members share cores with other ranks: it completes
-  only once every member has reached it, and a member descheduled behind another rank's
-  compute arrives late (`wait_s`, fitted on the host: local.collective_wait).
+  time (through shared memory the rank's own CPU copies and reduces the bytes) plus
+  `sync_cpu_s` for each collective that waits for every member (sync_points: the call and
+  the spinning and yielding of its wait), the optimizer's step (`optimizer_param_s` per
+  parameter it steps) and its pipeline messages;
+- wait: the wall time such a collective loses beyond that CPU when its members share cores
+  with other ranks: it completes only once every member has reached it, and a member
+  descheduled behind another rank's compute arrives late (`wait_s`).
+
+`sync_cpu_s` and `wait_s` are measured on the host's ranks (local.collective_costs: a chunk
+of compute with and without a small all-reduce after it).
 
 The ranks of a host are devices_per_host consecutive ranks (tp fastest, then dp, then pp).
 With as many cores as ranks per host, or no cores given (a GPU cluster: one rank per
@@ -42,16 +47,19 @@ class HostCPU:
 
     cores: cores per host (0: not given, one per rank); block_call_s: CPU seconds of one
     block's forward and backward beyond its FLOPs; optimizer_param_s: CPU seconds of the
-    optimizer's step per parameter; wait_s: seconds a synchronizing collective loses where
-    the ranks share cores."""
+    optimizer's step per parameter; sync_cpu_s: CPU seconds a rank spends on each
+    synchronizing collective where the ranks share cores (its calls, its waits' spinning
+    and yielding), wait_s: the wall seconds each loses there beyond that CPU."""
 
     cores: int = 0
     block_call_s: float = 0.0
     optimizer_param_s: float = 0.0
+    sync_cpu_s: float = 0.0
     wait_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.cores < 0 or min(self.block_call_s, self.optimizer_param_s, self.wait_s) < 0:
+        costs = (self.block_call_s, self.optimizer_param_s, self.sync_cpu_s, self.wait_s)
+        if self.cores < 0 or min(costs) < 0:
             raise PlanInputError(f"HostCPU: {self} has a negative entry")
 
     def shared(self, ranks_per_host: int) -> bool:

@@ -136,6 +136,7 @@ class Request:
                 "cores_per_host": c.cpu.cores or None,
                 "block_call_s": c.cpu.block_call_s,
                 "optimizer_per_param_s": c.cpu.optimizer_param_s,
+                "collective_cpu_s": c.cpu.sync_cpu_s,
                 "collective_wait_s": c.cpu.wait_s,
             },
             "allowed": self.allowed.__dict__,
@@ -195,7 +196,7 @@ _KEYS = {
     "layers", "hidden", "heads", "vocab", "seq", "ffn", "global_batch", "hosts",
     "devices_per_host", "memory_per_device", "intra_host", "inter_host", "flops", "dp", "tp",
     "pp", "sharding", "schedules", "microbatches", "recompute", "dtype", "cores_per_host",
-    "block_call", "optimizer_per_param", "collective_wait",
+    "block_call", "optimizer_per_param", "collective_cpu", "collective_wait",
 }  # fmt: skip
 
 
@@ -204,7 +205,8 @@ def parse_request(d: dict[str, Any]) -> Request:
     hosts, devices_per_host, memory_per_device ('80GB'), intra_host / inter_host
     ('100GB/s,5us'), flops ('312TFLOP/s'), [dp, tp, pp, sharding, schedules, microbatches,
     recompute, dtype, cores_per_host, block_call ('120us'), optimizer_per_param ('5ns'),
-    collective_wait ('1ms')]: the last four for CPU ranks, strategies/plan/host.py).
+    collective_cpu ('50us'), collective_wait ('1ms')]: the last five for CPU ranks,
+    strategies/plan/host.py).
     Raises PlanInputError naming the field to change."""
     unknown = sorted(set(d) - _KEYS)
     if unknown:
@@ -236,6 +238,7 @@ def parse_request(d: dict[str, Any]) -> Request:
             cores=_int(d, "cores_per_host") if "cores_per_host" in d else 0,
             block_call_s=_seconds(d, "block_call"),
             optimizer_param_s=_seconds(d, "optimizer_per_param"),
+            sync_cpu_s=_seconds(d, "collective_cpu"),
             wait_s=_seconds(d, "collective_wait"),
         ),
     )

@@ -244,20 +244,23 @@ def price(req: Request, lo: Layout, links: dict[str, LinkCost | CostModel]) -> P
     if cpu.shared(c.devices_per_host):
         # Ranks outnumber the cores (host.py): the host's CPU work over its cores bounds
         # the step too, and every synchronizing collective waits for descheduled peers.
+        syncs = [
+            sync_points(
+                dp=lo.dp, tp=lo.tp, pp=lo.pp, sharding=lo.sharding,
+                microbatches=lo.microbatches, blocks=sum(whole[s]["blocks"] for s in mine),
+                stages=len(mine), first=0 in mine, last=lo.pp * v - 1 in mine,
+            )
+            for mine in held
+        ]  # fmt: skip
         busy = []
-        for mine, p, opt in zip(held, ranks_p, optimizer, strict=True):
+        for mine, p, opt, n in zip(held, ranks_p, optimizer, syncs, strict=True):
             dp_cpu = sum(_dp_times(req, lo, p, links))
             messages = 2 * lo.microbatches * len(mine) * p2p if sched else 0.0
-            busy.append(
-                lo.microbatches * sum(fwd[s] + bwd[s] for s in mine) + dp_cpu + opt + messages
-            )
+            compute = lo.microbatches * sum(fwd[s] + bwd[s] for s in mine)
+            busy.append(compute + dp_cpu + opt + messages + n * cpu.sync_cpu_s)
         per_rank = [busy[g // (lo.tp * lo.dp)] for g in range(lo.dp * lo.tp * lo.pp)]
         bound = host_bound(per_rank, c.devices_per_host, cpu.cores)
-        n_sync = sync_points(
-            dp=lo.dp, tp=lo.tp, pp=lo.pp, sharding=lo.sharding, microbatches=lo.microbatches,
-            blocks=layers_busy, stages=len(busiest), first=0 in busiest,
-            last=lo.pp * v - 1 in busiest,
-        )  # fmt: skip
+        n_sync = syncs[held.index(busiest)]
         dph = c.devices_per_host
         host_cpu = max(sum(per_rank[i : i + dph]) for i in range(0, len(per_rank), dph))
         time["shared_cores"] = max(0.0, bound - step)

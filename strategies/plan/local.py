@@ -3,7 +3,7 @@ memory, the shared-memory link fitted from a `pycollectives-bench --json` run (o
 one, half the copy bandwidth measured now: a collective through shared memory copies every
 byte in and out), a core's throughput and the cost per block call fitted to a block's
 forward and backward timed now at the layouts' shapes, the optimizer's step timed now, and
-what a collective loses where ranks share cores (collective_wait, run on the ranks). What
+what a collective costs where ranks share cores (collective_costs, run on the ranks). What
 `examples/train_gpt.py --plan` uses to pick its layout.
 """
 
@@ -32,12 +32,13 @@ __all__ = [
     "cpu_flops",
     "block_call_flops",
     "block_seconds",
-    "collective_wait",
+    "collective_costs",
     "fit_block_costs",
     "local_request",
-    "measure_collective_wait",
+    "measure_collective_costs",
     "optimizer_seconds_per_param",
     "tp_block",
+    "usable_cores",
 ]
 
 # train_gpt.py's schedule names <-> the planner's (pipeline.build's)
@@ -110,8 +111,10 @@ def tp_block(hidden: int, heads: int, seq: int, tp: int = 1) -> torch.nn.Module:
 def block_seconds(
     hidden: int, heads: int, seq: int, batch: int, tp: int = 1, repeats: int = 6
 ) -> float:
-    """Best of `repeats` timings of one tp rank's share of a block's forward and backward
-    (tp_block) on a (batch, seq, hidden) micro-batch, with one torch thread."""
+    """CPU seconds of one tp rank's share of a block's forward and backward (tp_block) on
+    a (batch, seq, hidden) micro-batch with one torch thread, the least of `repeats`: the
+    calling thread's CPU time (time.thread_time), which other processes taking the core
+    for a while do not add to as they add to the wall time."""
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -119,9 +122,9 @@ def block_seconds(
         x = torch.randn(batch, seq, hidden, requires_grad=True)
         best = float("inf")
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             block(x).sum().backward()
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, time.thread_time() - t0)
         return best
     finally:
         torch.set_num_threads(old)
@@ -147,7 +150,8 @@ def fit_block_costs(samples: list[tuple[float, float]]) -> tuple[float, float]:
 
 def optimizer_seconds_per_param(hidden: int, heads: int, seq: int, repeats: int = 5) -> float:
     """CPU seconds of torch's AdamW step (Trainer3D's optimizer, its default implementation)
-    per parameter, on one block's parameters with gradients, one thread: best of `repeats`."""
+    per parameter, on one block's parameters with gradients, one thread: the least of
+    `repeats` (the calling thread's CPU time, time.thread_time)."""
     from pycollectives.strategies.models.gpt import Block, GPTConfig
 
     old = torch.get_num_threads()
@@ -161,62 +165,70 @@ def optimizer_seconds_per_param(hidden: int, heads: int, seq: int, repeats: int 
         opt.step()  # creates the state
         best = float("inf")
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             opt.step()
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, time.thread_time() - t0)
         return best / sum(q.numel() for q in params)
     finally:
         torch.set_num_threads(old)
 
 
-def collective_wait(comm: Any, chunk: int = 128, iters: int = 200, nbytes: int = 4096) -> float:
-    """Collective over `comm` (the ranks of one host, all of them): the seconds a collective
-    loses, per call, where the ranks outnumber the cores: every rank times `iters`
-    repetitions of a chunk of compute (a chunk x chunk matmul), then of the same chunk each
-    followed by an all-reduce of `nbytes` bytes over `comm`, then the all-reduces alone;
-    the result is (with - without - alone) / iters of the slowest rank's wall times, at
-    least 0. Every rank returns the same value. One torch thread."""
+def collective_costs(
+    comm: Any, chunk: int = 128, iters: int = 200, nbytes: int = 4096
+) -> tuple[float, float]:
+    """Collective over `comm` (the ranks of one host, all of them): what a collective costs
+    where the ranks outnumber the cores. Every rank times (wall and its process's CPU)
+    `iters` repetitions of a chunk of compute (a chunk x chunk matmul), then of the same
+    chunk each followed by an all-reduce of `nbytes` bytes over `comm`. Returns, the same
+    on every rank: (CPU seconds a rank spends per collective: the ranks' added CPU / iters /
+    ranks; seconds of wall time a collective loses beyond that CPU: the slowest rank's added
+    wall / iters less the added CPU / iters over min(cores, ranks), at least 0), the cores
+    being usable_cores(). One torch thread."""
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         a, b = torch.randn(chunk, chunk), torch.randn(chunk, chunk)
         small = torch.zeros(max(1, nbytes // 4))
         a @ b
-        walls = []
-        for phase in ("compute", "both", "collective"):
+        walls, cpus = [], []
+        for phase in ("compute", "both"):
             comm.all_reduce(small)  # start together
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(iters):
-                if phase != "collective":
-                    a @ b
-                if phase != "compute":
+                a @ b
+                if phase == "both":
                     comm.all_reduce(small)
             walls.append(time.perf_counter() - t0)
-        slowest = torch.tensor(walls, dtype=torch.float64)
-        comm.all_reduce(slowest, ReduceOp.MAX)
-        compute, both, alone = slowest.tolist()
-        return max(0.0, (both - compute - alone) / iters)
+            cpus.append(time.process_time() - c0)
+        wall = torch.tensor(walls, dtype=torch.float64)
+        cpu = torch.tensor(cpus, dtype=torch.float64)
+        comm.all_reduce(wall, ReduceOp.MAX)
+        comm.all_reduce(cpu, ReduceOp.SUM)
+        n = comm.world_size
+        added_cpu = max(0.0, float(cpu[1] - cpu[0]) / iters)
+        added_wall = float(wall[1] - wall[0]) / iters
+        return added_cpu / n, max(0.0, added_wall - added_cpu / min(usable_cores(), n))
     finally:
         torch.set_num_threads(old)
 
 
 def _wait_rank(rank: int, ranks: int, port: int, results: Any) -> None:
-    """One rank of measure_collective_wait: joins the others, runs collective_wait."""
+    """One rank of measure_collective_costs: joins the others, runs collective_costs."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank))  # fmt: skip
     import pycollectives as pc
 
     try:
         with pc.init(timeout=60) as comm:
-            results.put((rank, collective_wait(comm)))
+            results.put((rank, collective_costs(comm)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         results.put((rank, f"{type(e).__name__}: {e}"))
 
 
-def measure_collective_wait(ranks: int, timeout: float = 120.0) -> float:
-    """collective_wait on `ranks` ranks of this host started for it (spawned processes):
-    what a collective loses where they outnumber the cores. Raises PlanInputError naming
-    the rank that failed, or when they do not finish within `timeout` seconds (killed)."""
+def measure_collective_costs(ranks: int, timeout: float = 120.0) -> tuple[float, float]:
+    """collective_costs on `ranks` ranks of this host started for it (spawned processes).
+    Raises PlanInputError naming the rank that failed, or when they do not finish within
+    `timeout` seconds (killed)."""
     import multiprocessing as mp
     import queue
     import socket
@@ -238,11 +250,11 @@ def measure_collective_wait(ranks: int, timeout: float = 120.0) -> float:
                 rank, value = results.get(timeout=max(0.1, end - time.monotonic()))
             except queue.Empty:
                 raise PlanInputError(
-                    f"measure_collective_wait: {ranks - len(got)} of {ranks} ranks did not "
+                    f"measure_collective_costs: {ranks - len(got)} of {ranks} ranks did not "
                     f"finish in {timeout:g} s"
                 ) from None
             if isinstance(value, str):
-                raise PlanInputError(f"measure_collective_wait: rank {rank} failed: {value}")
+                raise PlanInputError(f"measure_collective_costs: rank {rank} failed: {value}")
             got[rank] = value
     finally:
         for proc in procs:
@@ -265,6 +277,15 @@ def copy_bandwidth(nbytes: int = 32 << 20, seconds: float = 0.2) -> float:
     return nbytes / best
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask: taskset, a cgroup's
+    cpuset), else os.cpu_count()."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def available_memory() -> int:
     """MemAvailable of /proc/meminfo in bytes. Raises PlanInputError where it is not there."""
     try:
@@ -279,7 +300,7 @@ def available_memory() -> int:
 
 def local_request(
     model: dict[str, int], global_batch: int, ranks: int, microbatches: int,
-    bench_json: str | None = None, wait_s: float | None = None,
+    bench_json: str | None = None, collective: tuple[float, float] | None = None,
 ) -> tuple[Request, dict[str, LinkCost | CostModel], list[str]]:  # fmt: skip
     """The planner's request for `ranks` local ranks training `model` (layers, hidden,
     heads, vocab, seq), fp32 without recomputation, any dp x tp x pp, ZeRO 0-3 or FSDP,
@@ -287,11 +308,12 @@ def local_request(
     measured. Measured now, one thread: one tp rank's block forward and backward at every
     (micro-batch, tp) a layout of `ranks` runs, to which the compute rate of one core and a
     cost per block call are fitted (fit_block_costs), and AdamW's step per parameter; the
-    cores are os.cpu_count(). `wait_s`: what a collective loses where the ranks outnumber
-    the cores, as collective_wait measured it on such ranks (None: measured now on `ranks`
-    ranks started for it, measure_collective_wait, where they outnumber the cores).
+    cores are those this process may run on (usable_cores). `collective`: what a collective costs where the ranks
+    outnumber the cores (CPU per rank, wall lost beyond it), as collective_costs measured it
+    on such ranks (None: measured now on `ranks` ranks started for it,
+    measure_collective_costs, where they outnumber the cores; else none).
     Raises PlanInputError as parse_request does."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     h, heads, seq = model["hidden"], model["heads"], model["seq"]
     shapes = sorted({
         (global_batch // (dp * microbatches), tp)
@@ -302,9 +324,10 @@ def local_request(
                for b, tp in shapes]  # fmt: skip
     call, flops = fit_block_costs(samples)
     optimizer = optimizer_seconds_per_param(h, heads, seq)
-    measured_here = wait_s is None and ranks > cores
+    measured_here = collective is None and ranks > cores
     if measured_here:  # ranks that outnumber the cores: what their collectives lose
-        wait_s = measure_collective_wait(ranks)
+        collective = measure_collective_costs(ranks)
+    sync_cpu, wait = collective or (0.0, 0.0)
     mem = available_memory() // ranks
     copy = copy_bandwidth()
     req = parse_request({
@@ -313,7 +336,7 @@ def local_request(
         "inter_host": f"{copy / 2:.0f}B/s,10us", "flops": f"{flops:.0f}FLOP/s",
         "cores_per_host": cores, "block_call": f"{call * 1e6:.4f}us",
         "optimizer_per_param": f"{optimizer * 1e9:.4f}ns",
-        "collective_wait": f"{(wait_s or 0.0) * 1e6:.3f}us",
+        "collective_cpu": f"{sync_cpu * 1e6:.3f}us", "collective_wait": f"{wait * 1e6:.3f}us",
         "sharding": ["none", "zero1", "zero2", "zero3", "fsdp"],
         "schedules": list(SCHEDULE_NAMES), "microbatches": [microbatches],
         "recompute": ["none"], "dtype": "fp32",
@@ -335,12 +358,13 @@ def local_request(
         f"{', '.join(f'{b}x{tp}' for b, tp in shapes)}, timed now; worst fit "
         f"{worst:.0%})",
         f"AdamW's step {optimizer * 1e9:.2f} ns per parameter (timed now)",
-        f"a collective loses {(wait_s or 0.0) * 1e6:.0f} us where the ranks share the cores "
-        + (
-            "(as many cores as ranks: none)"
-            if ranks <= cores
-            else f"(collective_wait on {ranks} ranks {'started for it' if measured_here else 'given'})"
-        ),  # fmt: skip
+        (
+            f"a collective costs {sync_cpu * 1e6:.0f} us of CPU per rank and loses {wait * 1e6:.0f} "
+            f"us of wall beyond it where the ranks share the cores (collective_costs on {ranks} "
+            f"ranks, {'started for it' if measured_here else 'given'})"
+            if ranks > cores
+            else "as many cores as ranks: no collective costs for shared cores"
+        ),
         f"memory per rank {mem / 2**30:.2f} GiB (MemAvailable / ranks)",
         f"intra-host link: {links['intra'].source}",
     ]

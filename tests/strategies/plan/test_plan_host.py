@@ -77,12 +77,13 @@ def test_a_pipeline_on_one_core_costs_its_whole_model():
 
 def test_data_parallel_ranks_on_shared_cores_add_up_exactly():
     """dp = 4 on 2 cores, free links: each rank's busy CPU is its compute (FLOPs at a
-    core's rate, plus a block call's cost per block and micro-batch) and the optimizer's
-    step on all its parameters; the step is twice a rank's (4 ranks over 2 cores) plus a
-    wait for each of the 2 sync points (the gradient all-reduce and the loss)."""
-    call, opt, wait = 100e-6, 5e-9, 1e-3
+    core's rate, plus a block call's cost per block and micro-batch), the optimizer's step
+    on all its parameters and the CPU of its 2 sync points (the gradient all-reduce and the
+    loss); the step is twice a rank's (4 ranks over 2 cores) plus a wait for each."""
+    call, opt, sync, wait = 100e-6, 5e-9, 50e-6, 1e-3
     req = parse_request({**REQ, "cores_per_host": 2, "block_call": "100us",
-                         "optimizer_per_param": "5ns", "collective_wait": "1ms"})  # fmt: skip
+                         "optimizer_per_param": "5ns", "collective_cpu": "50us",
+                         "collective_wait": "1ms"})  # fmt: skip
     got = price(req, Layout(4, 1, 1, "none", "none", 4, "none"), FREE)
     assert isinstance(got, Priced)
     m, tokens = req.model, 64 // 4 * 128
@@ -90,24 +91,26 @@ def test_data_parallel_ranks_on_shared_cores_add_up_exactly():
     compute = flops / 100e9 + 4 * m.layers * call
     assert got.time["compute"] == pytest.approx(compute, rel=1e-12)
     assert got.time["optimizer"] == pytest.approx(m.params() * opt, rel=1e-12)
-    rank = compute + m.params() * opt
+    rank = compute + m.params() * opt + 2 * sync
     assert got.host_cpu_s == pytest.approx(4 * rank, rel=1e-12)
     assert got.time["collective_waits"] == pytest.approx(2 * wait, rel=1e-12)
     assert got.step_s == pytest.approx(2 * rank + 2 * wait, rel=1e-12)
-    assert got.time["shared_cores"] == pytest.approx(rank, rel=1e-12)
+    assert got.time["shared_cores"] == pytest.approx(rank + 2 * sync, rel=1e-12)
     # ZeRO-1 steps a quarter of the parameters on each rank, and syncs once more
     z1 = price(req, Layout(4, 1, 1, "zero1", "none", 4, "none"), FREE)
     assert z1.time["optimizer"] == pytest.approx(m.params() * opt / 4, rel=1e-12)
-    assert z1.step_s == pytest.approx(2 * (compute + m.params() * opt / 4) + 3 * wait, rel=1e-12)
+    z1_rank = compute + m.params() * opt / 4 + 3 * sync
+    assert z1.step_s == pytest.approx(2 * z1_rank + 3 * wait, rel=1e-12)
 
 
 def test_cpu_inputs_are_checked_and_echoed():
     req = parse_request({**REQ, "cores_per_host": 2, "block_call": "120us",
-                         "optimizer_per_param": "4.5ns", "collective_wait": "0.8ms"})  # fmt: skip
+                         "optimizer_per_param": "4.5ns", "collective_cpu": "30us",
+                         "collective_wait": "0.8ms"})  # fmt: skip
     cpu = req.cluster.cpu
     assert cpu.cores == 2 and cpu.shared(4) and not cpu.shared(2)
-    assert (cpu.block_call_s, cpu.optimizer_param_s, cpu.wait_s) == pytest.approx(
-        (120e-6, 4.5e-9, 0.8e-3), rel=1e-12
+    assert (cpu.block_call_s, cpu.optimizer_param_s, cpu.sync_cpu_s, cpu.wait_s) == pytest.approx(
+        (120e-6, 4.5e-9, 30e-6, 0.8e-3), rel=1e-12
     )
     echo = req.echo()["cluster"]
     assert echo["cores_per_host"] == 2 and echo["collective_wait_s"] == pytest.approx(0.8e-3)
