@@ -1,6 +1,7 @@
 """The planner's step-time ranking of train_gpt.py's 4-rank layouts against measured steps.
 
     python benchmarks/plan/plan_ranking.py [--steps 4] [--bench-json FILE] [--no-write]
+    python benchmarks/plan/plan_ranking.py --measured docs/data/plan_ranking-DATE.json
 
 Every layout train_gpt.py runs at 4 ranks (dp x tp x pp, ZeRO 0-3, FSDP, every schedule;
 benchmarks/plan/_plan_layouts.py) trains the GPT of benchmarks/pipeline/train_gpt_layouts.py (d_model
@@ -137,6 +138,9 @@ def main() -> int:
     ap.add_argument("--bench-json")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a recorded run")
+    ap.add_argument("--measured", metavar="JSON", help="price the layouts now against the "
+                    "steps a recorded run measured (docs/data/plan_ranking-DATE.json) instead "
+                    "of running them; prints, writes nothing")  # fmt: skip
     args = ap.parse_args()
     if args.replot:
         data = json.loads(Path(args.replot).read_text())
@@ -151,10 +155,10 @@ def main() -> int:
     try:
         costs = pool.run(collective_costs, timeout=300)[0]  # the same on every rank
         req, links, said = local_request(MODEL, BATCH, 4, MICRO, args.bench_json, costs)
-        per_rank = pool.run(job_steps, lays, args.steps, timeout=900)
+        per_rank = [] if args.measured else pool.run(job_steps, lays, args.steps, timeout=900)
     finally:
         pool.close()
-    measured = [max(r[i][0] for r in per_rank) for i in range(len(lays))]
+    measured = [max(r[i][0] for r in per_rank) for i in range(len(lays))] if per_rank else []
     cpu = [sum(r[i][1] for r in per_rank) for i in range(len(lays))]  # all ranks, per step
     priced, storage, names = [], [], []
     for lo in lays:
@@ -169,6 +173,16 @@ def main() -> int:
         storage.append(max(st, key=lambda r: sum(r.values())))
         names.append(f"dp{lo['dp']} tp{lo['tp']} pp{lo['pp']} {lo['mode']}"
                      + (f" {lo['schedule']}" if lo["pp"] > 1 else ""))  # fmt: skip
+    if args.measured:  # a recorded run's steps, by layout name
+        rec = json.loads(Path(args.measured).read_text())
+        by_name = {r["name"]: r for r in rec["layouts"]}
+        if set(by_name) != set(names):
+            raise SystemExit(f"--measured {args.measured}: not the layouts of this script")
+        measured = [by_name[n]["measured_s"] for n in names]
+        cpu = [by_name[n].get("measured_cpu_s", 0.0) for n in names]
+        said.append(f"measured steps from {args.measured} ({rec['date']}, load average "
+                    f"{rec['load_start'][0]:.2f} at its start, {rec['load_end'][0]:.2f} at its end)")  # fmt: skip
+        args.no_write = True
     predicted = [p.step_s for p in priced]
     rho = spearman(predicted, measured)
     best_pred = min(range(len(lays)), key=lambda i: predicted[i])
