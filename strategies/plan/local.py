@@ -10,6 +10,7 @@ what a collective costs where ranks share cores (collective_costs, run on the ra
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -109,7 +110,7 @@ def tp_block(hidden: int, heads: int, seq: int, tp: int = 1) -> torch.nn.Module:
 
 
 def block_seconds(
-    hidden: int, heads: int, seq: int, batch: int, tp: int = 1, repeats: int = 6
+    hidden: int, heads: int, seq: int, batch: int, tp: int = 1, repeats: int = 12
 ) -> float:
     """CPU seconds of one tp rank's share of a block's forward and backward (tp_block) on
     a (batch, seq, hidden) micro-batch with one torch thread, the least of `repeats`: the
@@ -174,40 +175,44 @@ def optimizer_seconds_per_param(hidden: int, heads: int, seq: int, repeats: int 
 
 
 def collective_costs(
-    comm: Any, chunk: int = 128, iters: int = 200, nbytes: int = 4096
+    comm: Any, chunk: int = 128, iters: int = 100, nbytes: int = 4096, rounds: int = 3
 ) -> tuple[float, float]:
     """Collective over `comm` (the ranks of one host, all of them): what a collective costs
     where the ranks outnumber the cores. Every rank times (wall and its process's CPU)
     `iters` repetitions of a chunk of compute (a chunk x chunk matmul), then of the same
-    chunk each followed by an all-reduce of `nbytes` bytes over `comm`. Returns, the same
-    on every rank: (CPU seconds a rank spends per collective: the ranks' added CPU / iters /
-    ranks; seconds of wall time a collective loses beyond that CPU: the slowest rank's added
-    wall / iters less the added CPU / iters over min(cores, ranks), at least 0), the cores
-    being usable_cores(). One torch thread."""
+    chunk each followed by an all-reduce of `nbytes` bytes over `comm`, `rounds` times.
+    Returns, the same on every rank, the medians over the rounds of: the CPU seconds a rank
+    spends per collective (the ranks' added CPU / iters / ranks) and the seconds of wall
+    time a collective loses beyond that CPU (the slowest rank's added wall / iters less the
+    added CPU / iters over min(cores, ranks), at least 0), the cores being usable_cores().
+    One torch thread."""
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         a, b = torch.randn(chunk, chunk), torch.randn(chunk, chunk)
         small = torch.zeros(max(1, nbytes // 4))
         a @ b
-        walls, cpus = [], []
-        for phase in ("compute", "both"):
-            comm.all_reduce(small)  # start together
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(iters):
-                a @ b
-                if phase == "both":
-                    comm.all_reduce(small)
-            walls.append(time.perf_counter() - t0)
-            cpus.append(time.process_time() - c0)
-        wall = torch.tensor(walls, dtype=torch.float64)
-        cpu = torch.tensor(cpus, dtype=torch.float64)
-        comm.all_reduce(wall, ReduceOp.MAX)
-        comm.all_reduce(cpu, ReduceOp.SUM)
-        n = comm.world_size
-        added_cpu = max(0.0, float(cpu[1] - cpu[0]) / iters)
-        added_wall = float(wall[1] - wall[0]) / iters
-        return added_cpu / n, max(0.0, added_wall - added_cpu / min(usable_cores(), n))
+        n, cores = comm.world_size, min(usable_cores(), comm.world_size)
+        per_call, lost = [], []
+        for _ in range(rounds):
+            walls, cpus = [], []
+            for phase in ("compute", "both"):
+                comm.all_reduce(small)  # start together
+                t0, c0 = time.perf_counter(), time.process_time()
+                for _ in range(iters):
+                    a @ b
+                    if phase == "both":
+                        comm.all_reduce(small)
+                walls.append(time.perf_counter() - t0)
+                cpus.append(time.process_time() - c0)
+            wall = torch.tensor(walls, dtype=torch.float64)
+            cpu = torch.tensor(cpus, dtype=torch.float64)
+            comm.all_reduce(wall, ReduceOp.MAX)
+            comm.all_reduce(cpu, ReduceOp.SUM)
+            added_cpu = max(0.0, float(cpu[1] - cpu[0]) / iters)
+            per_call.append(added_cpu / n)
+            lost.append(max(0.0, float(wall[1] - wall[0]) / iters - added_cpu / cores))
+        return statistics.median(per_call), statistics.median(lost)
     finally:
         torch.set_num_threads(old)
 
