@@ -1,16 +1,23 @@
 """The planner's step-time ranking of train_gpt.py's 4-rank layouts against measured steps.
 
     python benchmarks/plan/plan_ranking.py [--steps 4] [--bench-json FILE] [--no-write]
+    python benchmarks/plan/plan_ranking.py --measured docs/data/plan_ranking-DATE.json
 
 Every layout train_gpt.py runs at 4 ranks (dp x tp x pp, ZeRO 0-3, FSDP, every schedule;
 benchmarks/plan/_plan_layouts.py) trains the GPT of benchmarks/pipeline/train_gpt_layouts.py (d_model
 128, 8 layers, 8 heads, vocab 256, 64 tokens, global batch 32 in 4 micro-batches per dp
 rank): one warm-up step, then --steps steps, the step time the median of the slowest
-rank's. The planner prices the same layouts for this machine (strategies/plan/local.py:
-a block's forward and backward timed at the micro-batch's shape, a copy bandwidth or the
-fit of --bench-json). Reported: Spearman's rho between the predicted and measured orders,
-and the measured step of the predicted best against the measured best (target: within
-10%). Writes docs/benchmarks.md's section, docs/data/plan_ranking-DATE.json and
+rank's, and the CPU seconds the ranks' processes used per step, summed; --passes times
+(default 2) over the layouts, every other pass in reverse order, each layout's least step
+kept (other processes only add time, and a burst of load hits the layouts that run then).
+The planner prices the same layouts for this machine (strategies/plan/local.py: a core's rate and a cost per
+block call fitted to a block's forward and backward timed at the layouts' shapes, AdamW's
+step, a copy bandwidth or the fit of --bench-json, and what a collective costs where the 4
+ranks share the cores, measured on the ranks first: local.collective_costs; the model of
+ranks that outnumber the cores: strategies/plan/host.py). Reported: Spearman's rho between
+the predicted and measured orders, the measured step of the predicted best against the
+measured best (target: within 10%), and the predicted CPU per step against the measured.
+Writes docs/benchmarks.md's section, docs/data/plan_ranking-DATE.json and
 docs/data/plan_ranking-DATE.png (tensor storage per layout by role, predicted; the
 predicted step by part beside the measured step).
 """
@@ -35,7 +42,7 @@ from _plan_layouts import layouts, options  # noqa: E402
 from spawn import RankPool  # noqa: E402
 
 from pycollectives.strategies.plan.layout import Layout, Priced, price  # noqa: E402
-from pycollectives.strategies.plan.local import local_request  # noqa: E402
+from pycollectives.strategies.plan.local import collective_costs, local_request  # noqa: E402
 from pycollectives.strategies.plan.trainer import trainer_storage  # noqa: E402
 
 BEGIN, END = "<!-- plan_ranking:begin -->", "<!-- plan_ranking:end -->"
@@ -45,8 +52,9 @@ PIPE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zbh1": 
 DATA = ROOT / "docs" / "data"
 
 
-def job_steps(comm, lays: list[dict], steps: int) -> list[float]:  # noqa: ANN001
-    """Per layout: this rank's median step seconds after one warm-up step."""
+def job_steps(comm, lays: list[dict], steps: int) -> list[tuple[float, float]]:  # noqa: ANN001
+    """Per layout: this rank's median step seconds after one warm-up step, and the median
+    CPU seconds its process (the communicator's progress threads included) used per step."""
     import torch
 
     from pycollectives.strategies.models import GPTConfig
@@ -62,7 +70,12 @@ def job_steps(comm, lays: list[dict], steps: int) -> list[float]:  # noqa: ANN00
         with ParallelDims(comm, dp=lo["dp"], tp=lo["tp"], pp=lo["pp"]) as dims:
             trainer = Trainer3D(dims, cfg, options(lo, BATCH, MICRO))
             trainer.step()
-            out.append(statistics.median(trainer.step().seconds for _ in range(steps)))
+            walls, cpus = [], []
+            for _ in range(steps):
+                c0 = time.process_time()
+                walls.append(trainer.step().seconds)
+                cpus.append(time.process_time() - c0)
+            out.append((statistics.median(walls), statistics.median(cpus)))
             del trainer
     return out
 
@@ -108,8 +121,9 @@ def plot(path: Path, names: list[str], parts: list[dict], storage: list[dict], m
     ax1.set_ylabel("tensor storage, busiest rank (MiB)")
     ax1.legend(fontsize=8)
     bottom = [0.0] * len(names)
-    for part in ("compute", "tp_collectives", "pipeline_bubble", "dp_exposed"):
-        vals = [p[part] * 1e3 for p in parts]
+    for part in ("compute", "tp_collectives", "pipeline_bubble", "dp_exposed", "optimizer",
+                 "shared_cores", "collective_waits"):  # fmt: skip
+        vals = [p.get(part, 0.0) * 1e3 for p in parts]
         ax2.bar(x, vals, bottom=bottom, label=f"predicted {part}")
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax2.plot(list(x), [t * 1e3 for t in measured], "k_", markersize=14, mew=2, label="measured")
@@ -124,9 +138,14 @@ def plot(path: Path, names: list[str], parts: list[dict], storage: list[dict], m
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--passes", type=int, default=2, help="passes over the layouts, every "
+                    "other one in reverse order; a layout's step is its least (default 2)")  # fmt: skip
     ap.add_argument("--bench-json")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a recorded run")
+    ap.add_argument("--measured", metavar="JSON", help="price the layouts now against the "
+                    "steps a recorded run measured (docs/data/plan_ranking-DATE.json) instead "
+                    "of running them; prints, writes nothing")  # fmt: skip
     args = ap.parse_args()
     if args.replot:
         data = json.loads(Path(args.replot).read_text())
@@ -137,13 +156,23 @@ def main() -> int:
         return 0
     load0, t0 = os.getloadavg(), time.perf_counter()
     lays = layouts(4, MODEL["layers"], MODEL["heads"])
-    req, links, said = local_request(MODEL, BATCH, 4, MICRO, args.bench_json)
     pool = RankPool(4)
     try:
-        per_rank = pool.run(job_steps, lays, args.steps, timeout=900)
+        costs = pool.run(collective_costs, timeout=300)[0]  # the same on every rank
+        req, links, said = local_request(MODEL, BATCH, 4, MICRO, args.bench_json, costs)
+        passes = []  # per pass: per layout (slowest rank's step, all ranks' CPU per step)
+        for k in range(0 if args.measured else max(1, args.passes)):
+            order = list(range(len(lays)))[:: -1 if k % 2 else 1]
+            per_rank = pool.run(job_steps, [lays[i] for i in order], args.steps, timeout=900)
+            got = {i: (max(r[j][0] for r in per_rank), sum(r[j][1] for r in per_rank))
+                   for j, i in enumerate(order)}  # fmt: skip
+            passes.append([got[i] for i in range(len(lays))])
     finally:
         pool.close()
-    measured = [max(r[i] for r in per_rank) for i in range(len(lays))]
+    # Other processes only ever add time: each layout's least step of the passes (a layout
+    # early in one pass is late in the next), and the CPU of that pass.
+    best = [min(ps[i] for ps in passes) for i in range(len(lays))] if passes else []
+    measured, cpu = [b[0] for b in best], [b[1] for b in best]
     priced, storage, names = [], [], []
     for lo in lays:
         sharding = "none" if lo["mode"] == "zero0" else lo["mode"]
@@ -157,6 +186,16 @@ def main() -> int:
         storage.append(max(st, key=lambda r: sum(r.values())))
         names.append(f"dp{lo['dp']} tp{lo['tp']} pp{lo['pp']} {lo['mode']}"
                      + (f" {lo['schedule']}" if lo["pp"] > 1 else ""))  # fmt: skip
+    if args.measured:  # a recorded run's steps, by layout name
+        rec = json.loads(Path(args.measured).read_text())
+        by_name = {r["name"]: r for r in rec["layouts"]}
+        if set(by_name) != set(names):
+            raise SystemExit(f"--measured {args.measured}: not the layouts of this script")
+        measured = [by_name[n]["measured_s"] for n in names]
+        cpu = [by_name[n].get("measured_cpu_s", 0.0) for n in names]
+        said.append(f"measured steps from {args.measured} ({rec['date']}, load average "
+                    f"{rec['load_start'][0]:.2f} at its start, {rec['load_end'][0]:.2f} at its end)")  # fmt: skip
+        args.no_write = True
     predicted = [p.step_s for p in priced]
     rho = spearman(predicted, measured)
     best_pred = min(range(len(lays)), key=lambda i: predicted[i])
@@ -167,13 +206,14 @@ def main() -> int:
         f"measures {measured[best_pred] * 1e3:.1f} ms, {gap:+.0%} against the measured best "
         f"{names[best_meas]} ({measured[best_meas] * 1e3:.1f} ms; target within 10%)"
     )
-    table = ["| layout | predicted ms | measured ms | predicted rank | measured rank |",
-             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    table = ["| layout | predicted ms | measured ms | predicted rank | measured rank "
+             "| predicted CPU ms | measured CPU ms |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     rp = {i: k + 1 for k, i in enumerate(sorted(range(len(lays)), key=lambda i: predicted[i]))}
     rm = {i: k + 1 for k, i in enumerate(sorted(range(len(lays)), key=lambda i: measured[i]))}
     for i in sorted(range(len(lays)), key=lambda i: measured[i]):
         table.append(f"| {names[i]} | {predicted[i] * 1e3:.2f} | {measured[i] * 1e3:.1f} | "
-                     f"{rp[i]} | {rm[i]} |")  # fmt: skip
+                     f"{rp[i]} | {rm[i]} | {priced[i].host_cpu_s * 1e3:.0f} | "
+                     f"{cpu[i] * 1e3:.0f} |")  # fmt: skip
     load1 = os.getloadavg()
     date = datetime.date.today().isoformat()
     notes = [f"Result: {summary}.", *[f"Planner input: {s}." for s in said],
@@ -184,8 +224,8 @@ def main() -> int:
             f"The load average exceeded half of the {os.cpu_count()} cores: other processes "
             "take the ranks' cores for tens of ms at a time, a layout's measured step moves "
             "by more than the layouts differ, and the ranking cannot be judged; a quiet "
-            "rerun is needed. The planner prices FLOPs and bandwidth, not the latency of "
-            "ranks descheduled mid-collective."
+            "rerun is needed. The planner prices the collectives' costs on shared cores "
+            "as measured at the start (collective_costs), not the load's changes."
         )
     if not args.no_write:
         DATA.mkdir(exist_ok=True)
@@ -195,8 +235,9 @@ def main() -> int:
             "machine": f"{cpu_model()}, {os.cpu_count()} cores", "date": date,
             "load_start": load0, "load_end": load1, "planner_inputs": said,
             "layouts": [{"name": n, "predicted_s": p.step_s, "predicted_parts_s": p.time,
-                         "measured_s": m, "predicted_storage": s}
-                        for n, p, m, s in zip(names, priced, measured, storage, strict=True)],
+                         "measured_s": m, "predicted_cpu_s": p.host_cpu_s, "measured_cpu_s": u,
+                         "predicted_storage": s}
+                        for n, p, m, u, s in zip(names, priced, measured, cpu, storage, strict=True)],
         }, indent=1) + "\n")  # fmt: skip
         notes.append(f"Plot: docs/data/plan_ranking-{date}.png.")
     argv = " ".join(sys.argv[1:])

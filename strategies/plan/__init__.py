@@ -13,6 +13,8 @@ or from a shell, `pycollectives-plan --help` (strategies/plan/cli.py).
 Memory per rank is itemized after the ZeRO paper (Rajbhandari et al. 2020) and the
 activation memory of Korthikanti et al. 2022; both are checked in tests against the
 published figures, and the model states against what this project's strategies store.
+Where a host's ranks outnumber its CPU cores (training on CPUs), host.py bounds the step by
+the host's CPU work over its cores and prices the collectives' waits for descheduled ranks.
 """
 
 from .cli import plan
@@ -24,6 +26,7 @@ from .costs import (
     ring_time,
     ring_vs_hierarchical,
 )
+from .host import HostCPU, host_bound, sync_points
 from .inputs import Allowed, Cluster, Link, ModelSpec, Request, parse_request
 from .layout import Layout, Priced, Rejected, price
 from .memory import activation_bytes_per_layer, model_states, storage_per_rank
@@ -32,6 +35,7 @@ from .units import PlanInputError, format_bytes, parse_bandwidth, parse_bytes, p
 __all__ = [
     "Allowed",
     "Cluster",
+    "HostCPU",
     "Layout",
     "Link",
     "LinkCost",
@@ -44,6 +48,7 @@ __all__ = [
     "fit",
     "format_bytes",
     "hierarchical_time",
+    "host_bound",
     "load_bench_json",
     "model_states",
     "parse_bandwidth",
@@ -55,4 +60,5 @@ __all__ = [
     "ring_time",
     "ring_vs_hierarchical",
     "storage_per_rank",
+    "sync_points",
 ]

@@ -8,7 +8,12 @@ prints the inputs as understood, the best layouts by predicted step time (memory
 itemized) and the rejected ones with their reason; --json FILE writes all of it.
 --bench-json FILE fits the intra-host link to a `pycollectives-bench --json` run (per path
 the communicator took and cache regime, strategies/plan/fitted.py), --inter-bench-json FILE
-the inter-host link to one run across hosts (TCP).
+the inter-host link to one run across hosts (TCP). --cores-per-host N, where the ranks of
+a host outnumber its cores (CPU training), bounds the step by the host's CPU work over its
+cores and prices --collective-cpu and --collective-wait per synchronizing collective;
+--block-call and
+--optimizer-per-param add CPU costs per block call and per parameter stepped
+(strategies/plan/host.py; examples/train_gpt.py --plan measures all of them).
 """
 
 from __future__ import annotations
@@ -76,7 +81,8 @@ def _row(p: Priced) -> str:
     return (
         f"{p.layout.name():42} {gb(p.memory_total)} {gb(states)} {gb(mem['activations'] + mem['logits'])} "
         f"{gb(buffers)} {ms(p.step_s)} {ms(t['compute'])} {ms(t['tp_collectives'])} "
-        f"{ms(t['pipeline_bubble'])} {ms(t['dp_exposed'])} {ms(t['dp_overlapped'])}"
+        f"{ms(t['pipeline_bubble'])} {ms(t['dp_exposed'])} {ms(t['dp_overlapped'])} "
+        f"{ms(t['optimizer'])} {ms(t['shared_cores'])} {ms(t['collective_waits'])}"
     )
 
 
@@ -107,7 +113,8 @@ def report(
     )
     lines.append(
         f"{'layout':42} {'mem GB':>8} {'states':>8} {'activ':>8} {'buffers':>8} {'step ms':>9} "
-        f"{'compute':>9} {'tp comm':>9} {'bubble':>9} {'dp expo':>9} {'dp ovlp':>9}"
+        f"{'compute':>9} {'tp comm':>9} {'bubble':>9} {'dp expo':>9} {'dp ovlp':>9} "
+        f"{'optim':>9} {'cores':>9} {'waits':>9}"
     )
     lines += [_row(p) for p in fits[:top]]
     if not fits:
@@ -152,6 +159,7 @@ def as_json(
                 "memory_total_bytes": p.memory_total,
                 "time_s": p.time,
                 "step_s": p.step_s,
+                "host_cpu_s": p.host_cpu_s,
                 "notes": p.notes,
             }
             for p in fits
@@ -182,9 +190,11 @@ def _parser() -> argparse.ArgumentParser:
         "global-batch",
         "hosts",
         "devices-per-host",
+        "cores-per-host",
     ):
         ap.add_argument(f"--{name}", type=int)
-    for name in ("memory-per-device", "intra-host", "inter-host", "flops", "dtype"):
+    for name in ("memory-per-device", "intra-host", "inter-host", "flops", "dtype",
+                 "block-call", "optimizer-per-param", "collective-cpu", "collective-wait"):  # fmt: skip
         ap.add_argument(f"--{name}")
     for name in ("dp", "tp", "pp", "microbatches"):
         ap.add_argument(f"--{name}", type=ints)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .host import HostCPU
 from .units import PlanInputError, parse_bandwidth, parse_bytes, parse_flops, parse_time
 
 __all__ = [
@@ -78,7 +79,9 @@ class Link:
 
 @dataclass(frozen=True)
 class Cluster:
-    """Hosts x devices per host, memory per device (bytes, and as typed), links, throughput."""
+    """Hosts x devices per host, memory per device (bytes, and as typed), links, throughput
+    (per device: the rate of one rank alone on it), and the hosts' CPU cores and per-call
+    CPU costs (host.HostCPU: none given by default)."""
 
     hosts: int
     devices_per_host: int
@@ -87,6 +90,7 @@ class Cluster:
     intra: Link
     inter: Link
     flops: float
+    cpu: HostCPU = HostCPU()
 
     @property
     def devices(self) -> int:
@@ -129,6 +133,11 @@ class Request:
                 "intra_host": c.intra.text,
                 "inter_host": c.inter.text,
                 "flops_per_device": c.flops,
+                "cores_per_host": c.cpu.cores or None,
+                "block_call_s": c.cpu.block_call_s,
+                "optimizer_per_param_s": c.cpu.optimizer_param_s,
+                "collective_cpu_s": c.cpu.sync_cpu_s,
+                "collective_wait_s": c.cpu.wait_s,
             },
             "allowed": self.allowed.__dict__,
         }
@@ -178,10 +187,16 @@ def _link(d: dict, key: str) -> Link:
     return Link(parse_bandwidth(bw, key), parse_time(lat, key), v)
 
 
+def _seconds(d: dict, key: str) -> float:
+    """An optional time ('120us'), 0 when absent."""
+    return parse_time(d[key], key) if key in d else 0.0
+
+
 _KEYS = {
     "layers", "hidden", "heads", "vocab", "seq", "ffn", "global_batch", "hosts",
     "devices_per_host", "memory_per_device", "intra_host", "inter_host", "flops", "dp", "tp",
-    "pp", "sharding", "schedules", "microbatches", "recompute", "dtype",
+    "pp", "sharding", "schedules", "microbatches", "recompute", "dtype", "cores_per_host",
+    "block_call", "optimizer_per_param", "collective_cpu", "collective_wait",
 }  # fmt: skip
 
 
@@ -189,7 +204,10 @@ def parse_request(d: dict[str, Any]) -> Request:
     """A Request from `d` (keys: layers, hidden, heads, vocab, seq, [ffn], global_batch,
     hosts, devices_per_host, memory_per_device ('80GB'), intra_host / inter_host
     ('100GB/s,5us'), flops ('312TFLOP/s'), [dp, tp, pp, sharding, schedules, microbatches,
-    recompute, dtype]). Raises PlanInputError naming the field to change."""
+    recompute, dtype, cores_per_host, block_call ('120us'), optimizer_per_param ('5ns'),
+    collective_cpu ('50us'), collective_wait ('1ms')]: the last five for CPU ranks,
+    strategies/plan/host.py).
+    Raises PlanInputError naming the field to change."""
     unknown = sorted(set(d) - _KEYS)
     if unknown:
         raise PlanInputError(
@@ -216,6 +234,13 @@ def parse_request(d: dict[str, Any]) -> Request:
         intra=_link(d, "intra_host"),
         inter=_link(d, "inter_host"),
         flops=parse_flops(d.get("flops"), "flops"),
+        cpu=HostCPU(
+            cores=_int(d, "cores_per_host") if "cores_per_host" in d else 0,
+            block_call_s=_seconds(d, "block_call"),
+            optimizer_param_s=_seconds(d, "optimizer_per_param"),
+            sync_cpu_s=_seconds(d, "collective_cpu"),
+            wait_s=_seconds(d, "collective_wait"),
+        ),
     )
     n = cluster.devices
     divisors = tuple(k for k in range(1, n + 1) if n % k == 0)

@@ -5,6 +5,8 @@ Ranks are numbered tp fastest, then dp, then pp (Megatron's order): a tp group i
 consecutive ranks, a dp group has stride tp, a pp group stride tp * dp. A group that
 spans hosts is priced as the communicator runs it (costs.across_hosts_time): hierarchically
 where each host holds as many of its ranks, else one flat ring paced by the inter-host link.
+Where a host's ranks outnumber its cores (Cluster.cpu, host.py) the step is also bounded by
+the host's CPU work over its cores, and pays a wait per synchronizing collective.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 from pycollectives.strategies.pipeline import build, simulate
 
 from .costs import LinkCost, across_hosts_time, ring_time
+from .host import host_bound, sync_points
 from .inputs import DTYPES, ModelSpec, Request
 from .memory import activation_bytes_per_layer, model_states, reduce_window_bytes
 from .trainer import stage_params
@@ -58,6 +61,7 @@ class Priced:
     time: dict[str, float]
     step_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    host_cpu_s: float = 0.0  # CPU seconds of the busiest host's ranks a step (host.py); 0: unpriced
 
     @property
     def memory_total(self) -> float:
@@ -180,7 +184,9 @@ def price(req: Request, lo: Layout, links: dict[str, LinkCost | CostModel]) -> P
             f"({c.memory / 1e9:.2f} GB), over by {over / 1e9:.2f} GB",
             over,
         )
-    # Step time: compute per micro-batch per stage, tp collectives in the critical path.
+    # Step time: compute per micro-batch per stage, tp collectives in the critical path,
+    # each block's call cost (host.HostCPU.block_call_s, 0 unless given) a third forward.
+    cpu = c.cpu
     tokens_mb = b * m.seq
     act_bytes = tokens_mb * m.hidden * width
     tp_ar = _collective(req, "all_reduce", lo.tp, 1, act_bytes, links)
@@ -190,8 +196,9 @@ def price(req: Request, lo: Layout, links: dict[str, LinkCost | CostModel]) -> P
         flops = (2 * _stage_flop_params(m, st) + 4 * st["blocks"] * m.hidden * m.seq) * tokens_mb
         attention = 4 * st["blocks"] * m.hidden * m.seq * tokens_mb
         extra = {"none": 0.0, "selective": attention, "full": flops}[lo.recompute]
-        fwd.append(flops / lo.tp / c.flops + 2 * st["blocks"] * tp_ar)
-        bwd.append((2 * flops + extra) / lo.tp / c.flops + 2 * st["blocks"] * tp_ar)
+        calls = st["blocks"] * cpu.block_call_s
+        fwd.append(flops / lo.tp / c.flops + calls / 3 + 2 * st["blocks"] * tp_ar)
+        bwd.append((2 * flops + extra) / lo.tp / c.flops + 2 * calls / 3 + 2 * st["blocks"] * tp_ar)
     busiest = max(held, key=lambda mine: sum(fwd[s] + bwd[s] for s in mine))
     t_f, t_b = sum(fwd[s] for s in busiest), sum(bwd[s] for s in busiest)
     layers_busy = sum(whole[s]["blocks"] for s in busiest)
@@ -210,28 +217,78 @@ def price(req: Request, lo: Layout, links: dict[str, LinkCost | CostModel]) -> P
     else:
         pipeline, bubble = lo.microbatches * (t_f + t_b), 0.0
     # Data parallelism: what each sharding sends, and what of it the backward hides.
-    g = p_rank * (width if not mixed or lo.sharding != "fsdp" else 4)
-    coll = lambda kind, size: _collective(req, kind, lo.dp, lo.tp, size, links)  # noqa: E731
-    if lo.sharding == "none":
-        sync, after, gathers = coll("all_reduce", g), 0.0, 0.0
-    elif lo.sharding in ("zero1", "zero2"):
-        kind = "all_reduce" if lo.sharding == "zero1" else "reduce_scatter"
-        sync, after, gathers = coll(kind, g), coll("all_gather", p_rank * width), 0.0
-    else:
-        sync = coll("reduce_scatter", g) * lo.microbatches
-        after, gathers = 0.0, 2 * lo.microbatches * coll("all_gather", p_rank * width)
+    sync, after, gathers = _dp_times(req, lo, p_rank, links)
     compute_total = lo.microbatches * (t_f + t_b)
     hidden_sync = min(sync, t_b * (lo.microbatches if lo.sharding in ("zero3", "fsdp") else 1))
     hidden_gathers = min(gathers, compute_total - hidden_sync)
+    # The optimizer's step (host.HostCPU.optimizer_param_s, 0 unless given) on the
+    # parameters each rank steps: its shard where the sharding splits the optimizer.
+    shards = lo.dp if lo.sharding != "none" and lo.dp > 1 else 1
+    ranks_p = [sum(_stage_total(stages[s]) for s in mine) for mine in held]
+    optimizer = [p / shards * cpu.optimizer_param_s for p in ranks_p]
     time = {
         "compute": lo.microbatches * (t_f + t_b - 4 * layers_busy * tp_ar),
         "tp_collectives": lo.microbatches * 4 * layers_busy * tp_ar,
         "pipeline_bubble": bubble,
         "dp_exposed": (sync - hidden_sync) + (gathers - hidden_gathers) + after,
         "dp_overlapped": hidden_sync + hidden_gathers,
+        "optimizer": max(optimizer),
+        "shared_cores": 0.0,
+        "collective_waits": 0.0,
     }
-    step = pipeline + time["dp_exposed"]
+    step = pipeline + time["dp_exposed"] + time["optimizer"]
     notes = [f"micro-batch {b}", f"in flight {in_flight}"] + (
         [f"p2p {p2p * 1e6:.1f} us"] if p2p else []
     )
-    return Priced(lo, memory, time, step, notes)
+    host_cpu = 0.0
+    if cpu.shared(c.devices_per_host):
+        # Ranks outnumber the cores (host.py): the host's CPU work over its cores bounds
+        # the step too, and every synchronizing collective waits for descheduled peers.
+        syncs = [
+            sync_points(
+                dp=lo.dp, tp=lo.tp, pp=lo.pp, sharding=lo.sharding,
+                microbatches=lo.microbatches, blocks=sum(whole[s]["blocks"] for s in mine),
+                stages=len(mine), first=0 in mine, last=lo.pp * v - 1 in mine,
+            )
+            for mine in held
+        ]  # fmt: skip
+        busy = []
+        for mine, p, opt, n in zip(held, ranks_p, optimizer, syncs, strict=True):
+            dp_cpu = sum(_dp_times(req, lo, p, links))
+            messages = 2 * lo.microbatches * len(mine) * p2p if sched else 0.0
+            compute = lo.microbatches * sum(fwd[s] + bwd[s] for s in mine)
+            busy.append(compute + dp_cpu + opt + messages + n * cpu.sync_cpu_s)
+        per_rank = [busy[g // (lo.tp * lo.dp)] for g in range(lo.dp * lo.tp * lo.pp)]
+        bound = host_bound(per_rank, c.devices_per_host, cpu.cores)
+        n_sync = syncs[held.index(busiest)]
+        dph = c.devices_per_host
+        host_cpu = max(sum(per_rank[i : i + dph]) for i in range(0, len(per_rank), dph))
+        time["shared_cores"] = max(0.0, bound - step)
+        time["collective_waits"] = n_sync * cpu.wait_s
+        step = max(step, bound) + time["collective_waits"]
+        notes.append(
+            f"{dph} ranks on {cpu.cores} cores: busiest host {host_cpu * 1e3:.1f} ms of CPU, "
+            f"{n_sync} sync points"
+        )
+    return Priced(lo, memory, time, step, notes, host_cpu)
+
+
+def _dp_times(
+    req: Request, lo: Layout, p: float, links: dict[str, LinkCost | CostModel]
+) -> tuple[float, float, float]:
+    """Seconds of what the dp sharding sends in a step for a rank holding `p` parameters:
+    (the gradient sync the backward may hide, what comes after the step, the parameter
+    gathers of ZeRO-3 and FSDP)."""
+    width, mixed = DTYPES[req.allowed.dtype]
+    g = p * (width if not mixed or lo.sharding != "fsdp" else 4)
+    coll = lambda kind, size: _collective(req, kind, lo.dp, lo.tp, size, links)  # noqa: E731
+    if lo.sharding == "none":
+        return coll("all_reduce", g), 0.0, 0.0
+    if lo.sharding in ("zero1", "zero2"):
+        kind = "all_reduce" if lo.sharding == "zero1" else "reduce_scatter"
+        return coll(kind, g), coll("all_gather", p * width), 0.0
+    return (
+        coll("reduce_scatter", g) * lo.microbatches,
+        0.0,
+        2 * lo.microbatches * coll("all_gather", p * width),
+    )
