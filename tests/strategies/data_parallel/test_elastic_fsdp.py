@@ -83,6 +83,19 @@ def _reference(
     return _lists(model.full_parameters())
 
 
+_references: dict[int, list] = {}
+
+
+def survivors_reference(switch: int, path: str) -> list:
+    """_reference's results of the 3 survivors, by their rank among them: the
+    same whichever rank died (4 ranks train to `switch` and save; the
+    survivors, in rank order, load and train on), so run once per switch for
+    the cases that share it."""
+    if switch not in _references:
+        _references[switch] = run(_reference, 4, switch, 3, path, timeout=150)[:3]
+    return _references[switch]
+
+
 CASES = [  # copy_every, victim, where it dies, the step the survivors go on from
     pytest.param(1, 3, "backward", 3, id="k1-backward"),
     pytest.param(2, 0, "backward", 2, id="k2-backward-one-step-redone"),
@@ -96,17 +109,17 @@ def test_survivors_rebuild_the_lost_shards_and_match_the_survivors_layout_bitwis
     tmp_path, every: int, victim: int, where: str, switch: int
 ):
     got = run(_elastic, 4, every, victim, where, timeout=150, expect_exit={victim: -9})
-    want = run(_reference, 4, switch, victim, str(tmp_path / "ck"), timeout=150)
+    want = survivors_reference(switch, str(tmp_path / "ck"))
     survivors = [r for r in range(4) if r != victim]
-    for r in survivors:
+    for i, r in enumerate(survivors):
         params, size, recoveries, copied = got[r]
         assert size == 3 and len(recoveries) == 1, recoveries
         assert recoveries[0]["failed"] == (victim,), recoveries
         assert recoveries[0]["rolled_back_to"] == switch, recoveries
         assert copied == TOTAL - TOTAL % every, copied  # copies went on after the recovery
-        assert params.keys() == want[r].keys()
+        assert params.keys() == want[i].keys()
         for name in params:
-            assert params[name] == want[r][name], (r, name)
+            assert params[name] == want[i][name], (r, name)
     # The parameters moved (the comparison is not of untrained models).
     assert got[survivors[0]][0] != _lists(dict(_gpt().named_parameters()))
 

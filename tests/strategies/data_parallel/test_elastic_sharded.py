@@ -121,6 +121,20 @@ def _reference(
     return _lists(zero.full_parameters())
 
 
+_references: dict[tuple[int, int], list] = {}
+
+
+def survivors_reference(stage: int, switch: int, path: str) -> list:
+    """_reference's results of the 3 survivors, by their rank among them: the
+    same whichever rank died (4 ranks train to `switch` and save; the
+    survivors, in rank order, load and train on), so run once per (stage,
+    switch) for the cases that share them."""
+    if (stage, switch) not in _references:
+        got = run(_reference, 4, stage, switch, 3, path, timeout=150)
+        _references[stage, switch] = got[:3]
+    return _references[stage, switch]
+
+
 CASES = [  # stage, copy_every, victim, where it dies, the step the survivors go on from
     pytest.param(3, 1, 2, "forward", 3, id="zero3-k1-forward"),
     pytest.param(3, 1, 3, "backward", 3, id="zero3-k1-backward"),
@@ -135,16 +149,16 @@ def test_survivors_rebuild_the_lost_shard_and_match_the_survivors_layout_bitwise
     tmp_path, stage: int, every: int, victim: int, where: str, switch: int
 ):
     got = run(_elastic, 4, stage, every, victim, where, timeout=150, expect_exit={victim: -9})
-    want = run(_reference, 4, stage, switch, victim, str(tmp_path / "ck"), timeout=150)
+    want = survivors_reference(stage, switch, str(tmp_path / "ck"))
     survivors = [r for r in range(4) if r != victim]
-    for r in survivors:
+    for i, r in enumerate(survivors):
         params, size, recoveries = got[r]
         assert size == 3 and len(recoveries) == 1, recoveries
         assert recoveries[0]["failed"] == (victim,), recoveries
         assert recoveries[0]["rolled_back_to"] == switch, recoveries
-        assert params.keys() == want[r].keys()
+        assert params.keys() == want[i].keys()
         for name in params:
-            assert params[name] == want[r][name], (r, name)
+            assert params[name] == want[i][name], (r, name)
     # The parameters moved (the comparison is not of untrained models).
     assert got[survivors[0]][0] != _lists(dict(_gpt().named_parameters()))
 

@@ -14,6 +14,7 @@ replica, else it is lost. Every run is bounded."""
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import signal
 import time
@@ -98,6 +99,13 @@ def _reference(rank: int, world_size: int) -> Any:
     return out
 
 
+@functools.cache
+def reference() -> list[Any]:
+    """The uninterrupted run's results per rank, computed once for every case
+    (the same layout, seeds and batches whoever dies)."""
+    return run(_reference, 4, timeout=150)
+
+
 CASES = [  # the victim, where it dies, in which step, copy_every, the step rolled back to
     pytest.param(1, "backward", 2, 1, 2, id="rank1-backward-k1"),
     pytest.param(3, "forward", 3, 2, 2, id="rank3-forward-k2"),
@@ -113,7 +121,7 @@ def test_replacement_takes_the_lost_place_and_the_run_matches_the_uninterrupted_
 
     port = spawn.free_port()
     got = run(_elastic, 5, port, victim, where, at, every, timeout=200, expect_exit={victim: -9})
-    want = run(_reference, 4, timeout=150)
+    want = reference()
     by_rank = {got[p][0]: got[p] for p in range(5) if p != victim}
     assert sorted(by_rank) == [0, 1, 2, 3], by_rank.keys()
     assert by_rank[victim] is got[NEWCOMER], "the newcomer took the lost rank's place"
