@@ -325,6 +325,9 @@ def local_request(
         for dp in range(1, ranks + 1) for tp in range(1, ranks // dp + 1)
         if ranks % (dp * tp) == 0 and heads % tp == 0 and global_batch >= dp * microbatches
     })  # fmt: skip
+    # No layout splits the batch: one shape still gives the rates, and plan() says why
+    # each layout is rejected.
+    shapes = shapes or [(1, 1)]
     samples = [(block_call_flops(h, heads, seq, b, tp), block_seconds(h, heads, seq, b, tp))
                for b, tp in shapes]  # fmt: skip
     call, flops = fit_block_costs(samples)
