@@ -307,6 +307,13 @@ class ElasticSampler:
             )
         self.epoch, self.position, self.steps = (state[k] for k in keys)
 
+    def rewind(self, state: dict[str, Any]) -> None:
+        """Goes back to a cursor this run's state_dict() gave earlier (a buddy
+        copy's step): the steps committed since leave the ledger, to be taken
+        again from the same samples. Raises ValueError as load_state_dict."""
+        self.load_state_dict(state)
+        self.ledger = [e for e in self.ledger if e.step < self.steps]
+
     def _check(self, rank: int, world_size: int, op: str) -> None:
         if not _positive(world_size) or not _positive(rank, zero=True) or rank >= world_size:
             raise ValueError(

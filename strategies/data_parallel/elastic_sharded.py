@@ -85,8 +85,8 @@ class ElasticBuddyCopy(ElasticDataParallel):
         self._full: FullState | None = None
         self._next: BuddyCopy | None = None
         self._refreshed = False
-        # The sampler's cursor and ledger length as of the committed copy.
-        self._cursor: tuple[dict[str, Any], int] | None = None
+        # The sampler's cursor as of the committed copy.
+        self._cursor: dict[str, Any] | None = None
         super().__init__(module, comm, sampler=sampler)
         self.recovered()  # the copy of the starting state (a failure here is not recovered)
 
@@ -99,7 +99,7 @@ class ElasticBuddyCopy(ElasticDataParallel):
     def _mark(self) -> None:
         """The sampler's position as of the copy just committed (local)."""
         if self.sampler is not None:
-            self._cursor = (self.sampler.state_dict(), len(self.sampler.ledger))
+            self._cursor = self.sampler.state_dict()
 
     def _stage(self, source: Any) -> None:
         """Stages the first copy of a newly built state (collective: a refresh)."""
@@ -136,9 +136,7 @@ class ElasticBuddyCopy(ElasticDataParallel):
         self._full = gather_full_state(self.copy, new, self.survivors)
         self.steps = self.copy.step
         if self.sampler is not None and self._cursor is not None:
-            cursor, entries = self._cursor
-            self.sampler.load_state_dict(cursor)
-            del self.sampler.ledger[entries:]
+            self.sampler.rewind(self._cursor)
 
     def recovered(self) -> None:
         """The copy wrap() staged becomes the copy of step `steps`."""

@@ -71,6 +71,25 @@ def test_state_dict_resumes_and_refuses_what_is_not_a_cursor():
             t.load_state_dict(bad)
 
 
+def test_rewind_drops_the_later_steps_and_takes_their_samples_again():
+    """rewind(an earlier state_dict()): the steps committed since leave the ledger and
+    the next steps take the same samples again (here re-split over fewer ranks)."""
+    s = ElasticSampler(12, global_batch_size=4)
+    s.commit(4)
+    mark = s.state_dict()
+    redo = s.global_ids(4).clone()
+    s.commit(4)
+    s.commit(4)
+    s.rewind(mark)
+    assert [e.step for e in s.ledger] == [0] and s.state_dict() == mark
+    assert torch.equal(s.global_ids(3), redo)
+    s.commit(3)
+    s.commit(3)
+    assert sorted(s.consumed(0).tolist()) == list(range(12))  # each sample once
+    with pytest.raises(ValueError, match="not a cursor"):
+        s.rewind({"epoch": 0})
+
+
 def test_bad_arguments_raise_naming_them():
     with pytest.raises(ValueError, match="exactly one of the batch sizes"):
         ElasticSampler(10)
