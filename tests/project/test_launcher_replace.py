@@ -89,3 +89,27 @@ def test_a_replacement_with_nothing_left_to_join_is_ended_and_the_run_succeeds(c
 def test_replace_needs_survive():
     with pytest.raises(ValueError, match="needs survive=True"):
         spawn(_die, 1, prog="t", replace=1)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"PYCOLL_LAUNCHER_STORE": "yes", "MASTER_PORT": "29500"},
+        {"PYCOLL_LAUNCHER_STORE": "1", "MASTER_PORT": "-1"},
+        {"PYCOLL_LAUNCHER_STORE": "1", "MASTER_PORT": "70000"},
+        {"PYCOLL_LAUNCHER_STORE": "1", "MASTER_PORT": "../x"},
+        {"PYCOLL_REPLACES": "-3"},
+        {"PYCOLL_REPLACES": "1e9x"},
+        {"PYCOLL_REPLACES": ""},
+    ],
+)
+def test_a_malformed_launcher_environment_raises_naming_the_variable(monkeypatch, env):
+    """The variables spawn() sets are read back checked: a hostile or garbled value raises
+    ValueError naming the variable (nothing connects, nothing is indexed by it)."""
+    for k in ("PYCOLL_LAUNCHER_STORE", "PYCOLL_REPLACES", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    name = next(k for k in env if k.startswith("PYCOLL"))
+    with pytest.raises(ValueError, match=name):
+        launcher_store(1.0) if name == "PYCOLL_LAUNCHER_STORE" else replacing()
