@@ -215,16 +215,20 @@ def measure(args: argparse.Namespace, cells: list[str]) -> tuple[dict, list[str]
     return medians(per_rank, args.rounds), notes, errors
 
 
+def round_ratios(m: dict, a: str, b: str) -> list[float]:
+    """a's step / b's step in each round (the two ran minutes apart at most)."""
+    return [x / y for x, y in zip(m[a]["rounds"], m[b]["rounds"], strict=True)]
+
+
 def paired(m: dict, a: str, b: str) -> float:
-    """Median over rounds of (a's step / b's step in the same round): the two
-    ran minutes apart at most, so the machine's drift between rounds cancels."""
-    return statistics.median(x / y for x, y in zip(m[a]["rounds"], m[b]["rounds"], strict=True))
+    """Median over rounds of round_ratios: the machine's drift between rounds cancels."""
+    return statistics.median(round_ratios(m, a, b))
 
 
 def spread(m: dict, a: str, b: str) -> str:
     """ " (rounds lo-hi, k of R within the target)": how far the paired ratio of a
     to b moved between rounds, and in how many rounds it met the pair's target."""
-    qs = [x / y for x, y in zip(m[a]["rounds"], m[b]["rounds"], strict=True)]
+    qs = round_ratios(m, a, b)
     if len(qs) < 2:
         return ""
     limit = DP_TARGET if b == "dp" else SHARDED_TARGET

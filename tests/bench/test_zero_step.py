@@ -84,3 +84,22 @@ def test_options():
     if not torch.cuda.is_available():
         p = run(*TINY, "--device", "cuda", timeout=60)
         assert p.returncode == 2 and "--device cuda: torch sees no CUDA device" in p.stderr
+
+
+def test_verdicts_are_the_median_of_the_rounds_with_their_spread():
+    """A target's ratio is the median over rounds of the paired ratios; its verdict line
+    gives their range and how many rounds met the target (exact, synthetic rounds)."""
+    m = {
+        "zero1": {"rounds": [1.0, 1.2, 0.9]},
+        "dp": {"rounds": [1.0, 1.0, 1.0]},
+        "zero3": {"rounds": [0.8, 1.0, 0.85]},
+        "fsdp2-pycoll": {"rounds": [1.0, 1.0, 1.0]},
+    }
+    assert zero_step.paired(m, "zero1", "dp") == pytest.approx(1.0)
+    assert zero_step.spread(m, "zero1", "dp") == " (rounds 0.90-1.20, 2 of 3 within the target)"
+    assert zero_step.spread(m, "zero3", "fsdp2-pycoll") == (
+        " (rounds 0.80-1.00, 2 of 3 within the target)"
+    )
+    got = {(a, b): ok for a, b, _, ok in zero_step.targets(m)}
+    assert got == {("zero1", "dp"): True, ("zero3", "fsdp2-pycoll"): True}, got
+    assert zero_step.spread({"a": {"rounds": [1.0]}, "dp": {"rounds": [1.0]}}, "a", "dp") == ""
