@@ -57,7 +57,7 @@ from .state_layout import (
     StateTensor,
     decode_entries,
     encode_entries,
-    entries_of,
+    layout_of,
     packed_size,
 )
 
@@ -122,7 +122,7 @@ class ZeroShards:
 
     def layout(self) -> tuple[list[Entry], list[torch.Tensor]]:
         tensors = _shard_tensors(self.zero)
-        return entries_of(tensors), [t for _, _, t, _ in tensors]
+        return layout_of(tensors)
 
     def place(self, entries: list[Entry], rank: int) -> list[tuple[int, int]]:
         return [(e.offset, e.nbytes) for e in entries]
@@ -146,7 +146,7 @@ class TensorState:
 
     def layout(self) -> tuple[list[Entry], list[torch.Tensor]]:
         tensors = self._tensors()
-        return entries_of(tensors), [t for _, _, t, _ in tensors]
+        return layout_of(tensors)
 
     def place(self, entries: list[Entry], rank: int) -> list[tuple[int, int]]:
         return [(e.offset, e.nbytes) for e in entries]

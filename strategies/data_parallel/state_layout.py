@@ -33,7 +33,7 @@ __all__ = [
     "decode_entries",
     "default_capacity",
     "encode_entries",
-    "entries_of",
+    "layout_of",
     "packed_size",
 ]
 
@@ -73,14 +73,15 @@ FullState = dict[tuple[int, str, int], tuple[torch.Tensor, Entry]]
 StateTensor = tuple[int, str, torch.Tensor, bool]
 
 
-def entries_of(tensors: list[StateTensor]) -> list[Entry]:
-    """The packed layout of `tensors`, end to end in their order."""
+def layout_of(tensors: list[StateTensor]) -> tuple[list[Entry], list[torch.Tensor]]:
+    """The packed layout of `tensors`, end to end in their order, and the tensors
+    (a ShardSource's layout())."""
     entries, off = [], 0
     for flat, key, t, sharded in tensors:
         n = t.numel() * t.element_size()
         entries.append(Entry(flat, key, t.dtype, tuple(t.shape), off, n, sharded, t.device))
         off += n
-    return entries
+    return entries, [t for _, _, t, _ in tensors]
 
 
 def packed_size(entries: list[Entry]) -> int:

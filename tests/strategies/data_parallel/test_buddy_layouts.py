@@ -27,7 +27,7 @@ from pycollectives.strategies.data_parallel.redundancy import (
     decode_entries,
     encode_entries,
 )
-from pycollectives.strategies.data_parallel.state_layout import Entry, entries_of
+from pycollectives.strategies.data_parallel.state_layout import Entry, layout_of
 
 
 def _state(rank: int, extra: bool) -> list[tuple[int, str, torch.Tensor, bool]]:
@@ -86,7 +86,7 @@ def test_each_buddy_holds_its_predecessors_bytes_and_layout(pool):
 
 
 def test_a_layout_round_trips_and_a_malformed_one_raises():
-    entries = entries_of(_state(2, True))
+    entries, _ = layout_of(_state(2, True))
     assert decode_entries(encode_entries(entries), "x") == entries
     for bad in (
         b"not json",
