@@ -105,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# Priced.time's parts of a step (strategies/plan/layout.py) as --plan prints them.
+PLAN_PARTS = {"compute": "compute", "tp_collectives": "tp collectives",
+              "pipeline_bubble": "bubble", "dp_exposed": "dp exposed",
+              "optimizer": "optimizer", "shared_cores": "ranks sharing cores",
+              "collective_waits": "collective waits"}  # fmt: skip
+
+
 def plan_layout(args: argparse.Namespace) -> list[str]:
     """--plan: sets args' layout to the planner's fastest one for args.plan local ranks
     that this script accepts (check()); returns the lines that say what was measured and
@@ -137,11 +144,13 @@ def plan_layout(args: argparse.Namespace) -> list[str]:
     storage = trainer_storage(req.model, lo.dp, lo.tp, lo.pp, mode,
                               lo.schedule if lo.pp > 1 else "1f1b", DTYPE_BYTES[args.dtype])  # fmt: skip
     args.predicted = {"step_s": best.step_s, "storage": max(sum(r.values()) for r in storage)}
+    # Every part of the step the planner priced (Priced.time; dp_overlapped is hidden
+    # under compute, not added), those that are 0 left out.
+    parts = ", ".join(f"{PLAN_PARTS[k]} {v * 1e3:.2f}" for k, v in best.time.items()
+                      if k in PLAN_PARTS and v > 0) or "nothing priced"  # fmt: skip
     return [f"plan: {line}" for line in said] + [
         f"plan: {len(fits)} layouts fit, {len(rejected)} rejected; picked {lo.name()}: "
-        f"predicted step {best.step_s * 1e3:.2f} ms (compute {best.time['compute'] * 1e3:.2f}, "
-        f"bubble {best.time['pipeline_bubble'] * 1e3:.2f}, dp exposed "
-        f"{best.time['dp_exposed'] * 1e3:.2f}), tensor storage "
+        f"predicted step {best.step_s * 1e3:.2f} ms ({parts}), tensor storage "
         f"{args.predicted['storage'] / 2**20:.2f} MiB per rank"
     ]
 

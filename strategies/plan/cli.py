@@ -68,7 +68,7 @@ def plan(
                 continue  # nothing to shard over: the same as zero1 / none
             r = price(req, Layout(dp, tp, pp, sharding, sched, m, rc), links)
             (fits if isinstance(r, Priced) else rejected).append(r)
-    fits.sort(key=lambda p: (p.step_s, p.memory_total))
+    fits.sort(key=Priced.order)
     return fits, rejected
 
 

@@ -67,6 +67,15 @@ class Priced:
     def memory_total(self) -> float:
         return sum(self.memory.values())
 
+    def order(self) -> tuple[float, float, float]:
+        """The planner's order of layouts (smallest first): the step, then the pipeline's
+        bubble, then the memory. The bubble breaks ties where ranks outnumber the cores: the
+        step is then the host's CPU work over its cores, which prices a rank idle in the
+        bubble as free (host.py), and the pp schedules of a layout come out equal; measured,
+        the schedule with the least bubble is ahead (train_gpt.py's 4 ranks on 2 cores,
+        2026-12-07: pp 4 ZB-H1 357 ms, 1F1B 422, GPipe 440; docs/benchmarks.md)."""
+        return self.step_s, self.time.get("pipeline_bubble", 0.0), self.memory_total
+
 
 @dataclass
 class Rejected:

@@ -143,3 +143,20 @@ def test_fit_block_costs_recovers_call_and_rate():
     assert got_rate == pytest.approx(rate, rel=1e-9)
     with pytest.raises(PlanInputError, match="samples"):
         fit_block_costs([])
+
+
+def test_host_bound_ties_between_schedules_go_to_the_least_bubble():
+    """pp = 4 on 2 cores, the host's bound above every schedule's critical path: the four
+    schedules price the same step, and plan() orders them by their bubble (ZB-H1 first,
+    GPipe and 1F1B last), the measured order on such a host (Priced.order)."""
+    req = parse_request({**REQ, "cores_per_host": 2, "sharding": ["none"]})
+    fits, _ = plan(req, FREE)
+    pp4 = [p for p in fits if p.layout.pp == 4]
+    assert {p.layout.schedule for p in pp4} == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    bubbles = [p.time["pipeline_bubble"] for p in pp4]
+    assert bubbles == sorted(bubbles) and bubbles[0] < bubbles[-1]
+    ties = [p for p in pp4 if p.step_s == pp4[0].step_s]
+    assert len(ties) >= 2 and pp4[0].layout.schedule == "zb-h1", [
+        (p.layout.schedule, p.step_s, p.time["pipeline_bubble"]) for p in pp4
+    ]
+    assert [p.order() for p in fits] == sorted(p.order() for p in fits)
