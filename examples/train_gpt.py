@@ -370,8 +370,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_rank(lambda: run(args), PROG)
     world = args.dp * args.tp * args.pp
     replace = args.max_replacements if args.survive and _survive.replaces(args) else None
+    # --tp/--pp --survive: a rank stopped past --timeout, which the survivors fence out, is
+    # killed so that a new process can take its place (it would never exit by itself).
+    stopped = args.timeout if replace is not None else None
     return spawn(_rank_main, world, (argv, world, planned), prog=PROG, survive=args.survive,
-                 replace=replace, serve_store=args.survive)  # fmt: skip
+                 replace=replace, serve_store=args.survive, stopped=stopped)  # fmt: skip
 
 
 if __name__ == "__main__":

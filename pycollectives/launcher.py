@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._base import _close_all_at_exit, abort_all_interrupted
+from .rendezvous.bootstrap import _stat_fields
 
 __all__ = ["launcher_store", "replacing", "run_rank", "spawn"]
 
@@ -196,9 +197,34 @@ def _describe(code: int) -> str:
     return f"exited with status {code}"
 
 
+def _is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP or a tracer's stop: /proc's state T or t)."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] in ("T", "t")
+
+
+def _kill_stopped(procs: dict[int, Any], running: set[int], since: dict[int, float],
+                  stopped: float | None, finished: float | None, prog: str) -> None:  # fmt: skip
+    """spawn(survive=True): SIGKILLs each running rank stopped for `stopped` seconds, or for
+    `finished` seconds when the others finished (None: no such limit), naming it; `since`
+    holds when each was first seen stopped."""
+    now = time.monotonic()
+    for r in sorted(running):
+        if not _is_stopped(procs[r].pid):
+            since.pop(r, None)
+            continue
+        for limit, why in ((stopped, "past the survivors' timeout"),
+                           (finished, "after the others finished")):  # fmt: skip
+            if limit is not None and now - since.setdefault(r, now) >= limit:
+                _say(f"{prog}: rank {r} stopped (SIGSTOP) for {now - since.pop(r):.0f} s, "
+                     f"{why}: killed")  # fmt: skip
+                procs[r].kill()  # its exit is a lost rank's: replaced, or left behind
+                break
+
+
 def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = (), *,
           prog: str, grace: float = 5.0, survive: bool = False, replace: int | None = None,
-          serve_store: bool = False) -> int:  # fmt: skip
+          serve_store: bool = False, stopped: float | None = None) -> int:  # fmt: skip
     """Runs `target(*args)` in `nprocs` spawned processes with RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set, each under
     run_rank, and returns the exit status for the launcher: 0 when every rank
@@ -228,14 +254,24 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
     (the training is over), and a replacement still running `grace` seconds
     after every other rank finished is ended (its rank was lost after the
     last step: no recovery comes for it to join); neither fails the run.
+    With `survive`, a rank stopped (SIGSTOP, a debugger's stop) for `stopped`
+    seconds (the time after which its survivors declare it dead and fence it
+    out; None: never), or for `grace` seconds once every other rank finished,
+    is killed (SIGKILL), named ("rank R stopped (SIGSTOP) for 10 s, past the
+    survivors' timeout: killed"), and then counts as lost as above: replaced,
+    or left behind. A stopped process never exits by itself: without this the
+    survivors would wait in vain for its replacement, and the launcher for it.
     `serve_store` (implied by `replace`): this process
     serves the job's TCPStore on MASTER_PORT, which then outlives every rank;
     the ranks connect with launcher_store() (their pycollectives.init must be
     given it: on its own, rank 0 would serve one on the same port).
 
-    Raises ValueError for `replace` < 0 or without `survive`."""
+    Raises ValueError for `replace` < 0 or without `survive`, or for `stopped`
+    not > 0."""
     if replace is not None and (replace < 0 or not survive):
         raise ValueError(f"spawn: replace={replace!r} needs survive=True and must be >= 0")
+    if stopped is not None and not stopped > 0:
+        raise ValueError(f"spawn: stopped={stopped!r} must be > 0 seconds (or None)")
     ctx = mp.get_context("spawn")
     port = _free_port()
     store = _serve_store(port) if serve_store or replace is not None else None
@@ -265,6 +301,7 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
     fresh: set[int] = set()  # ranks whose current process is a replacement
     finished: set[int] = set()  # ranks whose process exited 0
     idle_since: float | None = None  # since when only replacements run, the others done
+    stopped_at: dict[int, float] = {}  # survive: since when a running rank is stopped
     while running:
         try:
             mp.connection.wait([procs[r].sentinel for r in running], timeout=0.2)
@@ -303,6 +340,8 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
             if code != 0 and first is None and not interrupted:
                 first = (r, code if code > 0 else 128 - code, msg)
                 deadline, cause = time.monotonic() + grace, f"rank {r} failed"
+        if survive and deadline is None:
+            _kill_stopped(procs, running, stopped_at, stopped, grace if finished else None, prog)
         # The others finished (a grid steps together: a replacement that joined
         # finished with them): a replacement still running waits for a recovery
         # that will not come (its rank was lost after the last step).

@@ -113,3 +113,52 @@ def test_a_malformed_launcher_environment_raises_naming_the_variable(monkeypatch
     name = next(k for k in env if k.startswith("PYCOLL"))
     with pytest.raises(ValueError, match=name):
         launcher_store(1.0) if name == "PYCOLL_LAUNCHER_STORE" else replacing()
+
+
+def _rank_1_stops(marker: str) -> int:
+    """Rank 1's first process stops itself (SIGSTOP: it never exits by itself); rank 0
+    waits for rank 1's replacement, which creates `marker`."""
+    if os.environ["RANK"] == "1":
+        if replacing() is None:
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(30)  # not reached unless someone sends SIGCONT
+            return 3
+        open(marker, "w").close()
+        return 0
+    while not os.path.exists(marker):
+        time.sleep(0.01)
+    return 0
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_stopped_past_the_timeout_is_killed_and_replaced(capfd, tmp_path):
+    """spawn(stopped=1): rank 1 stopped for 1 s (the survivors' timeout) is killed, and a
+    new process takes its place as for a killed rank."""
+    marker = str(tmp_path / "replaced")
+    assert spawn(_rank_1_stops, 2, (marker,), prog="t", survive=True, replace=1, stopped=1.0) == 0
+    err = capfd.readouterr().err
+    assert "t: rank 1 stopped (SIGSTOP) for 1 s, past the survivors' timeout: killed" in err, err
+    assert "t: rank 1 killed by SIGKILL: a new process takes its place (replacement 1 of 1)" in err
+
+
+def _rank_1_stops_for_good() -> int:
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return 3  # not reached
+    return 0
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_stopped_when_the_others_finished_is_killed_not_waited_for(capfd):
+    """survive without `stopped`: rank 0 finishes while rank 1 stays stopped; the launcher
+    kills rank 1 `grace` seconds later (it used to wait for it for ever) and the run succeeds."""
+    assert spawn(_rank_1_stops_for_good, 2, prog="t", survive=True, grace=1.0) == 0
+    err = capfd.readouterr().err
+    assert "t: rank 1 stopped (SIGSTOP) for 1 s, after the others finished: killed" in err, err
+    assert "t: rank 1 killed by SIGKILL: the others finished" in err, err
+
+
+@pytest.mark.parametrize("stopped", [0, -1.0, float("nan")])
+def test_stopped_must_be_positive(stopped):
+    with pytest.raises(ValueError, match="stopped="):
+        spawn(_rank_1_stops_for_good, 2, prog="t", survive=True, stopped=stopped)
