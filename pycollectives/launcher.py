@@ -4,8 +4,9 @@ not started by torchrun, and ends a rank's run the way a user expects.
 `run_rank(main, prog)` runs one rank: Ctrl-C prints one line and exits 130
 (its communicators aborted, so the peers say that this rank was interrupted);
 a pycollectives or strategies error prints one line naming the rank and
-exits 1. `spawn(target, n, prog=...)` starts n ranks as spawned processes (as
-`torchrun --nproc-per-node n` does) and, once a rank has failed, ends the
+exits 1. `spawn(target, n, prog=...)` starts n ranks (as `torchrun
+--nproc-per-node n` does), forked from a server that imported torch once
+(_context), and, once a rank has failed, ends the
 others after a grace period, so that a stopped or hung rank cannot hold the
 launcher; it returns the first failure's exit status and prints its message.
 With `survive`, a rank killed by a signal is left behind (the others go on
@@ -119,11 +120,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _context() -> Any:
+    """The ranks' start method: a fork server that imported torch (and torch._dynamo, which
+    a process's first optimizer imports) once. A rank, and a replacement above all (the
+    survivors wait for it), then costs a fork and the program's own imports instead of a
+    fresh interpreter importing torch (seconds on a loaded machine). Each rank takes the
+    launcher's environment of when it was started (_rank_entry), not the server's; the
+    preloaded torch read its own settings when the server started.
+    PYCOLL_LAUNCHER_START_METHOD=spawn starts fresh interpreters instead (ValueError for
+    anything else)."""
+    method = os.environ.get("PYCOLL_LAUNCHER_START_METHOD", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"pycollectives: spawn: PYCOLL_LAUNCHER_START_METHOD={method!r}: "
+                         "expected forkserver or spawn")  # fmt: skip
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        # torch._dynamo too: a process's first optimizer imports it (3-5 s of CPU here).
+        ctx.set_forkserver_preload(["torch", "torch._dynamo"])
+    return ctx
+
+
 def _rank_entry(target: Callable[..., int | None], args: Sequence[Any], rank: int, world: int,
                 port: int, prog: str, report: Any, env: dict[str, str]) -> None:  # fmt: skip
+    os.environ.clear()  # the launcher's environment (env), not the fork server's
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), **env)  # fmt: skip
+                      LOCAL_WORLD_SIZE=str(world))  # fmt: skip
     sys.exit(run_rank(lambda: target(*args), prog, report))
 
 
@@ -272,7 +295,7 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
         raise ValueError(f"spawn: replace={replace!r} needs survive=True and must be >= 0")
     if stopped is not None and not stopped > 0:
         raise ValueError(f"spawn: stopped={stopped!r} must be > 0 seconds (or None)")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = _free_port()
     store = _serve_store(port) if serve_store or replace is not None else None
     env = {STORE_ENV: "1"} if store is not None else {}
@@ -282,7 +305,7 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
 
     def start(r: int, replaces: bool) -> None:
         recv_end, send_end = ctx.Pipe(duplex=False)
-        extra = {**env, REPLACES_ENV: str(r)} if replaces else env
+        extra = {**os.environ, **env, **({REPLACES_ENV: str(r)} if replaces else {})}
         name = f"{prog} rank {r}" + (" (replacement)" if replaces else "")
         p = ctx.Process(target=_rank_entry, args=(target, args, r, nprocs, port, prog, send_end,
                                                   extra), name=name)  # fmt: skip

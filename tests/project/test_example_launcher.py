@@ -134,17 +134,33 @@ def _descendants(pid: int) -> set[int]:
     return out
 
 
+FORKSERVER = "multiprocessing.forkserver import main"  # the launcher's fork server (and its forks)
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
 def _ranks(pids: set[int]) -> list[int]:
-    """The rank processes among `pids`: spawned by the script, or by torchrun."""
-    out = []
-    for q in pids:
-        try:
-            cmd = Path(f"/proc/{q}/cmdline").read_text()
-        except OSError:
-            continue
-        if "spawn_main" in cmd or ("train_gpt.py" in cmd and "torch.distributed.run" not in cmd):
-            out.append(q)
-    return out
+    """The rank processes among `pids`: forked by the launcher's fork server (not the server
+    itself), started fresh (PYCOLL_LAUNCHER_START_METHOD=spawn), or by torchrun."""
+
+    def is_rank(q: int, cmd: str) -> bool:
+        if FORKSERVER in cmd:
+            return FORKSERVER in _cmdline(_parent(q))
+        return "spawn_main" in cmd or ("train_gpt.py" in cmd and "torch.distributed.run" not in cmd)
+
+    return [q for q in pids if is_rank(q, _cmdline(q))]
 
 
 def _run_then_signal(cmd: list[str], marker: str, sig: int, to_group: bool, limit: float = 150):
