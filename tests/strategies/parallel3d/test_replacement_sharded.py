@@ -30,7 +30,6 @@ from typing import Any
 import pytest
 import torch
 from spawn import run
-from test_replacement import _grid
 
 import pycollectives as pc
 from pycollectives.strategies.models import GPTConfig
@@ -236,6 +235,16 @@ def test_a_rank_lost_with_its_buddy_under_sharded_state_fails_every_rank_naming_
             "pp=0) failed with it, and no other rank holds its shard" in msg
         ), msg
         assert took < 30.0, (took, msg)  # the communicator's timeout is 30 s: no rank waited it out
+
+
+def _grid(replaced: tuple[int, ...]) -> ParallelDims:
+    """A dp=2 x tp=2 x pp=2 ParallelDims of 8 ranks seen from rank 0, without
+    communicators (sources() reads only its sizes and coordinates)."""
+    dims = object.__new__(ParallelDims)
+    dims.sizes = {"pp": 2, "dp": 2, "tp": 2}
+    dims.world = type("World", (), {"world_size": 8, "rank": 0})()
+    dims.replaced = replaced
+    return dims
 
 
 def test_a_sharded_newcomers_state_comes_from_its_buddy_only():
