@@ -9,7 +9,8 @@
   the launcher (pycollectives.launcher.spawn(replace=N), which serves the
   job's store) starts a new process in the lost place; it joins
   (ElasticTrainer3D.join), receives its place's state from its peers' buddy
-  copies and every rank resumes at the failed step (at the copy's with
+  copies (its stage shard and AdamW state; with --zero N / --fsdp its shard
+  of them) and every rank resumes at the failed step (at the copy's with
   --copy-every > 1).
 
 Rank 0 (after a loss, the lowest surviving rank for the recovery's line)
@@ -66,10 +67,7 @@ def problems(args: argparse.Namespace, world: int | None) -> list[str]:
     started with RANK/WORLD_SIZE set (None when this script starts them)."""
     if not args.survive:
         return ["--kill needs --survive"] if args.kill else []
-    why = "the replacement receives a stage's full AdamW state; dp-sharded state is not covered"
-    refused = [(replaces(args) and (args.zero > 0 or args.fsdp), f"--tp {args.tp} / --pp "
-                f"{args.pp} with --zero/--fsdp: {why} (use --zero/--fsdp with --tp 1 --pp 1)"),
-               (replaces(args) and world is not None, f"--tp {args.tp} / --pp {args.pp} with "
+    refused = [(replaces(args) and world is not None, f"--tp {args.tp} / --pp {args.pp} with "
                 "ranks started by hand (RANK, WORLD_SIZE set): the replacements are started by "
                 "this script's launcher (run it without them)"),
                (args.plan is not None, "--plan with --survive: the planner does not price the "
@@ -178,10 +176,11 @@ def _replaced(args: argparse.Namespace, config: Any, opts: Any, progress: type) 
     arm()
     world = et.dims.world.world_size
     if et.dims.world.rank == 0 and lost is None:
+        mode = " with --fsdp" if args.fsdp else f" with --zero {args.zero}" if args.zero else ""
         n = sum(math.prod(shape) for shape in full_shapes(config).values())
         print(f"GPT {n:,} parameters; dp={args.dp} x tp={args.tp} x pp={args.pp} = {world} "
-              f"ranks, --survive (ElasticTrainer3D: a lost rank is replaced, up to {args.max_replacements} "
-              f"times; buddy copies every {args.copy_every} step(s)), schedule "
+              f"ranks, --survive (ElasticTrainer3D{mode}: a lost rank is replaced, up to "
+              f"{args.max_replacements} times; buddy copies every {args.copy_every} step(s)), schedule "
               f"{args.schedule}, on cpu; steps {et.steps}..{args.steps}", flush=True)  # fmt: skip
     bar = progress(args.steps, et.steps, args.log_every, et.dims.world.rank == 0)
     rates, loss = [], float("nan")
@@ -210,14 +209,18 @@ def _replaced(args: argparse.Namespace, config: Any, opts: Any, progress: type) 
 
 def _line(rec: dict[str, Any], dims: Any) -> str:
     """The progress line of an ElasticTrainer3D recovery, e.g. "rank 1 (dp=0,
-    tp=1, pp=0) died at step 2: a new process took its place in 3.10 s (...)"."""
+    tp=1, pp=0) died at step 2: a new process took its place in 3.10 s, with
+    its ZeRO-2 shard (parameters and AdamW state) from rank 2's copy (...)"."""
     failed, k, back = rec["failed"], rec["step"], rec["rolled_back_to"]
     total = rec["agree_s"] + rec["replace_s"] + rec["restore_s"]
     took = "a new process took its place" if len(failed) == 1 else (
         f"{len(failed)} new processes took their places")  # fmt: skip
     then = "the step is retried" if back == k else f"back to step {back}, the buddy copy's"
+    state = rec["state"] if len(failed) == 1 else rec["state"].replace("its ", "each ", 1)
+    froms = ", ".join(f"rank {src}'s " + ("copy" if which == "remote" else "own copy (a dp replica)")
+                      for src, which in rec["sources"].values())  # fmt: skip
     return (
         f"{', '.join(dims.where(r) for r in failed)} died at step {k}: {took} in "
-        f"{total:.2f} s (agree {rec['agree_s'] * 1e3:.1f} ms, shrink and grow "
+        f"{total:.2f} s, with {state} from {froms} (agree {rec['agree_s'] * 1e3:.1f} ms, shrink and grow "
         f"{rec['replace_s'] * 1e3:.1f} ms, restore {rec['restore_s'] * 1e3:.1f} ms; {then})"
     )

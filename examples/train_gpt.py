@@ -24,9 +24,10 @@ each saying so in one line; the script ends the ranks still running a few
 seconds later and exits non-zero with the first failure. With --survive a rank
 that dies (kill -9) does not end the run (_survive.py, docs/recovery.md): data
 parallel (also with --zero N or --fsdp) the others shrink to the survivors,
-retry the step and go on; with --tp/--pp > 1 this script starts a new process
-in the lost place (up to --max-replacements), which receives the place's state
-from its peers, and every rank resumes at the failed step. Data parallel across
+retry the step and go on; with --tp/--pp > 1 (also with --zero N or --fsdp)
+this script starts a new process in the lost place (up to
+--max-replacements), which receives the place's state from its peers, and
+every rank resumes at the failed step. Data parallel across
 hosts, start each rank with RANK, WORLD_SIZE, MASTER_ADDR (rank 0's host) and
 MASTER_PORT set, as torchrun would but without its agent (which ends every rank
 when one dies): a whole host may go, except rank 0's, which serves the store.

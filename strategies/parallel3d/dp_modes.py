@@ -16,6 +16,13 @@ A mode wraps the stages when it is built (collective over dims.dp_comm):
   reduce-scatters in the last micro-batch's backward;
 - FSDPPipeline (--fsdp, pp > 1): fsdp_pipeline.py, every backward of the
   pipeline step unsynced, the tied sum and the reduce-scatters after it.
+
+For a copy of a rank's training state (parallel3d/replacement.py) a mode
+names the tensors that hold the parameters' values this rank keeps
+(`masters`: the parameters, or under ZeRO and FSDP the flat parameters'
+master shards, sharded over dp where the mode shards them) and what must
+follow writing into them (`restored`: ZeRO-1/2 all-gather the full
+parameters from the shards).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data_parallel.fsdp import fully_shard
+from ..data_parallel.fsdp import FSDPModule, fully_shard
 from ..data_parallel.grad_average import StepGradAverager
 from ..data_parallel.zero import ZeroOptimizer
 from ..models.gpt import Block
@@ -77,6 +84,17 @@ class DataParallelMode:
         mode shards them (collective over dp then)."""
         return {n: p.detach() for n, p in self.named}
 
+    def masters(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of what holds the values of this rank's parameters,
+        in an order alike on every rank of its place: the parameters (their
+        tensor-parallel shards). Local."""
+        return [(n, p.detach()) for n, p in self.named]
+
+    def restored(self) -> None:
+        """Call on every rank of dp after writing values into masters() of a
+        trainer that has not stepped yet: what makes the parameters show them.
+        Here nothing."""
+
 
 class AllReduce(DataParallelMode):
     """--zero 0: gradients averaged by a StepGradAverager (none with dp = 1)."""
@@ -122,6 +140,16 @@ class Zero(DataParallelMode):
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return self.zero.full_parameters() if self.zero.stage > 1 else super().full_parameters()
 
+    def masters(self) -> list[tuple[str, torch.Tensor]]:
+        """Each flat parameter's master shard (frozen ones included): this dp
+        rank's 1/dp of its stages' tensor-parallel shards."""
+        return [(f"{u.name}/flat{g}", f.shard)
+                for u in self.zero.engine.units for g, f in enumerate(u.flats)]  # fmt: skip
+
+    def restored(self) -> None:
+        """Collective over dp: ZeRO-1/2 all-gather the full parameters from the shards."""
+        self.zero.engine.shards_written()
+
 
 class _FSDP(DataParallelMode):
     """--fsdp: the stages' full parameters gathered by their FSDP roots."""
@@ -132,6 +160,19 @@ class _FSDP(DataParallelMode):
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: t for st in self.stages for n, t in st.full_parameters().items()}
+
+    def masters(self) -> list[tuple[str, torch.Tensor]]:
+        """Each unit's flat parameters' master shards (frozen ones included),
+        the units in the stages' module order: this dp rank's 1/dp of its
+        stages' tensor-parallel shards. (The parameters, as the optimizer
+        sees them, are views of these pieces between steps.)"""
+        out = []
+        for i, st in enumerate(self.stages):
+            for path, m in st.named_modules():
+                if isinstance(m, FSDPModule):
+                    for g, f in enumerate(m.sharding_unit.flats):
+                        out.append((f"stage{i}.{path or '<root>'}/flat{g}", f.shard))
+        return out
 
 
 class FSDPOneStage(_FSDP):

@@ -4,24 +4,31 @@
 A tensor- or pipeline-parallel group cannot go on short (ParallelDims.shrink
 raises NeedsReplacement): the lost rank's stage, or its shard of the stage's
 weights, exists nowhere else. `ElasticTrainer3D` trains Trainer3D's GPT on a
-dp x tp x pp grid so that a new process can take the lost place:
+dp x tp x pp grid, in any of its dp modes (zero 0-3, fsdp), so that a new
+process can take the lost place:
 
-- every `copy_every` (k) steps each rank's training state (the parameters of
-  its stages' tensor shards and their AdamW state) is copied into its own and
-  its buddy's host memory (BuddyCopy, data_parallel/redundancy.py: world rank
-  r + 1 on one host, a rank on another host across hosts; the layouts differ
-  between stages, so each refresh tells the buddy the layout where it
-  changed); the copy counts only once the step's agreement says every rank
-  succeeded;
+- every `copy_every` (k) steps each rank's training state is copied into
+  its own and its buddy's host memory (BuddyCopy, data_parallel/redundancy.py:
+  world rank r + 1 on one host, a rank on another host across hosts; the
+  layouts differ between stages, so each refresh tells the buddy the layout
+  where it changed): what only this rank holds, as its dp mode keeps it
+  (Trainer3D.dp.masters()): with zero=0 its stages' tensor-parallel shard of
+  the parameters and their AdamW state; with --zero N or --fsdp its flat
+  parameters' master shards (1/dp of that tensor-parallel shard) and the
+  AdamW state of those shards. The copy counts only once the step's
+  agreement says every rank succeeded;
 - every step ends in world.agree(ok): a step that failed anywhere (a rank
   died in it) is dropped on every survivor alike;
 - then the survivors replace the grid (ParallelDims.replace: shrink, grow by
   the lost ranks, each newcomer in a lost place, every survivor in its own),
-  every rank builds a new Trainer3D on it, the survivors load their own
-  copy, each newcomer receives its place's copy from the lost rank's buddy
-  (or, where the buddy is lost too, from a surviving data-parallel
-  replica's own copy) and loads it, and every rank rolls back to the copy's
-  step (k = 1: the failed step is redone).
+  every rank builds a new Trainer3D on it (the same grid: every shard keeps
+  its layout), the survivors load their own copy, each newcomer receives its
+  place's copy from the lost rank's buddy and loads it (ZeRO-1/2 then
+  all-gather the full parameters from the shards), and every rank rolls back
+  to the copy's step (k = 1: the failed step is redone). Where the buddy is
+  lost too, zero=0's state comes from a surviving data-parallel replica's
+  own copy (the replicas hold the same); sharded state (--zero N, --fsdp)
+  has no replica: every rank raises ReplacementFailed naming both ranks.
 
     et = ElasticTrainer3D(dims, config, opts, store)  # every rank at the start
     et = ElasticTrainer3D.join(store, config, opts, dp=1, tp=2, pp=2)  # a newcomer
@@ -41,77 +48,23 @@ import torch
 from pycollectives import PyCollectivesError
 
 from ..data_parallel.redundancy import BuddyCopy
-from ..data_parallel.state_layout import (
-    MAX_LAYOUT,
-    MAX_STATE,
-    Entry,
-    StateTensor,
-    decode_entries,
-    encode_entries,
-)
 from ..models.gpt import GPTConfig
 from ..parallel_dims import ParallelDims
 from ..pipeline import PipelineError
+from ..pipeline.communications import agree
+from .replacement_state import (
+    ReplacementFailed,
+    check_alike,
+    load,
+    placement,
+    recovered,
+    sources,
+    state_tensors,
+    transfer,
+)
 from .trainer import StepStats, Trainer3D, TrainOptions
 
-__all__ = ["ElasticTrainer3D", "ReplacementFailed", "sources", "state_tensors"]
-
-
-class ReplacementFailed(RuntimeError):
-    """A recovery of ElasticTrainer3D failed (every survivor raises it, the
-    cause chained): the newcomers did not come in time, one died while the
-    grid was rebuilt or the state moved, or this rank was fenced out.
-    `failed`: the world ranks being replaced."""
-
-    def __init__(self, message: str, failed: tuple[int, ...]) -> None:
-        super().__init__(message)
-        self.failed = failed
-
-
-def state_tensors(trainer: Trainer3D) -> list[StateTensor]:
-    """(index in trainer.named_params, key, tensor, False) of this rank's
-    training state: each parameter ("param"), then each one's AdamW state.
-    Raises TypeError for optimizer state that is not a tensor."""
-    params = [p for _, p in trainer.named_params]
-    out: list[StateTensor] = [(i, "param", p, False) for i, p in enumerate(params)]
-    for i, p in enumerate(params):
-        state = trainer.optimizer.state.get(p, {})
-        for key in sorted(state):
-            if not isinstance(state[key], torch.Tensor):
-                raise TypeError(
-                    f"ElasticTrainer3D: rank {trainer.dims.world.rank}: optimizer state {key!r} "
-                    f"of {trainer.named_params[i][0]} is a {type(state[key]).__name__}, not a tensor"
-                )
-            out.append((i, key, state[key], False))
-    return out
-
-
-def sources(dims: ParallelDims, buddies: list[int] | None = None) -> dict[int, tuple[int, str]]:
-    """For each replaced world rank (dims.replaced), the rank that sends it
-    its state and which copy: its buddy's ("remote", rank buddies[r], default
-    r + 1), else a surviving data-parallel replica's own ("local"). The same
-    on every rank.
-
-    Raises RuntimeError when neither survived (the state is lost)."""
-    n, gone = dims.world.world_size, set(dims.replaced)
-    buddies = buddies or [(r + 1) % n for r in range(n)]
-    out, lost = {}, []
-    for r in dims.replaced:
-        replicas = [q for q in dims.group_of(r, "dp") if q not in gone]
-        if buddies[r] not in gone:
-            out[r] = (buddies[r], "remote")
-        elif replicas:
-            out[r] = (replicas[0], "local")
-        else:
-            lost.append(r)
-    if lost:
-        raise RuntimeError(
-            f"ElasticTrainer3D: rank {dims.world.rank}: the state of "
-            + ", ".join(dims.where(r) for r in lost)
-            + " is lost: its buddy and every data-parallel replica failed "
-            "with it; restart from a checkpoint"
-        )
-    return out
+__all__ = ["ElasticTrainer3D", "ReplacementFailed", "recovered", "sources", "state_tensors"]
 
 
 def _from_communication(e: BaseException) -> bool:
@@ -139,9 +92,10 @@ class ElasticTrainer3D:
 
     `trainer` is the current Trainer3D (a new one after each recovery),
     `steps` the next step to run, `last` the last committed step's StepStats,
-    `recoveries` one dict per recovery. Raises ValueError for a copy_every that
-    is not an int >= 1, for --zero or --fsdp (their state is sharded over dp:
-    not covered), and what Trainer3D raises.
+    `recoveries` one dict per recovery (failed, step, rolled_back_to,
+    sources, state: what the newcomers received, and the times). Any of
+    Trainer3D's dp modes (opts.zero 0-3, opts.fsdp). Raises ValueError for a
+    copy_every that is not an int >= 1, and what Trainer3D raises.
     """
 
     def __init__(
@@ -158,11 +112,6 @@ class ElasticTrainer3D:
         who = f"ElasticTrainer3D: rank {dims.world.rank}"
         if isinstance(copy_every, bool) or not isinstance(copy_every, int) or copy_every < 1:
             raise ValueError(f"{who}: copy_every={copy_every!r} must be an int >= 1")
-        if opts.zero or opts.fsdp:
-            raise ValueError(
-                f"{who}: --zero {opts.zero} / --fsdp {opts.fsdp}: the replacement's state is a "
-                "stage's full AdamW state (zero=0); sharded dp state is not covered"
-            )
         if dims.replaced and dims.world.rank not in dims.replaced:
             raise ValueError(f"{who}: a survivor recovers in step(), not with a new trainer")
         self.config, self.opts, self.store = config, opts, store
@@ -188,8 +137,14 @@ class ElasticTrainer3D:
         """A replacement process: waits (up to `timeout`) for the survivors'
         recovery, takes a lost rank's place in the grid (ParallelDims.join),
         receives that place's state and returns the trainer at the step the
-        survivors rolled back to. Raises ParallelDims.join's errors, and
-        RuntimeError for state that does not fit this trainer's model."""
+        survivors rolled back to. Before it waits it builds a throwaway
+        AdamW: torch's first optimizer in a process imports torch._dynamo
+        (3.4 s on the 2-core test machine), which would otherwise hold up
+        the survivors' recovery where the newcomer was started beforehand.
+        Raises ParallelDims.join's errors, ReplacementFailed where the
+        place's state is lost, and RuntimeError for state that does not fit
+        this trainer's model."""
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
         dims = ParallelDims.join(store, dp=dp, tp=tp, pp=pp, timeout=timeout, prefix=prefix)
         return cls(dims, config, opts, store, copy_every=copy_every, prefix=prefix)
 
@@ -212,8 +167,9 @@ class ElasticTrainer3D:
 
         Raises what Trainer3D.step raises other than a communication error,
         CommunicatorAborted on a rank fenced out (it must leave), and
-        ReplacementFailed (or RuntimeError: the state is lost) when the
-        recovery fails."""
+        ReplacementFailed when the recovery fails (on every rank, the
+        newcomers' join included, where a lost rank's state is lost with its
+        buddy: sources())."""
         ok, refreshed, stats, k = True, False, None, self.steps
         try:
             stats = self.trainer.step()
@@ -262,6 +218,7 @@ class ElasticTrainer3D:
                 "step": k,
                 "rolled_back_to": self.steps,
                 "sources": self._sources,
+                "state": recovered(self.opts),
                 "agree_s": agree_s,
                 "replace_s": replace_s,
                 "restore_s": time.monotonic() - start,
@@ -271,19 +228,29 @@ class ElasticTrainer3D:
     def _restore(self, dims: ParallelDims, copy: BuddyCopy | None) -> None:
         """Collective over dims.world: a new Trainer3D on `dims`; its state
         from this rank's copy (a survivor), from its source (a newcomer) or
-        as initialized (a new job, copy None); then a first copy of it."""
-        trainer = Trainer3D(dims, self.config, self.opts)
+        as initialized (a new job, copy None); then a first copy of it.
+        Raises ReplacementFailed on every rank where a lost rank's state is
+        lost (sources), RuntimeError on every rank where a copy does not
+        fit its trainer."""
         me, step, state = dims.world.rank, 0, None
-        buddies = _placement(dims, copy)
-        self._sources = sources(dims, buddies) if dims.replaced else {}
-        received = _transfer(dims, copy, self._sources)
+        buddies = placement(dims, copy)
+        sharded = bool(self.opts.zero or self.opts.fsdp)
+        self._sources = sources(dims, buddies, sharded) if dims.replaced else {}
+        trainer = Trainer3D(dims, self.config, self.opts)
+        received = transfer(dims, copy, self._sources)
         if received is not None:
             step, state = received[0], received[1:]
         elif copy is not None:
             step, state = copy.step, (copy.entries, copy.local)
-        _check_alike(dims, step, self.copy_every)
-        if state is not None:
-            _load(trainer, *state, f"ElasticTrainer3D: rank {me}")
+        check_alike(dims, step, self.copy_every)
+        if state is not None:  # on every rank or on none (a new job)
+            error = None
+            try:
+                load(trainer, *state, f"ElasticTrainer3D: rank {me}")
+            except RuntimeError as e:
+                error = e
+            agree(dims.world, "ElasticTrainer3D: loading the copies", error, timeout=self.timeout)
+            trainer.dp.restored()  # ZeRO-1/2: the full parameters from the shards
         trainer.step_index = step
         self.trainer = trainer
         self.copy = BuddyCopy(comm=dims.world, tensors=lambda: state_tensors(trainer))
@@ -294,125 +261,3 @@ class ElasticTrainer3D:
         """Closes the grid's communicators, its world included."""
         self.dims.close()
         self.dims.world.close()
-
-
-def _placement(dims: ParallelDims, copy: BuddyCopy | None) -> list[int] | None:
-    """Collective over dims.world where ranks were replaced (else None): each
-    world rank's buddy in the copies the survivors hold (placed on the old
-    world's hosts), sent by the lowest surviving rank to every rank. Checked:
-    a newcomer has none of its own. Raises RuntimeError for anything but a
-    placement of the world's ranks."""
-    if not dims.replaced:
-        return None
-    world, n = dims.world, dims.world.world_size
-    root = min(r for r in range(n) if r not in dims.replaced)
-    mine = copy.buddies if copy is not None and world.rank == root else [0] * n
-    got = torch.tensor(mine, dtype=torch.int64)
-    world.broadcast(got, root)
-    buddies = got.tolist()
-    if copy is not None and buddies != copy.buddies:  # a survivor: its copies' placement
-        raise RuntimeError(
-            f"ElasticTrainer3D: rank {world.rank}: world rank {root} placed the copies on "
-            f"{buddies[:16]}, this rank on {copy.buddies[:16]}"
-        )
-    if sorted(buddies) != list(range(n)) or any(b == r for r, b in enumerate(buddies)):
-        raise RuntimeError(
-            f"ElasticTrainer3D: rank {world.rank}: world rank {root} sent the buddies "
-            f"{buddies[:16]}, not a placement of {n} ranks"
-        )
-    return buddies
-
-
-def _transfer(
-    dims: ParallelDims, copy: BuddyCopy | None, plan: dict[int, tuple[int, str]]
-) -> tuple[int, list[Entry], torch.Tensor] | None:
-    """Point to point over dims.world: each source (`plan`, as sources()
-    gives it) sends its newcomer the copy's step, layout and bytes. Returns
-    them on a newcomer (checked: they came from another process), None
-    elsewhere."""
-    world, me = dims.world, dims.world.rank
-    header = torch.zeros(3, dtype=torch.int64)
-    first: list[tuple[str, torch.Tensor, int]] = []
-    second: list[tuple[str, torch.Tensor, int]] = []
-    for r, (src, which) in plan.items():
-        if me == src:
-            assert copy is not None, "a source without a copy"
-            buf, entries = (
-                (copy.remote, copy.remote_entries)
-                if which == "remote"
-                else (copy.local, copy.entries)
-            )
-            meta = torch.frombuffer(bytearray(encode_entries(entries)), dtype=torch.uint8)
-            first.append(("send", torch.tensor([copy.step, meta.numel(), buf.numel()]), r))
-            second += [("send", meta, r)] + ([("send", buf, r)] if buf.numel() else [])
-        elif me == r:
-            first.append(("recv", header, src))
-    if first:
-        world.batch_p2p(first)
-    if me not in plan:
-        if second:
-            world.batch_p2p(second)
-        return None
-    step, k, nbytes = (int(v) for v in header)
-    who = f"ElasticTrainer3D: rank {me}: world rank {plan[me][0]}'s"
-    if step < 0 or not 0 < k <= MAX_LAYOUT or not 0 <= nbytes <= MAX_STATE:
-        raise RuntimeError(f"{who} header is malformed: step {step}, {k} + {nbytes} bytes")
-    raw, data = torch.empty(k, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    world.batch_p2p(
-        [("recv", raw, plan[me][0])] + ([("recv", data, plan[me][0])] if nbytes else [])
-    )
-    entries = decode_entries(bytes(raw.numpy()), who)
-    end = entries[-1].offset + entries[-1].nbytes if entries else 0
-    if end != nbytes:
-        raise RuntimeError(f"{who} layout holds {end} bytes, its state {nbytes}")
-    return step, entries, data
-
-
-def _check_alike(dims: ParallelDims, step: int, copy_every: int) -> None:
-    """Collective: every rank restores the same step with the same copy_every."""
-    world = dims.world
-    every = torch.empty(world.world_size * 2, dtype=torch.int64)
-    world.all_gather(every, torch.tensor([step, copy_every]))
-    rows = every.view(world.world_size, 2).tolist()
-    if any(r[1] != rows[0][1] for r in rows):
-        raise ValueError(
-            f"ElasticTrainer3D: rank {world.rank}: the ranks' copy_every differ: "
-            + ", ".join(f"rank {q}: {r[1]}" for q, r in enumerate(rows))
-        )
-    if any(r[0] != rows[0][0] for r in rows):
-        raise RuntimeError(
-            f"ElasticTrainer3D: rank {world.rank}: the ranks' copies hold different steps: "
-            + ", ".join(f"rank {q}: {r[0]}" for q, r in enumerate(rows))
-        )
-
-
-def _load(trainer: Trainer3D, entries: list[Entry], data: torch.Tensor, who: str) -> None:
-    """Loads a copy (state_tensors' layout) into the trainer's parameters and
-    AdamW state. Raises RuntimeError where it does not fit the model."""
-    named = trainer.named_params
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    loaded = set()
-    for e in entries:
-        if not 0 <= e.flat < len(named):
-            raise RuntimeError(f"{who}: the copy names parameter {e.flat} of {len(named)}")
-        name, p = named[e.flat]
-        # A copy of the bytes: the offsets need not suit the dtype's alignment.
-        t = data[e.offset : e.offset + e.nbytes].clone().view(e.dtype).view(e.shape)
-        if e.key != "param":
-            # AdamW's step count stays on the host; the moments go where the parameter is.
-            state.setdefault(e.flat, {})[e.key] = t if e.device.type == "cpu" else t.to(p.device)
-            continue
-        if e.shape != tuple(p.shape) or e.dtype != p.dtype:
-            raise RuntimeError(
-                f"{who}: the copy's {name} is {e.dtype} {list(e.shape)}, the model's "
-                f"{p.dtype} {list(p.shape)}: the copy is of another model or layout"
-            )
-        with torch.no_grad():
-            p.copy_(t)
-        loaded.add(e.flat)
-    if len(loaded) != len(named):
-        missing = [named[i][0] for i in range(len(named)) if i not in loaded]
-        raise RuntimeError(f"{who}: the copy lacks {missing[:4]}")
-    trainer.optimizer.state.clear()
-    for i, st in state.items():
-        trainer.optimizer.state[named[i][1]] = st

@@ -306,8 +306,6 @@ def test_an_uncaught_ctrl_c_aborts_with_the_reason(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["--tp", "2", "--zero", "1"], "--survive: --tp 2 / --pp 1 with --zero/--fsdp: the "),
-        (["--pp", "2", "--fsdp"], "--survive: --tp 1 / --pp 2 with --zero/--fsdp: the "),
         (["--dp", "2", "--plan", "2"], "--survive: --plan with --survive"),
         (["--dp", "2", "--copy-every", "0"], "--survive: --copy-every 0 must be >= 1"),
         (["--tp", "2", "--max-replacements", "-1"], "--max-replacements -1 must be >= 0"),
@@ -329,6 +327,20 @@ def test_train_gpt_survive_refuses_what_cannot_survive_before_starting_ranks(
     assert err.startswith("train_gpt.py: error: ") and says in err, err
     assert module.main(["--kill", "0@1"]) == 2  # --kill alone
     assert "--kill needs --survive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv", [["--tp", "2", "--dp", "2", "--zero", "2"], ["--pp", "2", "--fsdp"]]
+)
+def test_train_gpt_survive_takes_tp_pp_with_sharded_dp_state(argv, monkeypatch):
+    """--tp/--pp with --zero/--fsdp: started, the launcher replacing lost ranks."""
+    module = _load_train_gpt()
+    started = []
+    monkeypatch.setattr(module, "spawn", lambda *a, **k: started.append(k) or 0)
+    monkeypatch.delenv("RANK", raising=False)
+    assert module.main([*argv, "--survive", "--steps", "4"]) == 0
+    [kwargs] = started
+    assert kwargs["replace"] == 3 and kwargs["survive"], kwargs
 
 
 def _final(out: str) -> tuple[float, int]:

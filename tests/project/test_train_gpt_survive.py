@@ -83,8 +83,9 @@ def test_tp_pp_survive_a_new_process_takes_the_lost_place_and_the_loss_matches()
     assert "train_gpt.py: rank 1 killed by SIGKILL: a new process takes its place " \
            "(replacement 1 of 3)" in out, out  # fmt: skip
     assert re.search(r"^rank 1 \(dp=0, tp=1, pp=0\) died at step 1: a new process took its "
-                     r"place in [\d.]+ s \(agree [\d.]+ ms, shrink and grow [\d.]+ ms, restore "
-                     r"[\d.]+ ms; the step is retried\)$", out, re.M), out  # fmt: skip
+                     r"place in [\d.]+ s, with its stage shard and AdamW state from rank 2's copy "
+                     r"\(agree [\d.]+ ms, shrink and grow [\d.]+ ms, restore [\d.]+ ms; the step "
+                     r"is retried\)$", out, re.M), out  # fmt: skip
     assert re.search(r"^step 3/3 ", out, re.M), out
     assert _final(out) == _final(want), (out, want)
 
