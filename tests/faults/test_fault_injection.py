@@ -7,7 +7,6 @@ test fails, rather than hangs, on the code it guards against."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import time
 import fault_jobs as jobs
 import paths
 import pytest
-from spawn import free_port, run
+from spawn import run
 
 from pycollectives import _C
 
@@ -100,22 +99,9 @@ def listeners(port: int) -> set[str]:
 
 
 def test_the_bootstrap_store_listens_on_master_addr_only():
-    port = free_port()
-    script = "import pycollectives as pc; pc.init(timeout=1.5)"
-    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    env.update(RANK="0", WORLD_SIZE="2")  # rank 1 never comes: rank 0 serves, then times out
-    p = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.DEVNULL)
-    try:
-        deadline, found = time.monotonic() + 20, set()
-        while not found and time.monotonic() < deadline and p.poll() is None:
-            found = listeners(port)
-            time.sleep(0.05)
-        p.wait(30)  # its init times out and removes its segment (killed, it would leave it)
-    finally:
-        p.kill()
-        p.wait()
+    (found, pid) = run(jobs.job_store_listener, 1, listeners, timeout=60)[0]
     assert found == {"0100007F"}, found  # 127.0.0.1, not 0.0.0.0 or ::
-    assert not leftovers([str(p.pid)]), leftovers([str(p.pid)])
+    assert not leftovers([str(pid)]), leftovers([str(pid)])
 
 
 def test_window_names_cannot_be_taken_first(pool):
@@ -150,7 +136,9 @@ def test_yama_lets_only_the_peers_in():
             assert errnos == [1, 1], errnos  # EPERM, with single copy on and off
 
 
-def test_environment_sizes_are_range_checked():
+def test_environment_sizes_are_range_checked(monkeypatch):
+    # In this process (the settings are read when a communicator is made): a fresh
+    # interpreter cost a torch import for the same checks.
     values = [
         ("PYCOLL_SLOT_BYTES", "2305843009213693952"),
         ("PYCOLL_ONESHOT_BYTES", "4611686018427387904"),
@@ -162,24 +150,11 @@ def test_environment_sizes_are_range_checked():
         ("PYCOLL_YIELD_US", "1e12"),
         ("PYCOLL_ONESHOT_BYTES", "4KB"),
     ]
-    script = f"""
-        import json, os
-        from pycollectives import _C
-        out = []
-        for var, value in {values!r}:
-            os.environ[var] = value
-            try:
-                _C.Communicator(0, 2, _C.unique_segment_name(), True, 5.0)
-                out.append("accepted")
-            except ValueError as e:
-                out.append(str(e))
-            del os.environ[var]
-        print(json.dumps(out))
-    """
-    p = python(script, timeout=60)
-    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
-    for (var, value), msg in zip(values, json.loads(p.stdout.splitlines()[-1]), strict=True):
-        assert var in msg and value in msg, (var, value, msg)
+    for var, value in values:
+        with monkeypatch.context() as m:
+            m.setenv(var, value)
+            kind, msg, _ = jobs.caught(_C.Communicator, 0, 2, _C.unique_segment_name(), True, 5.0)
+        assert kind == "ValueError" and var in msg and value in msg, (var, value, kind, msg)
 
 
 def test_freed_or_shrunk_storage_is_refused(pool):
@@ -238,7 +213,7 @@ def test_exit_with_pending_work_aborts_and_reports_it(tmp_path):
         comm = pc.init(r, 2, store=dist.FileStore(sys.argv[2], 2), timeout=60)
         comm.barrier()
         if r == 1:
-            time.sleep(4)  # alive, and not in the operation
+            sys.stdin.read()  # alive, and not in the operation, until rank 0 has exited
             try:
                 comm.all_reduce(torch.ones(8))
             except pc.PyCollectivesError as e:
@@ -254,6 +229,7 @@ def test_exit_with_pending_work_aborts_and_reports_it(tmp_path):
         subprocess.Popen(
             [*cmd, str(r), store],
             env=env,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -262,7 +238,7 @@ def test_exit_with_pending_work_aborts_and_reports_it(tmp_path):
     ]
     try:
         out0, err0 = procs[0].communicate(timeout=20)  # the operation's timeout is 60 s
-        out1, _ = procs[1].communicate(timeout=30)
+        out1, _ = procs[1].communicate(timeout=30)  # closes rank 1's stdin: it goes on
     finally:
         for p in procs:
             p.kill()

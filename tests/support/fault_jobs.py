@@ -131,6 +131,30 @@ def job_ptracer(rank: int, n: int) -> list:
 # ---- spawned jobs -------------------------------------------------------------------------
 
 
+def job_store_listener(rank: int, n: int, listeners) -> tuple[set[str], int]:
+    """Rank 0 of 2 whose peer never comes: init serves the bootstrap store, then
+    times out. A thread meanwhile reads which local addresses listen on
+    MASTER_PORT (`listeners(port)`). Returns (those addresses, this pid)."""
+    port = int(os.environ["MASTER_PORT"])
+    os.environ["WORLD_SIZE"] = "2"
+    found: set[str] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + 20
+        while not found and not stop.is_set() and time.monotonic() < deadline:
+            found.update(listeners(port))
+            time.sleep(0.05)
+
+    th = threading.Thread(target=watch)
+    th.start()
+    kind, msg, _ = caught(pc.init, timeout=1.5)  # removes its segment when it times out
+    stop.set()
+    th.join()
+    assert kind != "ok", "init of 2 ranks succeeded alone"
+    return found, os.getpid()
+
+
 def job_init_failures(rank: int, n: int, tmp: str) -> list[tuple]:
     """Init fails on rank 0, then rank 1 (a bad setting), then /dev/shm is too
     small for rank 0; then a split leader cannot create the child."""
