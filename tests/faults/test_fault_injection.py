@@ -246,17 +246,17 @@ def test_exit_with_pending_work_aborts_and_reports_it(tmp_path):
     assert "rank 0 closed its communicator" in out1, out1
 
 
-def test_close_with_pending_work_aborts_it():
+def test_close_with_pending_work_aborts_it(tmp_path):
     (took, kind, msg, finished), (peer_kind, peer_msg, _) = run(
-        jobs.job_close_pending, 2, timeout=40
+        jobs.job_close_pending, 2, str(tmp_path), timeout=40
     )
     assert finished == [True] * 3, finished  # work the peers came to was not aborted
     assert took < 3.0 and kind == "CommunicatorAborted" and "pending" in msg, (took, kind, msg)
     assert "rank 0 closed its communicator" in peer_msg, (peer_kind, peer_msg)
 
 
-def test_ctrl_c_interrupts_work_wait_and_queued_calls():
-    waits, peer = run(jobs.job_interrupted, 2, timeout=40)
+def test_ctrl_c_interrupts_work_wait_and_queued_calls(tmp_path):
+    waits, peer = run(jobs.job_interrupted, 2, str(tmp_path), timeout=40)
     for kind, msg, took in waits:
         assert kind == "KeyboardInterrupt" and took < 2.0 and "interrupted" in msg, (
             kind,
@@ -303,9 +303,9 @@ def test_a_rank_killed_during_set_up_is_named_and_leaves_nothing(tmp_path, victi
 
 # PYCOLL_BIND=core: each rank on a CPU of its own, whose waits spin where they would yield.
 @pytest.mark.parametrize("bind", ["none", "core"])
-def test_liveness_does_not_wait_for_the_yield_phase(bind):
+def test_liveness_does_not_wait_for_the_yield_phase(tmp_path, bind):
     env = {"PYCOLL_YIELD_US": "10000000", "PYCOLL_BIND": bind}
-    (kind, msg, took), _ = run(jobs.job_yield, 2, timeout=40, env=env)
+    (kind, msg, took), _ = run(jobs.job_yield, 2, str(tmp_path), timeout=40, env=env)
     assert kind == "CollectiveTimeout" and took < 2.0, (kind, msg, took)
 
 
