@@ -3,6 +3,7 @@ each raises a clear error on every rank, never a hang or a wrong result."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -117,8 +118,7 @@ def test_bad_input_raises_before_communicating(pool, world_size):
     assert all(pool(world_size).run(job_bad_input))
 
 
-def _mismatch(rank: int, world_size: int, kind: str) -> str:
-    comm = pc.init(timeout=30)
+def _mismatch(comm: pc.Communicator, rank: int, world_size: int, kind: str) -> str:
     comm.all_reduce(torch.ones(3))  # a matching op first
     if kind == "count":
         t = torch.ones(10 if rank == 0 else 20)
@@ -140,11 +140,34 @@ def _mismatch(rank: int, world_size: int, kind: str) -> str:
     return msg
 
 
-@pytest.mark.parametrize(
-    "kind,world_size", [("count", 2), ("collective", 2), ("dtype", 3), ("barrier", 3)]
-)
-def test_mismatched_collectives_raise_on_every_rank(kind, world_size):
-    msgs = run(_mismatch, world_size, kind, timeout=60)
+def _mismatches(rank: int, world_size: int, kinds: list[str]) -> dict[str, str]:
+    """Each kind on a communicator of its own (a split of init's: a mismatch aborts it);
+    {kind: the message, or the failure of that kind's checks}."""
+    parent = pc.init(timeout=30)
+    out = {}
+    for kind in kinds:
+        comm = parent.split(0)
+        try:
+            out[kind] = _mismatch(comm, rank, world_size, kind)
+        except AssertionError as e:
+            out[kind] = f"FAILED: {e!r}"
+        comm.close()
+    return out
+
+
+MISMATCHES = {"count": 2, "collective": 2, "dtype": 3, "barrier": 3}  # kind: world size
+
+
+@functools.cache
+def _mismatch_messages(world_size: int) -> list[dict[str, str]]:
+    """Every kind of MISMATCHES for this world size, in one set of ranks."""
+    kinds = [k for k, n in MISMATCHES.items() if n == world_size]
+    return run(_mismatches, world_size, kinds, timeout=60)
+
+
+@pytest.mark.parametrize("kind", list(MISMATCHES))
+def test_mismatched_collectives_raise_on_every_rank(kind):
+    msgs = [m[kind] for m in _mismatch_messages(MISMATCHES[kind])]
     want = {
         "count": ["count=10", "count=20"],
         "collective": ["all_reduce", "broadcast"],
