@@ -210,7 +210,7 @@ def test_exit_with_pending_work_aborts_and_reports_it(tmp_path):
         import sys, time, torch, torch.distributed as dist
         import pycollectives as pc
         r = int(sys.argv[1])
-        comm = pc.init(r, 2, store=dist.FileStore(sys.argv[2], 2), timeout=60)
+        comm = pc.init(r, 2, store=dist.FileStore(sys.argv[2], 2), timeout=300)
         comm.barrier()
         if r == 1:
             sys.stdin.read()  # alive, and not in the operation, until rank 0 has exited
@@ -237,7 +237,10 @@ def test_exit_with_pending_work_aborts_and_reports_it(tmp_path):
         for r in (0, 1)
     ]
     try:
-        out0, err0 = procs[0].communicate(timeout=20)  # the operation's timeout is 60 s
+        # the operation's timeout is 300 s: exiting must not wait it out (rank 0, a fresh
+        # interpreter, took 18-20 s in all at load 13-23 on 2 cores: 20 s, against the
+        # operation's 60 s before, failed once there)
+        out0, err0 = procs[0].communicate(timeout=90)
         out1, _ = procs[1].communicate(timeout=30)  # closes rank 1's stdin: it goes on
     finally:
         for p in procs:
