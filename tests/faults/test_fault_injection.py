@@ -137,8 +137,7 @@ def test_yama_lets_only_the_peers_in():
 
 
 def test_environment_sizes_are_range_checked(monkeypatch):
-    # In this process (the settings are read when a communicator is made): a fresh
-    # interpreter cost a torch import for the same checks.
+    # In this process: the settings are read when a communicator is made.
     values = [
         ("PYCOLL_SLOT_BYTES", "2305843009213693952"),
         ("PYCOLL_ONESHOT_BYTES", "4611686018427387904"),
