@@ -14,20 +14,17 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from spawn import RankPool, run
+from spawn import run
 from test_windows import _path, _reference, _vals
 
 import pycollectives as pc
 
 
-def _forced(world_size: int, job: Callable[[pc.Communicator], object]) -> list:
-    """Runs job on world_size ranks under PYCOLL_ALGO=cma; skips where the job
-    returned None (CMA is not allowed between the ranks here)."""
-    pool = RankPool(world_size, env={"PYCOLL_ALGO": "cma"})
-    try:
-        results = pool.run(job, timeout=240)
-    finally:
-        pool.close()
+def _forced(pool, world_size: int, job: Callable[[pc.Communicator], object]) -> list:
+    """Runs job on world_size ranks under PYCOLL_ALGO=cma (one pool per world size, shared
+    by this module's forced tests: the `pool` fixture); skips where the job returned None
+    (CMA is not allowed between the ranks here)."""
+    results = pool(world_size, {"PYCOLL_ALGO": "cma"}).run(job, timeout=240)
     if results[0] is None:
         pytest.skip("process_vm_readv between the ranks is not allowed here")
     return results
@@ -109,8 +106,8 @@ def job_cma_forced_rooted_all_to_all(comm: pc.Communicator) -> list[str] | None:
 
 @pytest.mark.parametrize("job", [job_cma_forced, job_cma_forced_rooted_all_to_all])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_cma_forced_every_collective_op_dtype_size(world_size, job):
-    for r, bad in enumerate(_forced(world_size, job)):
+def test_cma_forced_every_collective_op_dtype_size(pool, world_size, job):
+    for r, bad in enumerate(_forced(pool, world_size, job)):
         assert not bad, f"rank {r}: {bad}"
 
 
@@ -123,12 +120,27 @@ def job_cma_taken_over(
     """All ranks on one CPU: whichever rank runs claims the chunks of the ranks that
     are descheduled. Exact results, how many chunks each rank took over, and the
     bytes each rank moved of broadcast and all-to-all."""
-    import os
-
-    n, r, bad = comm.world_size, comm.rank, []
     if not comm.single_copy:
         return None
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    cpus = os.sched_getaffinity(0)
+    before = comm.stats()  # the pool's ranks ran other jobs: this job's counts are the growth
+    os.sched_setaffinity(0, {min(cpus)})
+    try:
+        bad = _taken_over_calls(comm)
+    finally:
+        os.sched_setaffinity(0, cpus)  # the pool's ranks run later jobs
+    stats = comm.stats()
+
+    def grown(c: str, key: str) -> int:
+        return stats[c][key] - before.get(c, {}).get(key, 0)
+
+    moved = {c: grown(c, "bytes_out") + grown(c, "bytes_in") for c in _COPIES}
+    return bad, {c: grown(c, "taken_over") for c in _SHARED}, moved
+
+
+def _taken_over_calls(comm: pc.Communicator) -> list[str]:
+    """job_cma_taken_over's calls: four of each collective, checked exactly."""
+    n, r, bad = comm.world_size, comm.rank, []
     count = (1 << 20) + 5  # 4 MiB of int32 per block: 17 chunks of 256 KiB
     vals = [torch.arange(n * count, dtype=torch.int32) % 97 + q for q in range(n)]
     full = torch.stack(vals).sum(0)
@@ -158,9 +170,7 @@ def job_cma_taken_over(
         comm.all_to_all(out, vals[r])
         if not torch.equal(out, torch.cat([v[r * count : (r + 1) * count] for v in vals])):
             bad.append(f"all_to_all {it}: wrong")
-    stats = comm.stats()
-    moved = {c: stats[c]["bytes_out"] + stats[c]["bytes_in"] for c in _COPIES}
-    return bad, {c: stats[c]["taken_over"] for c in _SHARED}, moved
+    return bad
 
 
 # Collectives that only copy: each block crosses once, by its sender writing or
@@ -169,8 +179,8 @@ _COPIES = ("broadcast", "all_to_all")
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_cma_chunks_of_descheduled_ranks_are_taken_over(world_size):
-    results = _forced(world_size, job_cma_taken_over)
+def test_cma_chunks_of_descheduled_ranks_are_taken_over(pool, world_size):
+    results = _forced(pool, world_size, job_cma_taken_over)
     for r, (bad, _, _) in enumerate(results):
         assert not bad, f"rank {r}: {bad}"
     for coll in _SHARED:

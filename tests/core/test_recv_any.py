@@ -4,8 +4,6 @@ beside named receives and batches; no sender means a timeout, not a hang."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from test_collectives import _cases, data, mismatches
@@ -114,7 +112,9 @@ def test_recv_from_any_source(pool, job, world_size):
     assert not bad, "\n".join(bad[:40])
 
 
-def _no_sender(rank: int, world_size: int) -> str:
+def _no_sender(rank: int, world_size: int, tmp: str) -> str:
+    from fault_jobs import signal_done, wait_done
+
     comm = pc.init(timeout=30)
     try:
         if rank == 0:
@@ -122,17 +122,19 @@ def _no_sender(rank: int, world_size: int) -> str:
                 comm.recv(torch.empty(4), None, timeout=0.3)
             except pc.CollectiveTimeout as e:
                 return str(e)
+            finally:
+                signal_done(f"{tmp}/timed_out")
             return "no error"
-        time.sleep(1.5)  # alive and silent past rank 0's timeout
+        wait_done(f"{tmp}/timed_out")  # alive and silent past rank 0's timeout
         return ""
     finally:
         comm.close()
 
 
-def test_recv_from_any_source_times_out():
+def test_recv_from_any_source_times_out(tmp_path):
     from spawn import run
 
-    msg = run(_no_sender, 2, timeout=60)[0]
+    msg = run(_no_sender, 2, str(tmp_path), timeout=60)[0]
     assert "recv(count=4, float32, peer=any)" in msg, msg
     assert "Timed out waiting 300ms for its peers" in msg, msg
 

@@ -3,6 +3,7 @@ each raises a clear error on every rank, never a hang or a wrong result."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -10,6 +11,7 @@ import time
 
 import pytest
 import torch
+from fault_jobs import signal_done, wait_done
 from spawn import run
 
 import pycollectives as pc
@@ -116,8 +118,7 @@ def test_bad_input_raises_before_communicating(pool, world_size):
     assert all(pool(world_size).run(job_bad_input))
 
 
-def _mismatch(rank: int, world_size: int, kind: str) -> str:
-    comm = pc.init(timeout=30)
+def _mismatch(comm: pc.Communicator, rank: int, world_size: int, kind: str) -> str:
     comm.all_reduce(torch.ones(3))  # a matching op first
     if kind == "count":
         t = torch.ones(10 if rank == 0 else 20)
@@ -139,11 +140,34 @@ def _mismatch(rank: int, world_size: int, kind: str) -> str:
     return msg
 
 
-@pytest.mark.parametrize(
-    "kind,world_size", [("count", 2), ("collective", 2), ("dtype", 3), ("barrier", 3)]
-)
-def test_mismatched_collectives_raise_on_every_rank(kind, world_size):
-    msgs = run(_mismatch, world_size, kind, timeout=60)
+def _mismatches(rank: int, world_size: int, kinds: list[str]) -> dict[str, str]:
+    """Each kind on a communicator of its own (a split of init's: a mismatch aborts it);
+    {kind: the message, or the failure of that kind's checks}."""
+    parent = pc.init(timeout=30)
+    out = {}
+    for kind in kinds:
+        comm = parent.split(0)
+        try:
+            out[kind] = _mismatch(comm, rank, world_size, kind)
+        except AssertionError as e:
+            out[kind] = f"FAILED: {e!r}"
+        comm.close()
+    return out
+
+
+MISMATCHES = {"count": 2, "collective": 2, "dtype": 3, "barrier": 3}  # kind: world size
+
+
+@functools.cache
+def _mismatch_messages(world_size: int) -> list[dict[str, str]]:
+    """Every kind of MISMATCHES for this world size, in one set of ranks."""
+    kinds = [k for k, n in MISMATCHES.items() if n == world_size]
+    return run(_mismatches, world_size, kinds, timeout=60)
+
+
+@pytest.mark.parametrize("kind", list(MISMATCHES))
+def test_mismatched_collectives_raise_on_every_rank(kind):
+    msgs = [m[kind] for m in _mismatch_messages(MISMATCHES[kind])]
     want = {
         "count": ["count=10", "count=20"],
         "collective": ["all_reduce", "broadcast"],
@@ -179,24 +203,27 @@ def test_dead_peer_detected_within_two_seconds(how, world_size):
     assert all(t < 2.0 for t in times[:-1]), times
 
 
-def _late(rank: int, world_size: int) -> str:
+def _late(rank: int, world_size: int, tmp: str) -> str:
     comm = pc.init(timeout=30)
     t = torch.ones(1000)
-    if rank == 1:
-        time.sleep(2.5)
+    if rank == 1:  # comes once rank 0 has timed out
+        wait_done(f"{tmp}/timed_out")
         return expect(pc.CollectiveTimeout, lambda: comm.all_reduce(t), "Timed out")
-    return expect(
-        pc.CollectiveTimeout,
-        lambda: comm.all_reduce(t, timeout=0.5),
-        "all_reduce",
-        "#1",
-        "Timed out waiting 500ms for rank 1",
-        "have not reached this operation: [1]",
-    )
+    try:
+        return expect(
+            pc.CollectiveTimeout,
+            lambda: comm.all_reduce(t, timeout=0.5),
+            "all_reduce",
+            "#1",
+            "Timed out waiting 500ms for rank 1",
+            "have not reached this operation: [1]",
+        )
+    finally:
+        signal_done(f"{tmp}/timed_out")
 
 
-def test_late_peer_times_out_naming_it():
-    msgs = run(_late, 2, timeout=60)
+def test_late_peer_times_out_naming_it(tmp_path):
+    msgs = run(_late, 2, str(tmp_path), timeout=60)
     assert "reported by rank 0" in msgs[1]
 
 
@@ -241,22 +268,16 @@ def test_one_slot_per_connection_is_refused(monkeypatch):
     )
 
 
-def _interrupted(rank: int, world_size: int) -> tuple:
+def _interrupted(rank: int, world_size: int, tmp: str) -> tuple:
     comm = pc.init(timeout=60)
     comm.barrier()
     t = torch.ones(1000)
-    if rank == 0:  # waits for the late rank 1; Ctrl-C arrives meanwhile
-        # Python's own handler, as in a terminal: a process started with SIGINT
-        # ignored (a background job of a non-interactive shell) would keep it so.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-        start = time.monotonic()
+    if rank == 0:
         try:
-            comm.all_reduce(t)
-        except KeyboardInterrupt as e:
-            return "KeyboardInterrupt", time.monotonic() - start, str(e)
-        return "returned", time.monotonic() - start, ""
-    time.sleep(4.0)  # rank 0 must have been interrupted by then (its test: within 2 s)
+            return _interrupt(comm, t)
+        finally:
+            signal_done(f"{tmp}/interrupted")
+    wait_done(f"{tmp}/interrupted")  # comes once rank 0 was interrupted (its test: within 2 s)
     try:
         comm.all_reduce(t)
     except pc.PyCollectivesError as e:
@@ -264,8 +285,22 @@ def _interrupted(rank: int, world_size: int) -> tuple:
     return "peer", 0.0, "no error"  # rank 0's outcome says why (asserted first)
 
 
-def test_ctrl_c_interrupts_a_blocking_call_and_aborts_the_peers():
-    (what, waited, msg), (_, _, peer_msg) = run(_interrupted, 2, timeout=60)
+def _interrupt(comm: pc.Communicator, t: torch.Tensor) -> tuple:
+    """Rank 0 waits for the late rank 1; Ctrl-C arrives meanwhile."""
+    # Python's own handler, as in a terminal: a process started with SIGINT
+    # ignored (a background job of a non-interactive shell) would keep it so.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    try:
+        comm.all_reduce(t)
+    except KeyboardInterrupt as e:
+        return "KeyboardInterrupt", time.monotonic() - start, str(e)
+    return "returned", time.monotonic() - start, ""
+
+
+def test_ctrl_c_interrupts_a_blocking_call_and_aborts_the_peers(tmp_path):
+    (what, waited, msg), (_, _, peer_msg) = run(_interrupted, 2, str(tmp_path), timeout=60)
     assert what == "KeyboardInterrupt" and waited < 2.0, (what, waited, msg, peer_msg)
     assert "rank 0 was interrupted" in msg and "all_reduce" in msg
     assert "rank 0 was interrupted" in peer_msg

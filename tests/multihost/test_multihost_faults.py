@@ -253,23 +253,28 @@ def test_intruders_rejected_and_mismatch_named(fabric, tmp_path):
         assert "count=7" in o["mismatch"] and "count=9" in o["mismatch"], o
 
 
-def _slow_peer(comm: pc.Communicator) -> str:
+def _slow_peer(comm: pc.Communicator, d: str) -> str:
+    from fault_jobs import signal_done, wait_done
+
     x = torch.ones(1000)
     comm.all_reduce(x)
-    if comm.rank == 2:
-        time.sleep(3.0)  # late by more than the others' timeout
+    if comm.rank == 2:  # late by more than the others' timeout: once both have raised
+        for r in (0, 1):
+            wait_done(f"{d}/raised{r}")
     try:
         comm.all_reduce(x, timeout=1.0)
     except pc.PyCollectivesError as e:
         return f"{type(e).__name__}: {e}"
+    finally:
+        signal_done(f"{d}/raised{comm.rank}")
     return "none"
 
 
-def test_slow_peer_on_another_host_is_named(fabric):
-    """Rank 2 (host 1) comes 3 s late to an all-reduce with a 1 s timeout:
-    rank 0 (host 0) learns from host 1 where its ranks are and names rank 2;
-    every rank raises."""
-    out = run_on_hosts(fabric, [0, 1, 1], _slow_peer, timeout=60)
+def test_slow_peer_on_another_host_is_named(fabric, tmp_path):
+    """Rank 2 (host 1) comes late to an all-reduce with a 1 s timeout, once
+    ranks 0 and 1 have raised (it slept 3 s before): rank 0 (host 0) learns
+    from host 1 where its ranks are and names rank 2; every rank raises."""
+    out = run_on_hosts(fabric, [0, 1, 1], _slow_peer, str(tmp_path), timeout=60)
     print(out)
     assert out[0].startswith("CollectiveTimeout") and "rank 2" in out[0], out
     assert all(o != "none" for o in out), out

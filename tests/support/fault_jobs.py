@@ -37,6 +37,19 @@ def own_segment_name() -> str:
     raise AssertionError("no communicator segment is mapped")
 
 
+def signal_done(path: str) -> None:
+    """Creates `path`: tells a peer waiting in wait_done() that this rank is past its part."""
+    open(path, "w").close()
+
+
+def wait_done(path: str, bound: float = 20.0) -> None:
+    """Waits until `path` exists (a peer's signal_done), `bound` seconds at most: a peer
+    that failed first leaves this rank to go on, as a fixed sleep did, instead of hanging."""
+    deadline = time.monotonic() + bound
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def file_store(path: str, rank: int, n: int) -> pc.Communicator:
     return pc.init(rank, n, store=dist.FileStore(path, n), timeout=20)
 
@@ -131,6 +144,30 @@ def job_ptracer(rank: int, n: int) -> list:
 # ---- spawned jobs -------------------------------------------------------------------------
 
 
+def job_store_listener(rank: int, n: int, listeners) -> tuple[set[str], int]:
+    """Rank 0 of 2 whose peer never comes: init serves the bootstrap store, then
+    times out. A thread meanwhile reads which local addresses listen on
+    MASTER_PORT (`listeners(port)`). Returns (those addresses, this pid)."""
+    port = int(os.environ["MASTER_PORT"])
+    os.environ["WORLD_SIZE"] = "2"
+    found: set[str] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + 20
+        while not found and not stop.is_set() and time.monotonic() < deadline:
+            found.update(listeners(port))
+            time.sleep(0.05)
+
+    th = threading.Thread(target=watch)
+    th.start()
+    kind, msg, _ = caught(pc.init, timeout=1.5)  # removes its segment when it times out
+    stop.set()
+    th.join()
+    assert kind != "ok", "init of 2 ranks succeeded alone"
+    return found, os.getpid()
+
+
 def job_init_failures(rank: int, n: int, tmp: str) -> list[tuple]:
     """Init fails on rank 0, then rank 1 (a bad setting), then /dev/shm is too
     small for rank 0; then a split leader cannot create the child."""
@@ -170,16 +207,19 @@ def job_mismatches(rank: int, n: int) -> list[tuple]:
     return out
 
 
-def job_yield(rank: int, n: int) -> tuple:
+def job_yield(rank: int, n: int, tmp: str) -> tuple:
     comm = pc.init(timeout=20)
     comm.barrier()
-    if rank == 1:
-        time.sleep(3)
+    if rank == 1:  # comes once rank 0 has timed out
+        wait_done(f"{tmp}/timed_out")
         return caught(comm.all_reduce, torch.ones(1000))
-    return caught(comm.all_reduce, torch.ones(1000), timeout=0.5)
+    try:
+        return caught(comm.all_reduce, torch.ones(1000), timeout=0.5)
+    finally:
+        signal_done(f"{tmp}/timed_out")
 
 
-def job_close_pending(rank: int, n: int) -> tuple:
+def job_close_pending(rank: int, n: int, tmp: str) -> tuple:
     """close() with work pending: work its peers come to finishes (a peer
     0.3 s late), work a peer stays away from is aborted after a second."""
     comm = pc.init(timeout=20)
@@ -192,22 +232,32 @@ def job_close_pending(rank: int, n: int) -> tuple:
     finished = [w.exception() is None and t[0].item() == n for w, t in zip(works, ts, strict=True)]
     comm.barrier()
     if rank == 1:
-        time.sleep(4)  # alive, and not in the operation
+        wait_done(f"{tmp}/closed")  # alive, and not in the operation, until rank 0 closed
         return caught(comm.all_reduce, torch.ones(8))
     w = comm.all_reduce(torch.ones(8), async_op=True)
     t0 = time.monotonic()
-    comm.close()
+    try:
+        comm.close()
+    finally:
+        signal_done(f"{tmp}/closed")
     return time.monotonic() - t0, type(w.exception()).__name__, str(w.exception()), finished
 
 
-def job_interrupted(rank: int, n: int) -> list[tuple]:
+def job_interrupted(rank: int, n: int, tmp: str) -> list[tuple]:
     """Ctrl-C in Work.wait(), then in a synchronous call queued behind async work."""
     comm = pc.init(timeout=20)
     other = comm.split(0)
     comm.barrier()
     if rank == 1:
-        time.sleep(4)  # late for both
+        wait_done(f"{tmp}/interrupted")  # late for both: comes once rank 0 is done
         return [caught(comm.all_reduce, torch.ones(8)), caught(other.all_reduce, torch.ones(8))]
+    try:
+        return _interrupt_twice(comm, other)
+    finally:
+        signal_done(f"{tmp}/interrupted")
+
+
+def _interrupt_twice(comm: pc.Communicator, other: pc.Communicator) -> list[tuple]:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
     out = []
     for c, sync_behind in ((comm, False), (other, True)):
