@@ -351,7 +351,7 @@ def test_train_gpt_survive_goes_on_after_kill_9_from_outside():
     """The user's kill -9 of a rank process: the launcher names it and leaves the
     others running (without --survive it ends them 5 s later), they finish and
     the script exits 0."""
-    cmd = [sys.executable, TRAIN_GPT, "--dp", "4", "--survive", "--steps", "60",
+    cmd = [sys.executable, TRAIN_GPT, "--dp", "4", "--survive", "--steps", "30",
            "--log-every", "1", "--timeout", "30"]  # fmt: skip
     status, out, took, pids = _run_then_signal(cmd, "step 3/", signal.SIGKILL, to_group=False)
     assert status == 0, out
@@ -365,7 +365,7 @@ def test_train_gpt_survive_a_stopped_rank_is_fenced_and_the_others_go_on():
     """SIGSTOP a rank past --timeout: the survivors leave it out and go on; when it
     resumes (SIGCONT) it finds itself fenced out and exits, and the launcher takes
     that as a lost rank, not a failure that ends the others: exit 0."""
-    cmd = [sys.executable, TRAIN_GPT, "--dp", "4", "--survive", "--steps", "60",
+    cmd = [sys.executable, TRAIN_GPT, "--dp", "4", "--survive", "--steps", "30",
            "--log-every", "1", "--timeout", "3"]  # fmt: skip
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          cwd=ROOT, start_new_session=True)  # fmt: skip
