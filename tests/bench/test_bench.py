@@ -102,6 +102,18 @@ def test_bench_all_collectives(tmp_path):
         trip = data["metadata"]["cpu_round_trip_ns"]
         assert len(trip["cpus"]) == 2 and 0 < trip["before"] < 1e6 and 0 < trip["after"] < 1e6
         assert "# Cache-line round trip CPU" in p.stdout
+    _check_binding(p.stdout, "auto", backends=1)  # --bind auto is the default
+
+
+def _check_binding(stdout: str, bind: str, backends: int) -> None:
+    """Each backend's header of a 2-rank run lists rank r's CPUs as --bind `bind` pins them."""
+    cpus = sorted(os.sched_getaffinity(0))
+    got = re.findall(r"#\s+Rank\s+(\d+) Pid\s+\d+ on \S+ cpus (\S+)", stdout)
+    if bind == "auto" and len(cpus) >= 2:  # one CPU each, as mpirun binds 2 ranks to cores
+        want = [("0", str(cpus[0])), ("1", str(cpus[1]))]
+    else:
+        want = [(r, ",".join(map(str, cpus))) for r in ("0", "1")]
+    assert got == want * backends, (bind, stdout)
 
 
 def test_cpu_round_trip_probe():
@@ -148,30 +160,30 @@ def test_bench_registered_buffers(tmp_path):
     assert json.loads(out_json.read_text())["metadata"]["versions"]["buffers"] == "registered"
 
 
+_HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.fixture(scope="module")
+def compare_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, str]]:
+    """The --compare gloo run of each --interleave, once per module: {interleave: (process, plot
+    path)}. Interleave 0 also writes --plot (where matplotlib is installed), interleave 1 runs
+    with --bind none: test_bench_plot_flag_writes_the_plot and test_bench_binds_ranks_to_cpus
+    check those on the same runs."""
+    runs = {}
+    for interleave in ("0", "1"):
+        png = str(tmp_path_factory.mktemp("plot") / "busbw.png")
+        extra = ["--plot", png] if interleave == "0" and _HAVE_MATPLOTLIB else []
+        extra += ["--bind", "none"] if interleave == "1" else []
+        runs[interleave] = run_bench("--interleave", interleave, "--nproc", "2", "-b", "1K", "-e",
+                                     "4K", "-f", "4", "-n", "2", "-w", "1", "--trials", "1",
+                                     "--coll", "all_reduce,all_gather", "--compare", "gloo",
+                                     *extra), png  # fmt: skip
+    return runs
+
+
 @pytest.mark.parametrize("interleave", ["0", "1"])
-def test_bench_compare_gloo(interleave):
-    p = run_bench(
-        "--interleave",
-        interleave,
-        "--nproc",
-        "2",
-        "-b",
-        "1K",
-        "-e",
-        "4K",
-        "-f",
-        "4",
-        "-n",
-        "2",
-        "-w",
-        "1",
-        "--trials",
-        "1",
-        "--coll",
-        "all_reduce,all_gather",
-        "--compare",
-        "gloo",
-    )
+def test_bench_compare_gloo(interleave, compare_runs):
+    p = compare_runs[interleave][0]
     assert p.returncode == 0, p.stdout + p.stderr
     tables = parse_tables(p.stdout)
     for backend in ("pycoll", "gloo"):
@@ -375,18 +387,12 @@ def test_bench_binds_more_ranks_than_cpus_round_robin_under_mpirun():
     assert got == [(str(r), str(cpus[r % len(cpus)])) for r in range(n)], p.stdout
 
 
-@pytest.mark.parametrize("bind", ["auto", "none"])
-def test_bench_binds_ranks_to_cpus(bind):
-    cpus = sorted(os.sched_getaffinity(0))
-    p = run_bench("--bind", bind, "--nproc", "2", "-b", "1K", "-e", "1K", "-n", "2", "-w", "1",
-                  "--trials", "1", "--coll", "all_reduce")  # fmt: skip
+def test_bench_binds_ranks_to_cpus(compare_runs):
+    """--bind none leaves each rank every CPU (the --compare gloo run with --interleave 1; the
+    default, --bind auto, is checked on test_bench_all_collectives' run)."""
+    p = compare_runs["1"][0]
     assert p.returncode == 0, p.stdout + p.stderr
-    got = re.findall(r"#\s+Rank\s+(\d+) Pid\s+\d+ on \S+ cpus (\S+)", p.stdout)
-    if bind == "auto" and len(cpus) >= 2:  # one CPU each, as mpirun binds 2 ranks to cores
-        want = [("0", str(cpus[0])), ("1", str(cpus[1]))]
-    else:
-        want = [(r, ",".join(map(str, cpus))) for r in ("0", "1")]
-    assert got == want, p.stdout
+    _check_binding(p.stdout, "none", backends=2)
 
 
 def test_bench_bad_flags():
@@ -470,12 +476,12 @@ def test_plot_busbw_on_log_axes(tmp_path):
     assert (width, height) == (10 * 120, round(3.8 * 120))  # 2 panels of 5 x 3.8 in, 120 dpi
 
 
-def test_bench_plot_flag_writes_the_plot(tmp_path):
-    """`pycollectives-bench --plot FILE.png --compare gloo`: the run writes the PNG."""
+def test_bench_plot_flag_writes_the_plot(compare_runs):
+    """`pycollectives-bench --plot FILE.png --compare gloo`: the run writes the PNG (the
+    --interleave 0 run of compare_runs)."""
     pytest.importorskip("matplotlib", reason=_NO_MATPLOTLIB)
-    png = tmp_path / "busbw.png"
-    p = run_bench("--nproc", "2", "-b", "8", "-e", "64K", "-f", "32", "-n", "2", "-w", "1",
-                  "--trials", "1", "--compare", "gloo", "--plot", str(png))  # fmt: skip
+    p, png = compare_runs["0"]
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"# wrote plot to {png}" in p.stdout, p.stdout
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

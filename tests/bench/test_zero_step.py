@@ -68,9 +68,10 @@ def test_a_cell_past_its_timeout_is_reported_not_waited_for():
         assert got[zero_step.LABELS[cell]][0] == "not run: rank_isolated: no result after 0.5 s"
 
 
-def test_options():
+def test_options(capsys):
     """--preset h100's defaults (an explicit flag wins), the device's cells by default, and
-    the refusals: --device cuda without a GPU, fsdp2-nccl on the CPU in shared ranks."""
+    the refusals (main()'s parse(), in process; the two tests above run the script): --device
+    cuda without a GPU, fsdp2-nccl on the CPU in shared ranks."""
     a = zero_step.parse(["--preset", "h100", "--device", "cpu", "--isolate", "--batch", "4"])
     assert (a.device, a.batch, a.rounds, a.warmup, a.steps) == ("cpu", 4, 1, 2, 5)
     assert a.cell_timeout == 60
@@ -79,11 +80,15 @@ def test_options():
     assert a.device == "cpu" and a.cells == zero_step.CPU_CELLS.split(",")
     assert "fsdp2-nccl" not in a.cells
     assert zero_step.parse(["--cells", "zero3,fsdp"]).cells == ["zero3", "fsdp"]
-    p = run(*TINY, "--cells", "compute,fsdp2-nccl", timeout=60)
-    assert p.returncode == 2 and "needs --device cuda" in p.stderr, p.stderr
+    with pytest.raises(SystemExit) as e:
+        zero_step.parse([*TINY, "--cells", "compute,fsdp2-nccl"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "needs --device cuda" in err, err
     if not torch.cuda.is_available():
-        p = run(*TINY, "--device", "cuda", timeout=60)
-        assert p.returncode == 2 and "--device cuda: torch sees no CUDA device" in p.stderr
+        with pytest.raises(SystemExit) as e:
+            zero_step.parse([*TINY, "--device", "cuda"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--device cuda: torch sees no CUDA device" in err, err
 
 
 def test_verdicts_are_the_median_of_the_rounds_with_their_spread():

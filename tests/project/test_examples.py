@@ -107,10 +107,11 @@ def test_train_gpt_example_bad_input():
             assert f"--device cuda: rank {r}: torch sees no CUDA device" in p.stderr, p.stderr
 
 
-def test_train_gpt_plan_picks_its_layout_and_reports_beside_the_run():
+def test_train_gpt_plan_picks_its_layout_and_reports_beside_the_run(monkeypatch, capsys):
     """--plan 2: the planner picks a 2-rank layout this script accepts, the ranks train it,
     and rank 0 prints the prediction beside the measurement (the tensor storage within 5%:
-    strategies/plan/trainer.py). Refused: --plan 0, --plan under torchrun, nothing fits."""
+    strategies/plan/trainer.py). Refused (main() in process, before any rank starts): --plan 0,
+    nothing fits."""
     p = _train_gpt("--plan", "2", "--steps", "3")
     assert p.returncode == 0, p.stdout + p.stderr
     picked = re.search(r"picked dp(\d) tp(\d) pp(\d)", p.stdout)
@@ -119,10 +120,18 @@ def test_train_gpt_plan_picks_its_layout_and_reports_beside_the_run():
     got = re.search(r"tensor storage predicted [\d.]+ MiB, measured [\d.]+ MiB per rank \(x([\d.]+)\)", p.stdout)  # fmt: skip
     assert got and abs(float(got[1]) - 1) <= 0.05, p.stdout
     assert re.search(r"plan: predicted step [\d.]+ ms, measured [\d.]+ ms", p.stdout), p.stdout
-    p = _train_gpt("--plan", "0")
-    assert p.returncode == 2 and "--plan 0 must be >= 1" in p.stderr, p.stdout + p.stderr
-    p = _train_gpt("--plan", "2", "--batch", "3")  # 3 samples over dp x 4 micro-batches: none
-    assert p.returncode == 2 and "--plan 2: no layout fits" in p.stderr, p.stdout + p.stderr
+    from test_example_launcher import _load_train_gpt
+
+    module = _load_train_gpt()
+    monkeypatch.setattr(module, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.delenv("RANK", raising=False)
+    assert module.main(["--plan", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--plan 0 must be >= 1" in err, err
+    # 3 samples over dp x 4 micro-batches: none
+    assert module.main(["--plan", "2", "--batch", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--plan 2: no layout fits" in err, err
 
 
 def test_checkpoint_example_under_torchrun(tmp_path):
