@@ -120,6 +120,8 @@ def test_train_gpt_plan_picks_its_layout_and_reports_beside_the_run(monkeypatch,
     got = re.search(r"tensor storage predicted [\d.]+ MiB, measured [\d.]+ MiB per rank \(x([\d.]+)\)", p.stdout)  # fmt: skip
     assert got and abs(float(got[1]) - 1) <= 0.05, p.stdout
     assert re.search(r"plan: predicted step [\d.]+ ms, measured [\d.]+ ms", p.stdout), p.stdout
+    # the picked layout's line: the step and the parts the planner priced, compute first
+    assert re.search(r"predicted step [\d.]+ ms \(compute [\d.]+(, [a-z ]+ [\d.]+)*\)", p.stdout)
     from test_example_launcher import _load_train_gpt
 
     module = _load_train_gpt()
