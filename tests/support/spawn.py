@@ -13,9 +13,11 @@ replaced by the fixture.
 Ranks start from a fork server that imported torch once (`_CTX`): a rank
 costs a fork and the test module's import instead of a fresh interpreter
 importing torch (run(noop, 4) on 2 shared cores: 20 s with "spawn", 1 s).
-The server also imports pytest and pycollectives with the strategies the
-tests use (~0.45 s of CPU a rank, measured): importing them reads no
-PYCOLL_* setting (the library reads those on first use, in the rank).
+The server also imports torch._dynamo, which torch imports when a rank
+builds its first optimizer (~2 s of CPU a rank on the shared 2 cores, 800
+modules, sympy among them), and pytest and pycollectives with the strategies
+the tests use (~0.45 s more): importing them reads no PYCOLL_* setting (the
+library reads those on first use, in the rank) and starts no thread.
 Each rank takes the environment the test had when it started the rank, as a
 spawned process would (not the fork server's), then `env`; the preloaded
 torch read its own settings when the server started.
@@ -43,6 +45,7 @@ _CTX = mp.get_context(os.environ.get("PYCOLL_TEST_START_METHOD", "forkserver"))
 # skipped by the server, and imported by the rank as before).
 PRELOAD = [
     "torch",
+    "torch._dynamo",  # torch.optim.Optimizer.__init__ imports it
     "pytest",
     "pycollectives",
     "pycollectives.communicator",
