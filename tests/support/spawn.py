@@ -13,6 +13,11 @@ replaced by the fixture.
 Ranks start from a fork server that imported torch once (`_CTX`): a rank
 costs a fork and the test module's import instead of a fresh interpreter
 importing torch (run(noop, 4) on 2 shared cores: 20 s with "spawn", 1 s).
+The server also imports torch._dynamo, which torch imports when a rank
+builds its first optimizer (~2 s of CPU a rank on the shared 2 cores, 800
+modules, sympy among them), and pytest and pycollectives with the strategies
+the tests use (~0.45 s more): importing them reads no PYCOLL_* setting (the
+library reads those on first use, in the rank) and starts no thread.
 Each rank takes the environment the test had when it started the rank, as a
 spawned process would (not the fork server's), then `env`; the preloaded
 torch read its own settings when the server started.
@@ -34,10 +39,23 @@ from typing import Any
 # PYCOLL_TEST_START_METHOD=spawn starts every rank as a fresh interpreter (to
 # rule the fork server out when a rank misbehaves, or to time it against).
 _CTX = mp.get_context(os.environ.get("PYCOLL_TEST_START_METHOD", "forkserver"))
+# Modules only: pycollectives reads PYCOLL_* settings (PYCOLL_SIMD, fault
+# points, PYCOLL_ALGO) on first use, which must be the rank's environment, not
+# the server's; importing reads none (a module that fails to import here is
+# skipped by the server, and imported by the rank as before).
+PRELOAD = [
+    "torch",
+    "torch._dynamo",  # torch.optim.Optimizer.__init__ imports it
+    "pytest",
+    "pycollectives",
+    "pycollectives.communicator",
+    "pycollectives.rendezvous",
+    "pycollectives.strategies.models.gpt",
+    "pycollectives.strategies.data_parallel",
+    "pycollectives.strategies.parallel3d",
+]
 if _CTX.get_start_method() == "forkserver":
-    # Only torch: pycollectives reads PYCOLL_* settings (PYCOLL_SIMD, fault
-    # points) on first use, which must be the rank's environment, not the server's.
-    _CTX.set_forkserver_preload(["torch"])
+    _CTX.set_forkserver_preload(PRELOAD)
 
 
 def free_port() -> int:
