@@ -140,8 +140,41 @@ def _context() -> Any:
     return ctx
 
 
+class _Stdio:
+    """The launcher's stdout and stderr (fds 1 and 2) as they are when a rank starts, sent
+    with the rank (multiprocessing passes the fds): a rank forked by the server would write
+    where the server's went, its fds of when it started (a redirection made since, as
+    pytest's capture or a notebook's, would not see the rank's lines)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        from multiprocessing.reduction import DupFd
+
+        open_fds = [fd for fd in (1, 2) if _is_open(fd)]
+        return _Stdio._received, (tuple(open_fds), tuple(DupFd(fd) for fd in open_fds))
+
+    @staticmethod
+    def _received(fds: tuple[int, ...], dups: tuple[Any, ...]) -> list[tuple[int, int]]:
+        """In the rank: (fd, the launcher's file for it, received here) pairs."""
+        return [(fd, dup.detach()) for fd, dup in zip(fds, dups, strict=True)]
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def _rank_entry(target: Callable[..., int | None], args: Sequence[Any], rank: int, world: int,
-                port: int, prog: str, report: Any, env: dict[str, str]) -> None:  # fmt: skip
+                port: int, prog: str, report: Any, env: dict[str, str],
+                stdio: list[tuple[int, int]]) -> None:  # fmt: skip
+    for fd, got in stdio:  # the launcher's stdout and stderr of when it started this rank
+        if got != fd:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(got, fd)
+            os.close(got)
     os.environ.clear()  # the launcher's environment (env), not the fork server's
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -308,7 +341,7 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
         extra = {**os.environ, **env, **({REPLACES_ENV: str(r)} if replaces else {})}
         name = f"{prog} rank {r}" + (" (replacement)" if replaces else "")
         p = ctx.Process(target=_rank_entry, args=(target, args, r, nprocs, port, prog, send_end,
-                                                  extra), name=name)  # fmt: skip
+                                                  extra, _Stdio()), name=name)  # fmt: skip
         p.start()
         send_end.close()
         procs[r], reports[r] = p, recv_end
