@@ -40,6 +40,9 @@ INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 FENCED = "was fenced out of its communicator"
 STORE_ENV = "PYCOLL_LAUNCHER_STORE"  # "1": spawn() serves the store on MASTER_PORT
 REPLACES_ENV = "PYCOLL_REPLACES"  # the rank a replacement process replaces
+# What the ranks' fork server imports once (_context): torch, and torch._dynamo, which a
+# process's first optimizer imports (3-5 s of CPU on a 2-core machine).
+PRELOAD = ("torch", "torch._dynamo")
 
 
 def _say(line: str) -> None:
@@ -135,8 +138,7 @@ def _context() -> Any:
                          "expected forkserver or spawn")  # fmt: skip
     ctx = mp.get_context(method)
     if method == "forkserver":
-        # torch._dynamo too: a process's first optimizer imports it (3-5 s of CPU here).
-        ctx.set_forkserver_preload(["torch", "torch._dynamo"])
+        ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 

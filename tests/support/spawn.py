@@ -36,6 +36,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from pycollectives import launcher
+
 # PYCOLL_TEST_START_METHOD=spawn starts every rank as a fresh interpreter (to
 # rule the fork server out when a rank misbehaves, or to time it against).
 _CTX = mp.get_context(os.environ.get("PYCOLL_TEST_START_METHOD", "forkserver"))
@@ -44,8 +46,7 @@ _CTX = mp.get_context(os.environ.get("PYCOLL_TEST_START_METHOD", "forkserver"))
 # the server's; importing reads none (a module that fails to import here is
 # skipped by the server, and imported by the rank as before).
 PRELOAD = [
-    "torch",
-    "torch._dynamo",  # torch.optim.Optimizer.__init__ imports it
+    *launcher.PRELOAD,  # torch, and torch._dynamo (torch.optim.Optimizer.__init__ imports it)
     "pytest",
     "pycollectives",
     "pycollectives.communicator",
