@@ -154,6 +154,22 @@ def run_to_run(fit_rows: list[dict], check_rows: list[dict]) -> str:
     )
 
 
+def breakdown(out_rows: list[dict]) -> str:
+    """Within-20% counts of the check rows per rank count, and of those whose priced path
+    is (or is not) the one they took."""
+    groups: dict[str, list[float]] = {}
+    for o in out_rows:
+        ratio = o["predicted_us"] / o["measured_us"]
+        groups.setdefault(f"{o['ranks']} ranks", []).append(ratio)
+        same = "path priced = taken" if o["path_fit"] == o["path_check"] else "path differs"
+        groups.setdefault(same, []).append(ratio)
+    return "; ".join(
+        f"{k} {sum(abs(x - 1) <= 0.2 for x in v)}/{len(v)} within 20% (median "
+        f"{statistics.median(v):.2f} of measured)"
+        for k, v in sorted(groups.items())
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit-ranks", default="2,4")
@@ -236,10 +252,12 @@ def main() -> int:
         ratios,
     )
     repeat = run_to_run(fit_rows, check_rows)
+    parts = breakdown(out_rows)
     notes = [
         f"Result: {summary}.",
         f"The machine against itself: {repeat} (no model fitted to the one run can do better "
         "on those points of the other).",
+        f"By rows: {parts}.",
         f"A row's time: the {args.estimator} over its {args.trials} trials (pycollectives-bench "
         "trials_us; each trial the slowest rank's mean over its calls).",
         how,

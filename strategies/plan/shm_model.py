@@ -358,4 +358,5 @@ def fit_shm(
     # A cost the rows leave unresolved (no rows of it, or noise): a copy's, never free.
     pr, pk = pr or pc, pk or pc
     n_rows = len(inside) + len(past)
-    return ShmModel(alpha, pc, pr, pk, cont, per_traffic, cores, cache, source, n_rows)
+    what = f"{source}: shm, per algorithm, {n_rows} rows"
+    return ShmModel(alpha, pc, pr, pk, cont, per_traffic, cores, cache, what, n_rows)
