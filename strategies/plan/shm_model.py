@@ -60,6 +60,7 @@ __all__ = [
     "fit_shm",
     "last_level_cache_bytes",
     "share",
+    "slot_bytes",
     "traffic",
     "work",
 ]
@@ -68,6 +69,7 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 PATHS = ("slots", "oneshot", "cma")
 KIB, MIB = 1 << 10, 1 << 20
 CMA_CHUNK = 256 * KIB  # csrc/comm/dispatch.cc, cma_view: kChunk
+MAX_ONESHOT_RANKS = 64  # csrc/algo/algorithms.h: kMaxOneShotRanks
 
 
 @dataclass(frozen=True)
@@ -87,12 +89,19 @@ def _check(collective: str, n: int, size: float) -> None:
         raise PlanInputError(f"{collective}: n={n}, size={size}: need n >= 2 and size > 0")
 
 
-def work(collective: str, path: str, n: int, size: float, slot: int = 256 * KIB) -> Work:
+def slot_bytes(n: int) -> int:
+    """The slots' default size on `n` ranks (PYCOLL_SLOT_BYTES, docs/api.md): 256 KiB up to
+    4 ranks, 128 KiB up to 8, 64 KiB beyond."""
+    return 256 * KIB if n <= 4 else 128 * KIB if n <= 8 else 64 * KIB
+
+
+def work(collective: str, path: str, n: int, size: float, slot: int | None = None) -> Work:
     """What one rank of `n` does in `collective` on a `size`-byte full buffer over `path`
-    (the module docstring's table). Raises PlanInputError for an unknown collective or path,
-    n < 2 or size <= 0."""
+    (the module docstring's table), with slots of `slot` bytes (default slot_bytes(n)).
+    Raises PlanInputError for an unknown collective or path, n < 2 or size <= 0."""
     _check(collective, n, size)
     b = size / n
+    slot = slot or slot_bytes(n)
     if path == "slots":
         if collective == "all_reduce":
             return Work(size, (n - 1) * b, 0.0, 2 * (n - 1) * math.ceil(b / slot))
@@ -146,11 +155,12 @@ def cma_band(collective: str, n: int, size: float) -> bool:
 
 def code_paths(collective: str, n: int, size: float, oneshot_bytes: int = 32 * KIB) -> list[str]:
     """The paths the communicator may take for `collective` (csrc/comm/collectives.cc, no
-    windows): one-shot where it fits (an all-gather: unless single copy won), single copy
-    inside its band where the tuner measures it faster, else the slots."""
+    windows): one-shot where it fits (up to 64 ranks; an all-gather: unless single copy
+    won), single copy inside its band where the tuner measures it faster, else the slots.
+    Raises PlanInputError as work() does."""
     _check(collective, n, size)
     fits = {"all_reduce": size, "reduce_scatter": size, "all_gather": size / n}[collective]
-    small = fits <= oneshot_bytes
+    small = fits <= oneshot_bytes and n <= MAX_ONESHOT_RANKS
     if small and collective != "all_gather":
         return ["oneshot"]
     paths = ["cma"] if cma_band(collective, n, size) else []

@@ -16,6 +16,7 @@ from pycollectives.strategies.plan.shm_model import (
     code_paths,
     fit_shm,
     share,
+    slot_bytes,
     traffic,
     work,
 )
@@ -36,6 +37,14 @@ def test_ring_work_per_rank(n):
     assert ar.handoffs == rs.handoffs + ag.handoffs
     # a partial slot is a handoff of its own
     assert work("all_gather", "slots", n, n * (MIB + 1)).handoffs == (n - 1) * 5
+
+
+def test_slots_shrink_with_the_ranks():
+    assert [slot_bytes(n) for n in (2, 4, 5, 8, 9, 4096)] == [256 * KIB] * 2 + [128 * KIB] * 2 + [64 * KIB] * 2  # fmt: skip
+    assert (
+        work("reduce_scatter", "slots", 8, 8 * MIB).handoffs == 7 * 8
+    )  # 1 MiB blocks, 128 KiB slots
+    assert work("reduce_scatter", "slots", 8, 8 * MIB, slot=MIB).handoffs == 7
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -88,6 +97,8 @@ def test_the_paths_the_code_may_take():
     assert code_paths("reduce_scatter", 4, 8 * MIB) == ["slots"]
     assert code_paths("reduce_scatter", 3, 64 * MIB) == ["cma", "slots"]
     assert not cma_band("all_reduce", 8, MIB)
+    assert code_paths("all_reduce", 64, 16 * KIB) == ["oneshot"]
+    assert code_paths("all_reduce", 65, 16 * KIB) == ["slots"]
 
 
 def test_the_recorded_paths_are_among_those_priced():
