@@ -3,6 +3,7 @@
     python benchmarks/plan/plan_costs.py              # fit 2 and 4 ranks, check 2, 3, 4
     python benchmarks/plan/plan_costs.py --no-write
     python benchmarks/plan/plan_costs.py --replay docs/data/plan_costs-DATE.json  # price a recorded run again
+    python benchmarks/plan/plan_costs.py --replay docs/data/plan_costs-DATE.json --in-run --model paths
 
 Two `pycollectives-bench --json` runs of all_reduce, reduce_scatter and all_gather: a fit
 run (--fit-ranks, 64 KiB to 16 MiB x4 apart) and, after it, a check run (--check-ranks,
@@ -192,28 +193,48 @@ def main() -> int:
         default="algorithms",
         help="algorithms: shm_model.py (default); paths: the per-path alpha/beta of fitted.py",
     )
+    ap.add_argument(
+        "--in-run",
+        action="store_true",
+        help="with --replay: fit the check run's rows at --fit-ranks and the fit run's sizes, "
+        "check its other rows (no drift between runs; also for a JSON without raw rows); "
+        "writes nothing",
+    )
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    if args.in_run and not args.replay:
+        ap.error("--in-run: only with --replay")
+    args.no_write = args.no_write or args.in_run  # an analysis of a record: nothing written
     load0, t0 = os.getloadavg(), time.perf_counter()
     cores = os.cpu_count() or 1
     cache = last_level_cache_bytes()
     date = datetime.date.today().isoformat()
     if args.replay:
         old = json.loads(Path(args.replay).read_text())
-        if "raw" not in old:
-            ap.error(f"--replay {args.replay}: no raw rows (recorded before 2026-12-07 04:50)")
-        fit_rows, check_rows, cores, date = (
-            old["raw"]["fit"],
-            old["raw"]["check"],
-            old["cores"],
-            old["date"],
-        )
-        load0, load1 = old["load_start"], old["load_end"]
+        if "raw" not in old and not args.in_run:
+            ap.error(f"--replay {args.replay}: no raw rows (recorded before 2026-12-07 04:50; "
+                     "--in-run prices its check rows)")  # fmt: skip
+        if "raw" in old:
+            fit_rows, check_rows = old["raw"]["fit"], old["raw"]["check"]
+        else:  # the check rows as the table recorded them
+            fit_rows, check_rows = [], [
+                {"backend": "pycoll", "collective": r["collective"], "nranks": r["nranks"],
+                 "size": r["size"], "time_us": r["measured_us"], "paths": {r["path_check"]: 1}}
+                for r in old["rows"]
+            ]  # fmt: skip
+        cores = old.get("cores") or int(old["machine"].rsplit(", ", 1)[1].split()[0])
+        date, load0, load1 = old["date"], old["load_start"], old["load_end"]
         cache = old.get("cache_bytes", cache)
     else:
         fit_rows = _sweep(args.fit_ranks, "4", args.trials, args.estimator)
         check_rows = _sweep(args.check_ranks, "2", args.trials, args.estimator)
         load1 = os.getloadavg()
+    repeat = run_to_run(fit_rows, check_rows)  # the two runs as recorded
+    if args.in_run:  # the check run alone: the fit's ranks at the fit's sizes against the rest
+        ranks = {int(x) for x in args.fit_ranks.split(",")}
+        at = {64 << 10 << 2 * k for k in range(5)}  # 64 KiB to 16 MiB x4 apart, the fit run's
+        fit_rows = [r for r in check_rows if r["nranks"] in ranks and r["size"] in at]
+        check_rows = [r for r in check_rows if r not in fit_rows]
     seen = {(r["collective"], ranks_of(r), r["size"]) for r in fit_rows}
     if args.model == "paths":
         model = fit_model(fit_rows, "shm", source="fit run", cores=cores)
@@ -251,7 +272,6 @@ def main() -> int:
         f"{args.check_ranks}",
         ratios,
     )
-    repeat = run_to_run(fit_rows, check_rows)
     parts = breakdown(out_rows)
     notes = [
         f"Result: {summary}.",
@@ -271,6 +291,9 @@ def main() -> int:
             "on 2 cores ranks are descheduled mid-collective, and a size's median moves by "
             "more than 20% between the two runs; a quiet rerun is needed to judge the target."
         )
+    if args.in_run:
+        notes.insert(1, "Split within the check run (--in-run): fitted to its rows at "
+                     f"{args.fit_ranks} ranks and 64 KiB to 16 MiB x4 apart, checked on the rest.")  # fmt: skip
     if not args.no_write:
         DATA.mkdir(exist_ok=True)
         (DATA / f"plan_costs-{date}.json").write_text(json.dumps({
