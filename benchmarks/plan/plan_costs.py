@@ -3,16 +3,20 @@
     python benchmarks/plan/plan_costs.py              # fit 2 and 4 ranks, check 2, 3, 4
     python benchmarks/plan/plan_costs.py --no-write
     python benchmarks/plan/plan_costs.py --replay docs/data/plan_costs-DATE.json  # price a recorded run again
+    python benchmarks/plan/plan_costs.py --replay docs/data/plan_costs-DATE.json --in-run --model paths
 
 Two `pycollectives-bench --json` runs of all_reduce, reduce_scatter and all_gather: a fit
 run (--fit-ranks, 64 KiB to 16 MiB x4 apart) and, after it, a check run (--check-ranks,
 64 KiB to 16 MiB x2 apart), each row's time the least of its trials by default (the
-machine is shared: other processes only add time). The planner's model (strategies/plan/fitted.py: alpha and beta
-of the ring formulas per collective, path taken and cache regime, the path of the nearest
-measured point) is fitted to the first and predicts every row of the second, which holds
-sizes (128 KiB, 512 KiB, 2 MiB, 8 MiB) and a rank count (3) the fit never saw. Ranks
-beyond the machine's cores time-share them: the fit divides each row by its share of the
-cores (costs.core_share) and the predictions multiply it back. Target:
+machine is shared: other processes only add time). The planner's model
+(strategies/plan/shm_model.py: per algorithm the bytes each rank copies, reduces and has
+the kernel copy and its handoffs, the cores' share when ranks outnumber them, the memory's
+bandwidth past the last-level cache, the path the code would take) is fitted to the first
+and predicts every row of the second, which holds sizes (128 KiB, 512 KiB, 2 MiB, 8 MiB)
+and a rank count (3) the fit never saw. `--model paths` prices with the previous model
+(strategies/plan/fitted.py: alpha and beta of the ring formulas per collective, path taken
+and cache regime) for comparison. The points both runs measured say how far the machine
+itself repeats (run to run). Target:
 within 20% from 64 KiB up. Writes its section of docs/benchmarks.md (between
 <!-- plan_costs:begin --> and <!-- plan_costs:end -->) and docs/data/plan_costs-DATE.json.
 """
@@ -34,6 +38,11 @@ from _doc import cpu_model, emit_section, run_bench, size_label  # noqa: E402
 
 from pycollectives.strategies.plan.costs import core_share  # noqa: E402
 from pycollectives.strategies.plan.fitted import CostModel, fit_model, row_path  # noqa: E402
+from pycollectives.strategies.plan.shm_model import (  # noqa: E402
+    ShmModel,
+    fit_shm,
+    last_level_cache_bytes,
+)
 
 BEGIN, END = "<!-- plan_costs:begin -->", "<!-- plan_costs:end -->"
 COLLS = "all_reduce,reduce_scatter,all_gather"
@@ -73,7 +82,7 @@ def check_table(
     predict(row) -> (predicted seconds, the path priced). Returns (table lines, JSON rows,
     (ratio, held out) per row)."""
     table = [
-        "| collective | N | size | path (fit / check) | measured us | predicted us | "
+        "| collective | N | size | path (priced / taken) | measured us | predicted us | "
         "predicted / measured | held out |",
         "|---|---:|---:|---|---:|---:|---:|---|",
     ]
@@ -120,6 +129,48 @@ def fitted_table(model: CostModel) -> list[str]:
     ]
 
 
+def constants_table(model: ShmModel) -> list[str]:
+    """One line per fitted constant of `model`."""
+    return ["| constant | value | unit |", "|---|---:|---|"] + [
+        f"| {d['constant']} | {d['value']:.3g} | {d['unit']} |" for d in model.describe()
+    ]
+
+
+def run_to_run(fit_rows: list[dict], check_rows: list[dict]) -> str:
+    """How far the check run repeats the fit run at the points both measured: the ceiling
+    of any model fitted to the one and checked on the other."""
+    first = {(r["collective"], ranks_of(r), r["size"]): r["time_us"] for r in fit_rows}
+    ratios = [
+        r["time_us"] / first[k]
+        for r in check_rows
+        if (k := (r["collective"], ranks_of(r), r["size"])) in first
+    ]
+    if not ratios:
+        return "no point measured by both runs"
+    within = sum(abs(x - 1) <= 0.2 for x in ratios)
+    med = statistics.median(abs(x - 1) for x in ratios)
+    return (
+        f"{within}/{len(ratios)} points measured by both runs within 20% of each other "
+        f"(check / fit), median |difference| {med:.0%}"
+    )
+
+
+def breakdown(out_rows: list[dict]) -> str:
+    """Within-20% counts of the check rows per rank count, and of those whose priced path
+    is (or is not) the one they took."""
+    groups: dict[str, list[float]] = {}
+    for o in out_rows:
+        ratio = o["predicted_us"] / o["measured_us"]
+        groups.setdefault(f"{o['ranks']} ranks", []).append(ratio)
+        same = "path priced = taken" if o["path_fit"] == o["path_check"] else "path differs"
+        groups.setdefault(same, []).append(ratio)
+    return "; ".join(
+        f"{k} {sum(abs(x - 1) <= 0.2 for x in v)}/{len(v)} within 20% (median "
+        f"{statistics.median(v):.2f} of measured)"
+        for k, v in sorted(groups.items())
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit-ranks", default="2,4")
@@ -136,45 +187,100 @@ def main() -> int:
         metavar="JSON",
         help="price the rows recorded in this plan_costs JSON again instead of measuring",
     )
+    ap.add_argument(
+        "--model",
+        choices=("algorithms", "paths"),
+        default="algorithms",
+        help="algorithms: shm_model.py (default); paths: the per-path alpha/beta of fitted.py",
+    )
+    ap.add_argument(
+        "--in-run",
+        action="store_true",
+        help="with --replay: fit the check run's rows at --fit-ranks and the fit run's sizes, "
+        "check its other rows (no drift between runs; also for a JSON without raw rows); "
+        "writes nothing",
+    )
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    if args.in_run and not args.replay:
+        ap.error("--in-run: only with --replay")
+    args.no_write = args.no_write or args.in_run  # an analysis of a record: nothing written
     load0, t0 = os.getloadavg(), time.perf_counter()
     cores = os.cpu_count() or 1
+    cache = last_level_cache_bytes()
     date = datetime.date.today().isoformat()
     if args.replay:
         old = json.loads(Path(args.replay).read_text())
-        if "raw" not in old:
-            ap.error(f"--replay {args.replay}: no raw rows (recorded before 2026-12-07 04:50)")
-        fit_rows, check_rows, cores, date = (
-            old["raw"]["fit"],
-            old["raw"]["check"],
-            old["cores"],
-            old["date"],
-        )
-        load0, load1 = old["load_start"], old["load_end"]
+        if "raw" not in old and not args.in_run:
+            ap.error(f"--replay {args.replay}: no raw rows (recorded before 2026-12-07 04:50; "
+                     "--in-run prices its check rows)")  # fmt: skip
+        if "raw" in old:
+            fit_rows, check_rows = old["raw"]["fit"], old["raw"]["check"]
+        else:  # the check rows as the table recorded them
+            fit_rows, check_rows = [], [
+                {"backend": "pycoll", "collective": r["collective"], "nranks": r["nranks"],
+                 "size": r["size"], "time_us": r["measured_us"], "paths": {r["path_check"]: 1}}
+                for r in old["rows"]
+            ]  # fmt: skip
+        cores = old.get("cores") or int(old["machine"].rsplit(", ", 1)[1].split()[0])
+        date, load0, load1 = old["date"], old["load_start"], old["load_end"]
+        cache = old.get("cache_bytes", cache)
     else:
         fit_rows = _sweep(args.fit_ranks, "4", args.trials, args.estimator)
         check_rows = _sweep(args.check_ranks, "2", args.trials, args.estimator)
         load1 = os.getloadavg()
-    model = fit_model(fit_rows, "shm", source="fit run", cores=cores)
+    repeat = run_to_run(fit_rows, check_rows)  # the two runs as recorded
+    if args.in_run:  # the check run alone: the fit's ranks at the fit's sizes against the rest
+        ranks = {int(x) for x in args.fit_ranks.split(",")}
+        at = {64 << 10 << 2 * k for k in range(5)}  # 64 KiB to 16 MiB x4 apart, the fit run's
+        fit_rows = [r for r in check_rows if r["nranks"] in ranks and r["size"] in at]
+        check_rows = [r for r in check_rows if r not in fit_rows]
     seen = {(r["collective"], ranks_of(r), r["size"]) for r in fit_rows}
+    if args.model == "paths":
+        model = fit_model(fit_rows, "shm", source="fit run", cores=cores)
 
-    def predict(r: dict) -> tuple[float, str]:
-        coll, n, size = r["collective"], r["nranks"], r["size"]
-        return model.time(coll, n, size) * core_share(n, cores), model.path(coll, n, size)
+        def predict(r: dict) -> tuple[float, str]:
+            coll, n, size = r["collective"], r["nranks"], r["size"]
+            return model.time(coll, n, size) * core_share(n, cores), model.path(coll, n, size)
 
+        fitted = fitted_table(model)
+        described = model.describe()
+        how = (
+            f"Cache regime boundary: {model.cache_bytes >> 10} KiB (the L2 per core). {cores} "
+            f"cores: a row of N ranks is priced at max(1, N / {cores}) times the fit's per-core "
+            "costs (costs.core_share)."
+        )
+    else:
+        shm = fit_shm(fit_rows, cores, cache, source="fit run")
+
+        def predict(r: dict) -> tuple[float, str]:
+            coll, n, size = r["collective"], r["nranks"], r["size"]
+            return shm.time(coll, n, size), shm.path(coll, n, size)
+
+        fitted = constants_table(shm)
+        described = shm.describe()
+        how = (
+            f"Model: per algorithm the bytes each rank copies, reduces and has the kernel copy "
+            f"and its handoffs (shm_model.work), on {cores} cores (N ranks past them: N / "
+            f"{cores} time-sharing times the fitted contention per rank past the cores), "
+            f"past the {cache >> 20} MiB last-level cache the memory's bandwidth if slower; where the "
+            "code may take single copy or the slots (its tuner times both), the faster."
+        )
     table, out_rows, ratios = check_table(check_rows, predict, seen)
     summary = summarize(
-        f"shared memory, fit {args.fit_ranks} ranks / check {args.check_ranks}", ratios
+        f"shared memory ({args.model} model), fit {args.fit_ranks} ranks / check "
+        f"{args.check_ranks}",
+        ratios,
     )
-    fitted = fitted_table(model)
+    parts = breakdown(out_rows)
     notes = [
         f"Result: {summary}.",
+        f"The machine against itself: {repeat} (no model fitted to the one run can do better "
+        "on those points of the other).",
+        f"By rows: {parts}.",
         f"A row's time: the {args.estimator} over its {args.trials} trials (pycollectives-bench "
         "trials_us; each trial the slowest rank's mean over its calls).",
-        f"Cache regime boundary: {model.cache_bytes >> 10} KiB (the L2 per core). "
-        f"{cores} cores: a row of N ranks is priced at max(1, N / {cores}) times the fit's "
-        "per-core costs (costs.core_share).",
+        how,
         f"Load average at start {', '.join(f'{x:.2f}' for x in load0)}, at end "
         f"{', '.join(f'{x:.2f}' for x in load1)}; {time.perf_counter() - t0:.0f} s in all"
         + (f" (priced again with --replay {args.replay})." if args.replay else "."),
@@ -185,12 +291,15 @@ def main() -> int:
             "on 2 cores ranks are descheduled mid-collective, and a size's median moves by "
             "more than 20% between the two runs; a quiet rerun is needed to judge the target."
         )
+    if args.in_run:
+        notes.insert(1, "Split within the check run (--in-run): fitted to its rows at "
+                     f"{args.fit_ranks} ranks and 64 KiB to 16 MiB x4 apart, checked on the rest.")  # fmt: skip
     if not args.no_write:
         DATA.mkdir(exist_ok=True)
         (DATA / f"plan_costs-{date}.json").write_text(json.dumps({
             "summary": summary, "command": "python benchmarks/plan/plan_costs.py " + " ".join(sys.argv[1:]),
             "machine": f"{cpu_model()}, {os.cpu_count()} cores", "date": date,
-            "load_start": load0, "load_end": load1, "cores": cores, "fitted": model.describe(),
+            "load_start": load0, "load_end": load1, "cores": cores, "cache_bytes": cache, "model": args.model, "fitted": described,
             "rows": out_rows, "raw": {"fit": fit_rows, "check": check_rows},
         }, indent=1) + "\n")  # fmt: skip
     argv = " ".join(sys.argv[1:])

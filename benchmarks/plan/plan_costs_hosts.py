@@ -10,10 +10,12 @@ all_gather, each row's time the least of its trials by default (the machine is s
 other processes only add time), the trials of --rounds rounds, each of which runs every
 fit and check once in turn. Fit runs, 64 KiB to --max x4 apart:
 
-- TCP: 2 hosts x 1 rank, fitted as plan_costs.py fits shared memory (strategies/plan/
-  fitted.py: alpha and beta of the ring formulas per collective, path and cache regime);
+- TCP: 2 hosts x 1 rank (strategies/plan/fitted.py: alpha and beta of the ring formulas
+  per collective, path and cache regime);
 - shared memory: 2 ranks on one host under PYCOLL_ALGO=ring, the rings over the shared
-  slots that the hierarchical schedules run within a host (costs.INTRA_PATH).
+  slots that the hierarchical schedules run within a host (costs.INTRA_PATH), fitted as
+  plan_costs.py fits shared memory (strategies/plan/shm_model.py: the bytes each rank
+  copies and reduces, its handoffs, the memory's bandwidth past the last-level cache).
 
 Check runs, 64 KiB to --max x2 apart: 2 hosts x 1 rank (sizes the fit never saw between
 its own), 2 hosts x 2 ranks as the code chooses (PYCOLL_ALGO default: hierarchical,
@@ -44,7 +46,15 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))
 import netns  # noqa: E402
 from _bench_hosts import run_bench_hosts  # noqa: E402
 from _doc import cpu_model, emit_section, size_label  # noqa: E402
-from plan_costs import DATA, check_table, fitted_table, least_of_trials, ranks_of, summarize  # noqa: E402
+from plan_costs import (  # noqa: E402
+    DATA,
+    check_table,
+    constants_table,
+    fitted_table,
+    least_of_trials,
+    ranks_of,
+    summarize,
+)
 
 from pycollectives.strategies.plan.costs import (  # noqa: E402
     core_share,
@@ -53,6 +63,7 @@ from pycollectives.strategies.plan.costs import (  # noqa: E402
     ring_vs_hierarchical,
 )
 from pycollectives.strategies.plan.fitted import fit_model  # noqa: E402
+from pycollectives.strategies.plan.shm_model import fit_shm  # noqa: E402
 
 BEGIN, END = "<!-- plan_costs_hosts:begin -->", "<!-- plan_costs_hosts:end -->"
 COLLS = "all_reduce,reduce_scatter,all_gather"
@@ -155,7 +166,7 @@ def main() -> int:
     tcp_rows, shm_rows, check = raw["tcp_fit"], raw["shm_fit"], raw["check"]
     # Every "host" is a namespace of this one machine: a run's ranks share its cores.
     tcp = fit_model(tcp_rows, "tcp", source="TCP fit run", cores=cores)
-    shm = fit_model(shm_rows, "shm", source="shared-memory fit run", cores=cores)
+    shm = fit_shm(shm_rows, cores, old.get("cache_bytes") if args.replay else None, source="shm")
     seen = {(r["collective"], ranks_of(r), r["size"]) for r in tcp_rows}
 
     def predict(r: dict) -> tuple[float, str]:
@@ -214,7 +225,8 @@ def main() -> int:
         f"{settings['iters']} calls in each of {settings['rounds']} rounds (a round runs each "
         "fit and check once, in turn) "
         "(pycollectives-bench trials_us; each trial the slowest rank's mean over its calls).",
-        f"Cache regime boundary: {tcp.cache_bytes >> 10} KiB (the L2 per core).",
+        f"Cache regime boundary of the TCP fit: {tcp.cache_bytes >> 10} KiB (the L2 per core); "
+        f"of the shared-memory fit: {shm.cache_bytes >> 20} MiB (the last-level cache).",
         "Load average (1/5/15 min) before and after each run: "
         + "; ".join(f"{r['run']}: {r['load_before']} -> {r['load_after']}" for r in runs)
         + f"; {t_all:.0f} s of runs."
@@ -244,13 +256,13 @@ def main() -> int:
                                         "rows": tcp_rows}, indent=1) + "\n")  # fmt: skip
         (DATA / f"plan_costs_hosts-{date}.json").write_text(json.dumps({
             "summary": summaries, "ring_vs_hierarchical_agree": [agree, total], "command": cmd,
-            "machine": f"{cpu_model()}, {cores} cores", "cores": cores, "date": date, "runs": runs,
+            "machine": f"{cpu_model()}, {cores} cores", "cores": cores, "cache_bytes": shm.cache_bytes, "date": date, "runs": runs,
             "fitted": {"tcp": tcp.describe(), "shm": shm.describe()}, "rows": out_rows,
             "at_scale": at_scale, "settings": settings, "raw": raw,
         }, indent=1) + "\n")  # fmt: skip
     tables = [
         "Fitted, TCP (2 hosts x 1 rank):", "", *fitted_table(tcp), "",
-        "Fitted, shared memory within a host (2 ranks, PYCOLL_ALGO=ring):", "", *fitted_table(shm), "",
+        "Fitted, shared memory within a host (2 ranks, PYCOLL_ALGO=ring):", "", *constants_table(shm), "",
         "Check runs against the fit (N: hosts x ranks per host):", "", *table, "",
         "Ring (PYCOLL_ALGO=ring) against hierarchical (the default) at 2 x 2, time ratios:", "", *choice, "",
         "The fitted figures at scale: predicted flat ring / hierarchical all-reduce time "

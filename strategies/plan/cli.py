@@ -29,6 +29,7 @@ from .costs import LinkCost, load_bench_json, ring_vs_hierarchical
 from .fitted import CostModel, fit_model
 from .inputs import Request, parse_request
 from .layout import Layout, Priced, Rejected, price
+from .shm_model import ShmModel, fit_shm
 from .units import PlanInputError
 
 __all__ = ["main", "plan"]
@@ -36,7 +37,7 @@ __all__ = ["main", "plan"]
 
 def _links(
     req: Request, bench: str | None, inter_bench: str | None = None
-) -> dict[str, LinkCost | CostModel]:
+) -> dict[str, LinkCost | CostModel | ShmModel]:
     """The given links, the intra-host one fitted to `bench` and the inter-host one to
     `inter_bench` (pycollectives-bench --json runs) where given."""
     c = req.cluster
@@ -45,14 +46,14 @@ def _links(
         "inter": LinkCost(c.inter.latency, 1 / c.inter.bandwidth, f"given {c.inter.text}"),
     }
     if bench:
-        links["intra"] = fit_model(load_bench_json(bench), "shm", source=bench)
+        links["intra"] = fit_shm(load_bench_json(bench), None, source=bench)
     if inter_bench:
         links["inter"] = fit_model(load_bench_json(inter_bench), "tcp", source=inter_bench)
     return links
 
 
 def plan(
-    req: Request, links: dict[str, LinkCost | CostModel]
+    req: Request, links: dict[str, LinkCost | CostModel | ShmModel]
 ) -> tuple[list[Priced], list[Rejected]]:
     """Every allowed layout of req priced: (those that fit, fastest first; the rejected)."""
     a, n = req.allowed, req.cluster.devices
@@ -88,7 +89,7 @@ def _row(p: Priced) -> str:
 
 def report(
     req: Request,
-    links: dict[str, LinkCost | CostModel],
+    links: dict[str, LinkCost | CostModel | ShmModel],
     fits: list[Priced],
     rejected: list[Rejected],
     top: int,
@@ -134,7 +135,10 @@ def report(
     return "\n".join(lines)
 
 
-def _link_json(link: LinkCost | CostModel) -> dict[str, Any]:
+def _link_json(link: LinkCost | CostModel | ShmModel) -> dict[str, Any]:
+    if isinstance(link, ShmModel):
+        return {"transport": link.transport, "cache_bytes": link.cache_bytes, "alpha": link.alpha,
+                "beta": link.beta, "source": link.source, "fitted": link.describe()}  # fmt: skip
     if isinstance(link, CostModel):
         return {"transport": link.transport, "cache_bytes": link.cache_bytes,
                 **link.overall.__dict__, "fitted": link.describe()}  # fmt: skip
@@ -143,7 +147,7 @@ def _link_json(link: LinkCost | CostModel) -> dict[str, Any]:
 
 def as_json(
     req: Request,
-    links: dict[str, LinkCost | CostModel],
+    links: dict[str, LinkCost | CostModel | ShmModel],
     fits: list[Priced],
     rejected: list[Rejected],
 ) -> dict[str, Any]:

@@ -20,9 +20,10 @@ import torch
 from pycollectives import ReduceOp
 
 from .costs import LinkCost, load_bench_json
-from .fitted import CostModel, _solve, fit_model
+from .fitted import CostModel, _solve
 from .inputs import ModelSpec, Request, parse_request
 from .layout import Layout, Priced
+from .shm_model import ShmModel, fit_shm
 from .units import PlanInputError
 
 __all__ = [
@@ -306,7 +307,7 @@ def available_memory() -> int:
 def local_request(
     model: dict[str, int], global_batch: int, ranks: int, microbatches: int,
     bench_json: str | None = None, collective: tuple[float, float] | None = None,
-) -> tuple[Request, dict[str, LinkCost | CostModel], list[str]]:  # fmt: skip
+) -> tuple[Request, dict[str, LinkCost | CostModel | ShmModel], list[str]]:  # fmt: skip
     """The planner's request for `ranks` local ranks training `model` (layers, hidden,
     heads, vocab, seq), fp32 without recomputation, any dp x tp x pp, ZeRO 0-3 or FSDP,
     every schedule, `microbatches` per step; its links; and lines saying what was
@@ -350,14 +351,14 @@ def local_request(
         "recompute": ["none"], "dtype": "fp32",
     })  # fmt: skip
     c = req.cluster
-    links: dict[str, LinkCost | CostModel] = {
+    links: dict[str, LinkCost | CostModel | ShmModel] = {
         "intra": LinkCost(
             c.intra.latency, 1 / c.intra.bandwidth, f"copy {copy / 1e9:.1f} GB/s / 2"
         ),
         "inter": LinkCost(c.inter.latency, 1 / c.inter.bandwidth, "one host: unused"),
     }
     if bench_json:
-        links["intra"] = fit_model(load_bench_json(bench_json), "shm", source=bench_json)
+        links["intra"] = fit_shm(load_bench_json(bench_json), None, source=bench_json)
     worst = max(abs((call + f / flops) / t - 1) for f, t in samples)
     said = [
         f"{ranks} ranks on {cores} cores: a core {flops / 1e9:.2f} GFLOP/s fp32 and "

@@ -130,9 +130,9 @@ def test_cli_prices_with_the_fitted_model(tmp_path, capsys):
     out_json = tmp_path / "plan.json"
     assert main([*argv, "--bench-json", str(path), "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
-    assert "per path and regime" in out, out
+    assert "shm, per algorithm" in out, out  # --bench-json: shm_model.fit_shm
     intra = json.loads(out_json.read_text())["links"]["intra"]
-    assert intra["transport"] == "shm" and {"path", "regime"} <= set(intra["fitted"][0])
+    assert intra["transport"] == "shm" and {"constant", "value"} <= set(intra["fitted"][0])
     req = parse_request(json.loads(json.dumps({"layers": 4, "hidden": 64, "heads": 4,
         "vocab": 256, "seq": 32, "global_batch": 8, "hosts": 1, "devices_per_host": 4,
         "memory_per_device": "1GB", "intra_host": "10GB/s,1us", "inter_host": "1GB/s,10us",

@@ -1,0 +1,160 @@
+"""The shared-memory cost model from what each algorithm does (strategies/plan/shm_model.py):
+its per-rank work on small-integer sizes, the cores' share, the paths the code may take, and
+a fit that recovers known constants from rows it generated."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pycollectives.strategies.plan.inputs import PlanInputError
+from pycollectives.strategies.plan.shm_model import (
+    ShmModel,
+    cma_band,
+    code_paths,
+    fit_shm,
+    share,
+    slot_bytes,
+    traffic,
+    work,
+)
+
+KIB, MIB = 1 << 10, 1 << 20
+DATA = Path(__file__).resolve().parents[3] / "docs" / "data"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_work_per_rank(n):
+    s = n * MIB  # B = 1 MiB: 4 slots of 256 KiB
+    ar, rs, ag = (work(c, "slots", n, s) for c in ("all_reduce", "reduce_scatter", "all_gather"))
+    assert (ar.copy, ar.reduce, ar.kernel, ar.handoffs) == (s, (n - 1) * MIB, 0, 2 * (n - 1) * 4)
+    assert (rs.copy, rs.reduce, rs.kernel, rs.handoffs) == (MIB, (n - 1) * MIB, 0, (n - 1) * 4)
+    assert (ag.copy, ag.reduce, ag.kernel, ag.handoffs) == (s, 0, 0, (n - 1) * 4)
+    # the all-reduce is the reduce-scatter then the all-gather of its result
+    assert ar.copy == rs.copy + ag.copy - MIB and ar.reduce == rs.reduce
+    assert ar.handoffs == rs.handoffs + ag.handoffs
+    # a partial slot is a handoff of its own
+    assert work("all_gather", "slots", n, n * (MIB + 1)).handoffs == (n - 1) * 5
+
+
+def test_slots_shrink_with_the_ranks():
+    assert [slot_bytes(n) for n in (2, 4, 5, 8, 9, 4096)] == [256 * KIB] * 2 + [128 * KIB] * 2 + [64 * KIB] * 2  # fmt: skip
+    assert (
+        work("reduce_scatter", "slots", 8, 8 * MIB).handoffs == 7 * 8
+    )  # 1 MiB blocks, 128 KiB slots
+    assert work("reduce_scatter", "slots", 8, 8 * MIB, slot=MIB).handoffs == 7
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_oneshot_and_single_copy_work_per_rank(n):
+    s = n * 8 * KIB
+    w = work("all_reduce", "oneshot", n, s)
+    assert (w.copy, w.reduce, w.handoffs) == (s, (n - 1) * s, 1)
+    w = work("reduce_scatter", "oneshot", n, s)
+    assert (w.copy, w.reduce, w.handoffs) == (s, (n - 1) * 8 * KIB, 1)
+    w = work("all_gather", "oneshot", n, s)
+    assert (w.copy, w.reduce, w.handoffs) == (s + 8 * KIB, 0, 1)
+    s = n * MIB  # single copy: each rank's n-th of the whole; chunks of 256 KiB
+    w = work("all_reduce", "cma", n, s)
+    assert (w.copy, w.reduce, w.kernel, w.handoffs) == (0, (n - 1) * MIB, 2 * (n - 1) * MIB, 2 * (n - 1) * 4)  # fmt: skip
+    w = work("reduce_scatter", "cma", n, s)
+    assert (w.copy, w.reduce, w.kernel) == (0, (n - 1) * MIB, (n - 1) * MIB)
+    w = work("all_gather", "cma", n, s)
+    assert (w.copy, w.reduce, w.kernel) == (MIB, 0, (n - 1) * MIB)
+    assert traffic(w) == 2 * MIB + 2 * (n - 1) * MIB
+
+
+def test_bad_work_arguments():
+    with pytest.raises(PlanInputError, match="broadcast"):
+        work("broadcast", "slots", 2, MIB)
+    with pytest.raises(PlanInputError, match="path='tcp'"):
+        work("all_reduce", "tcp", 2, MIB)
+    with pytest.raises(PlanInputError, match="n=1"):
+        work("all_reduce", "slots", 1, MIB)
+
+
+def test_share_of_the_cores():
+    assert share(2, 2) == 1.0 and share(8, None) == 1.0 and share(1, 4, 3.0) == 1.0
+    assert share(4, 2) == 2.0 and share(3, 2) == 1.5  # time-sharing alone
+    assert share(3, 2, 1.0) == pytest.approx(1.5 * 1.5)  # one rank past 2 cores: +1/2
+    assert share(4, 2, 1.0) == pytest.approx(2 * 2)
+    assert share(12, 8, 2.0) == pytest.approx(1.5 * 2)
+    with pytest.raises(PlanInputError, match="cores"):
+        share(4, 0)
+
+
+def test_the_paths_the_code_may_take():
+    # one-shot up to 32 KiB (an all-gather's block per rank), single copy inside its bands
+    assert code_paths("all_reduce", 2, 32 * KIB) == ["oneshot"]
+    assert code_paths("all_reduce", 2, 64 * KIB) == ["slots"]
+    assert code_paths("all_reduce", 2, MIB) == ["cma", "slots"]
+    assert code_paths("all_reduce", 4, 32 * MIB) == ["slots"]
+    assert code_paths("all_gather", 2, 64 * KIB) == ["cma", "oneshot"]
+    assert code_paths("all_gather", 4, 128 * KIB) == ["oneshot"]
+    assert code_paths("all_gather", 4, 256 * KIB) == ["slots"]
+    assert code_paths("reduce_scatter", 4, 8 * MIB) == ["slots"]
+    assert code_paths("reduce_scatter", 3, 64 * MIB) == ["cma", "slots"]
+    assert not cma_band("all_reduce", 8, MIB)
+    assert code_paths("all_reduce", 64, 16 * KIB) == ["oneshot"]
+    assert code_paths("all_reduce", 65, 16 * KIB) == ["slots"]
+
+
+def test_the_recorded_paths_are_among_those_priced():
+    """Every row of the recorded runs took a path code_paths() allows (the Python mirror of
+    cma_band and the one-shot size keeps to csrc/comm/)."""
+    runs = sorted(DATA.glob("plan_costs-*.json"))
+    seen = 0
+    for run in runs:
+        data = json.loads(run.read_text())
+        for r in data.get("raw", {}).get("fit", []) + data.get("raw", {}).get("check", []):
+            for path in r["paths"]:
+                assert path in code_paths(r["collective"], r["nranks"], r["size"]), (run, r)
+                seen += 1
+        for r in data["rows"]:
+            assert r["path_check"] in code_paths(r["collective"], r["nranks"], r["size"]), r
+            seen += 1
+    assert seen > 100, runs
+
+
+# Past the 8 MiB cache every row is memory-bound (its memory time exceeds its cores').
+TRUTH = ShmModel(2e-6, 1 / 16e9, 1 / 12e9, 1 / 6e9, 1.0, 1 / 8e9, 2, 8 * MIB)
+
+
+def _rows(ranks=(2, 4), sizes=(64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB)):
+    rows = []
+    for coll in ("all_reduce", "reduce_scatter", "all_gather"):
+        for n in ranks:
+            for size in sizes:
+                for path in code_paths(coll, n, size):
+                    t = TRUTH.path_time(coll, path, n, size)
+                    rows.append({"collective": coll, "nranks": n, "size": size,
+                                 "time_us": t * 1e6, "paths": {path: 10}})  # fmt: skip
+    return rows
+
+
+def test_fit_recovers_the_constants_and_predicts_held_out_ranks():
+    model = fit_shm(_rows(), cores=2, cache_bytes=8 * MIB)
+    for name in ("alpha", "per_copy", "per_reduce", "per_kernel", "contention", "per_traffic"):
+        assert getattr(model, name) == pytest.approx(getattr(TRUTH, name), rel=1e-6), name
+    for coll in ("all_reduce", "reduce_scatter", "all_gather"):
+        for size in (128 * KIB, 512 * KIB, 2 * MIB, 8 * MIB):
+            for n in (3, 4):  # 3 ranks: never fitted; past the cores
+                want = min(TRUTH.path_time(coll, p, n, size) for p in code_paths(coll, n, size))
+                assert model.time(coll, n, size) == pytest.approx(want, rel=1e-6), (coll, n, size)
+                assert model.path(coll, n, size) in code_paths(coll, n, size)
+    assert model.time("all_reduce", 1, MIB) == 0.0
+    assert model.time("all_gather", 4, MIB, "slots") == pytest.approx(
+        TRUTH.path_time("all_gather", "slots", 4, MIB)
+    )
+    assert {d["constant"] for d in model.describe()} >= {"copy bandwidth", "alpha (per handoff)"}
+
+
+def test_fit_without_rows_past_the_cores_or_the_cache():
+    rows = _rows(ranks=(2,), sizes=(64 * KIB, 256 * KIB, MIB))
+    model = fit_shm(rows, cores=2, cache_bytes=8 * MIB)
+    assert model.per_copy == pytest.approx(TRUTH.per_copy, rel=1e-6)
+    assert model.per_traffic == 0.0  # nothing past the cache: the cores' time alone
+    with pytest.raises(PlanInputError, match="usable rows"):
+        fit_shm(rows[:1], cores=2)
