@@ -88,9 +88,13 @@ def state_tensors(trainer: Trainer3D) -> list[StateTensor]:
 
 
 def sources(
-    dims: ParallelDims, buddies: list[int] | None = None, sharded: bool = False
+    dims: ParallelDims,
+    buddies: list[int] | None = None,
+    sharded: bool = False,
+    replaced: tuple[int, ...] | None = None,
 ) -> dict[int, tuple[int, str]]:
-    """For each replaced world rank (dims.replaced), the rank that sends it
+    """For each replaced world rank (`replaced`, default dims.replaced: the
+    survivors check with the failed ranks before they grow), the rank that sends it
     its state and which copy: its buddy's ("remote", rank buddies[r], default
     r + 1), else, unless the state is `sharded` over dp (--zero, --fsdp: no
     replica holds it), a surviving data-parallel replica's own ("local").
@@ -99,10 +103,11 @@ def sources(
     Raises ReplacementFailed (the replaced ranks its `failed`) naming each
     lost rank and its buddy where neither survived (nor, unsharded, a
     replica): the state is lost."""
-    n, gone = dims.world.world_size, set(dims.replaced)
+    replaced = dims.replaced if replaced is None else replaced
+    n, gone = dims.world.world_size, set(replaced)
     buddies = buddies or [(r + 1) % n for r in range(n)]
     out, lost = {}, []
-    for r in dims.replaced:
+    for r in replaced:
         replicas = [q for q in dims.group_of(r, "dp") if q not in gone]
         if buddies[r] not in gone:
             out[r] = (buddies[r], "remote")
@@ -116,6 +121,8 @@ def sources(
             "(sharded over dp)"
             if sharded
             else "and every data-parallel replica failed with it"
+            if dims.sizes["dp"] > 1
+            else "failed with it, and no other rank holds its state (dp=1: no replica)"
         )
         raise ReplacementFailed(
             f"ElasticTrainer3D: rank {dims.world.rank}: "
@@ -124,7 +131,7 @@ def sources(
                 for r in lost
             )
             + "; restart from a checkpoint",
-            tuple(dims.replaced),
+            tuple(replaced),
         )
     return out
 
