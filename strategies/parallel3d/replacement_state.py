@@ -94,11 +94,13 @@ def sources(
     replaced: tuple[int, ...] | None = None,
 ) -> dict[int, tuple[int, str]]:
     """For each replaced world rank (`replaced`, default dims.replaced: the
-    survivors check with the failed ranks before they grow), the rank that sends it
-    its state and which copy: its buddy's ("remote", rank buddies[r], default
-    r + 1), else, unless the state is `sharded` over dp (--zero, --fsdp: no
-    replica holds it), a surviving data-parallel replica's own ("local").
-    The same on every rank.
+    survivors check with the failed ranks before they grow), the rank that
+    sends it its state and which copy: its buddy's ("remote", rank
+    buddies[r], default r + 1), else, unless the state is `sharded` over dp
+    (--zero, --fsdp: no replica holds it), a surviving data-parallel
+    replica's own ("local"), else the copy that a lost replica's surviving
+    buddy holds ("remote": the replicas' states are the same). The same on
+    every rank.
 
     Raises ReplacementFailed (the replaced ranks its `failed`) naming each
     lost rank and its buddy where neither survived (nor, unsharded, a
@@ -108,11 +110,16 @@ def sources(
     buddies = buddies or [(r + 1) % n for r in range(n)]
     out, lost = {}, []
     for r in replaced:
-        replicas = [q for q in dims.group_of(r, "dp") if q not in gone]
+        group = [q for q in dims.group_of(r, "dp") if q != r]
+        replicas = [q for q in group if q not in gone]
+        # A lost replica's buddy holds that replica's state: the same as r's (unsharded)
+        held = [buddies[q] for q in group if q in gone and buddies[q] not in gone]
         if buddies[r] not in gone:
             out[r] = (buddies[r], "remote")
         elif replicas and not sharded:
             out[r] = (replicas[0], "local")
+        elif held and not sharded:
+            out[r] = (held[0], "remote")
         else:
             lost.append(r)
     if lost:
@@ -120,7 +127,7 @@ def sources(
             "failed with it, and no other rank holds its shard of the training state "
             "(sharded over dp)"
             if sharded
-            else "and every data-parallel replica failed with it"
+            else "and every data-parallel replica failed with it, with their buddies"
             if dims.sizes["dp"] > 1
             else "failed with it, and no other rank holds its state (dp=1: no replica)"
         )

@@ -18,12 +18,16 @@ host (BuddyCopy's "auto" placement: 0 <-> 2, 1 <-> 3).
   fenced), never hang;
 
 and in each every grid rank's parameters and loss equal, bit for bit, those
-of an uninterrupted run of the same grid on the same hosts. Last, a layout
-where no placement survives the host's loss (rank 0 alone on host 0, ranks
-1-3 on host 1: the buddies of ranks 2 and 3 are on host 1 too, and dp=1
-leaves no replica): host 1's ranks killed, rank 0 and the three newcomers
-started on host 1 raise ReplacementFailed naming ranks 2 and 3, within
-seconds and before anyone waits for a newcomer. Every run is bounded."""
+of an uninterrupted run of the same grid on the same hosts. Then rank 0
+alone on host 0, ranks 1-3 on host 1 (no placement can put three ranks'
+copies on another host: buddies 0->3, 1->0, 2->1, 3->2), host 1's ranks
+killed, three newcomers on host 1: with dp=1 the state of ranks 2 and 3 is
+lost (their buddies were on host 1, and no replica), and rank 0 and the
+newcomers raise ReplacementFailed naming them, within seconds and before
+anyone waits for a newcomer; with dp=2 x tp=2 (zero=0) every lost rank's
+state is still on rank 0 (its buddy copy of rank 1, its own as rank 2's
+replica, and rank 1's copy again for rank 3, rank 1's replica) and the run
+matches the uninterrupted one bit for bit. Every run is bounded."""
 
 from __future__ import annotations
 
@@ -85,15 +89,17 @@ def _store(proc: int, port: int) -> Any:
 # -- the uninterrupted run ---------------------------------------------------------
 
 
-def _reference(rank: int, world_size: int, hosts: list[str], port: int) -> Any:
+def _reference(
+    rank: int, world_size: int, hosts: list[str], port: int, grid: dict, layout: list[int]
+) -> Any:
     import pycollectives as pc
     from pycollectives.strategies.parallel3d import Trainer3D
     from pycollectives.strategies.parallel_dims import ParallelDims
 
-    _enter(hosts[LAYOUT[rank]], NET["kill"])
+    _enter(hosts[layout[rank]], NET["kill"])
     config, opts = _config()
     comm = pc.init(rank, 4, store=_store(rank, port), timeout=WORLD_TIMEOUT)
-    with ParallelDims(comm, **GRID) as dims:
+    with ParallelDims(comm, **grid) as dims:
         trainer = Trainer3D(dims, config, opts)
         start = _params(trainer)
         losses = [trainer.step().loss for _ in range(STEPS)]
@@ -105,7 +111,7 @@ def _reference(rank: int, world_size: int, hosts: list[str], port: int) -> Any:
 @pytest.fixture(scope="module")
 def reference(fabric) -> list[Any]:
     """Each grid rank's parameters, last loss and first parameters, run once."""
-    return spawn.run(_reference, 4, fabric.hosts, spawn.free_port(), timeout=180)
+    return spawn.run(_reference, 4, fabric.hosts, spawn.free_port(), GRID, LAYOUT, timeout=180)
 
 
 # -- the jobs ------------------------------------------------------------------------
@@ -139,7 +145,7 @@ def _await(path: str, seconds: float) -> None:
 
 def _proc(
     proc: int, nprocs: int, hosts: list[str], on: list[int], port: int, how: str, marks: str,
-    switch: str, victims: tuple[int, ...],
+    switch: str, victims: tuple[int, ...], grid: dict,
 ) -> dict[str, Any]:  # fmt: skip
     """Process `proc` on host hosts[on[proc]]: grid rank `proc` below 4, else a
     newcomer, which joins once host 1 went down (started after the failure,
@@ -161,10 +167,10 @@ def _proc(
     try:
         if proc >= 4:
             _await(f"{marks}/down_at", 120)
-            et = ElasticTrainer3D.join(store, config, opts, timeout=120, **GRID)
+            et = ElasticTrainer3D.join(store, config, opts, timeout=120, **grid)
         else:
             comm = pc.init(proc, 4, store=store, timeout=WORLD_TIMEOUT)
-            et = ElasticTrainer3D(ParallelDims(comm, **GRID), config, opts, store)
+            et = ElasticTrainer3D(ParallelDims(comm, **grid), config, opts, store)
             if proc == 3:
                 block = [b for b in et.trainer.stages[0].blocks if isinstance(b, Block)][-1]
                 due = lambda: et.steps == AT and not et.recoveries  # noqa: E731
@@ -200,17 +206,21 @@ def _done(store: Any, proc: int, reach: tuple[int, ...], out: dict[str, Any]) ->
     return out
 
 
-def _run(fabric, on: list[int], how: str, marks: str, victims: tuple[int, ...], **kw) -> list:
+def _run(
+    fabric, on: list[int], how: str, marks: str, victims: tuple[int, ...], grid: dict = GRID, **kw
+) -> list:
     return spawn.run(
         _proc, len(on), fabric.hosts, on, spawn.free_port(), how, marks, fabric.switch, victims,
-        **kw,
+        grid, **kw,
     )  # fmt: skip
 
 
-def _check_matches(got: dict[int, dict], reference: list[Any], lost: tuple[int, ...]) -> None:
+def _check_matches(
+    got: dict[int, dict], reference: list[Any], lost: tuple[int, ...], sources: dict | None = None
+) -> None:
     """Every grid rank trained to the uninterrupted run's parameters and loss,
     bit for bit; the survivors redid step AT once, with each lost rank's state
-    from its buddy on host 0 (rank r - 2)."""
+    from `sources` (default: its buddy on host 0, rank r - 2)."""
     assert sorted(got) == [0, 1, 2, 3], sorted(got)
     for w, g in got.items():
         want, want_loss, start = reference[w]
@@ -224,7 +234,7 @@ def _check_matches(got: dict[int, dict], reference: list[Any], lost: tuple[int, 
         assert g["committed"] == list(range(STEPS)), g  # AT failed once, then counted
         [rec] = g["recoveries"]
         assert rec["failed"] == lost and rec["step"] == AT and rec["rolled_back_to"] == AT, rec
-        assert rec["sources"] == {r: (r - 2, "remote") for r in lost}, rec
+        assert rec["sources"] == (sources or {r: (r - 2, "remote") for r in lost}), rec
 
 
 def _say(what: str, got: dict[int, dict], lost: tuple[int, ...], wall: float) -> None:
@@ -312,3 +322,29 @@ def test_a_lost_hosts_state_lost_with_it_fails_every_process_naming_the_ranks(fa
         assert "the state of rank 1 " not in g["raised"], (p, g)  # its buddy, rank 0, lives
         assert g["after_s"] < WORLD_TIMEOUT, (p, g)  # nobody waited for a newcomer
     assert out[0]["committed"] == list(range(AT)), out[0]
+
+
+DP_GRID = {"dp": 2, "tp": 2, "pp": 1}
+ONE_AND_THREE = [0, 1, 1, 1]  # rank 0 alone on host 0
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_hosts_state_comes_from_dp_replicas_and_their_buddies_bitwise(fabric, tmp_path):
+    """dp=2 x tp=2 (zero=0: the dp replicas 0, 2 and 1, 3 hold the same state),
+    rank 0 alone on host 0 (buddies 0->3, 1->0, 2->1, 3->2): host 1's ranks
+    killed, three newcomers on host 1. Rank 1's state comes from its buddy's
+    copy (rank 0's), rank 2's from its replica's own (rank 0's), and rank
+    3's, whose buddy and replica are both lost, from the copy of its replica
+    (rank 1) that rank 0 holds: all from host 0's one rank."""
+    start = time.monotonic()
+    want = spawn.run(
+        _reference, 4, fabric.hosts, spawn.free_port(), DP_GRID, ONE_AND_THREE, timeout=180
+    )
+    dead = {1: KILL, 2: KILL, 3: KILL}
+    on = ONE_AND_THREE + [1, 1, 1]
+    out = _run(fabric, on, "host", str(tmp_path), (1, 2, 3), DP_GRID, expect_exit=dead, timeout=240)
+    got = {g["rank"]: g for p, g in enumerate(out) if p not in dead}
+    froms = {1: (0, "remote"), 2: (0, "local"), 3: (0, "remote")}
+    _check_matches(got, want, (1, 2, 3), froms)
+    assert got[0]["hosts"] == [0, 1, 1, 1], got[0]["hosts"]
+    _say("dp=2 x tp=2, host 1's 3 ranks killed", got, (1, 2, 3), time.monotonic() - start)
