@@ -21,6 +21,7 @@ from .errors import (
     CollectiveTimeout,
     CommunicatorAborted,
     CommunicatorRevoked,
+    GrowRefused,
     PeerFailure,
     PyCollectivesError,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "Communicator",
     "CommunicatorAborted",
     "CommunicatorRevoked",
+    "GrowRefused",
     "PeerFailure",
     "PyCollectivesError",
     "ReduceOp",

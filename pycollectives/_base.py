@@ -48,6 +48,7 @@ class CommunicatorBase:
         self._on_close: list[Any] = []  # run once by close() (rendezvous/: the caller's store)
         # Across hosts: agree/shrink's key and store (set by init; _recovery_hosts.py).
         self._host_recovery: _recovery_hosts.HostRecovery | None = None
+        self._splits = 0  # split() calls so far: the same on every rank (each is collective)
         _live.add(self)
 
     def _issue_from_any_thread(self) -> None:

@@ -17,6 +17,7 @@ from ._args import check_no_overlap, check_root, cuda_args, cuda_p2p_ops, p2p_op
 from ._base import CommunicatorBase
 from ._buffers import ITEMSIZE, describe, is_cuda_buffer
 from ._recovery import Agreement
+from ._recovery_hosts import HostRecovery
 from ._staging import Staged
 from .work import CudaWork, Timeout, Work, to_seconds
 
@@ -291,12 +292,28 @@ class Communicator(CommunicatorBase):
 
         Raises TypeError for a color or key that is not an int, and, on every
         rank of a color, ValueError (bad input, a bad setting) or
-        PyCollectivesError naming the rank that could not make or join it."""
+        PyCollectivesError naming the rank that could not make or join it.
+
+        Across hosts, a split that keeps every rank (one color: a renumbering,
+        as ParallelDims makes of a grown world) agrees and shrinks through its
+        parent's store (init's store=, or keep_store) as the parent does; any
+        other split communicator is not recoverable by itself (shrink the
+        parent and split it again)."""
         c = -1 if color is None else color
         if not isinstance(c, int) or not isinstance(key, int):
             raise TypeError(f"pycollectives: rank {self.rank}: split: color and key must be ints")
+        number = self._splits
+        self._splits += 1
         child = self._c.split(c, key, to_seconds(timeout))
-        return None if child is None else Communicator(child)
+        if child is None:
+            return None
+        out = Communicator(child)
+        rec = self._host_recovery
+        renumbered = out.world_size == self.world_size  # every rank of this one is in it
+        if out._across_hosts and renumbered and rec is not None and rec.store is not None:
+            # Every rank is in it, so every rank names it alike: the parent's key, this split.
+            out._host_recovery = HostRecovery(f"{rec.key}/split{number}", rec.store)
+        return out
 
     # -- point-to-point -------------------------------------------------------
     def send(

@@ -29,3 +29,13 @@ class CommunicatorRevoked(CommunicatorAborted):
     """The communicator was revoked (Communicator.revoke(), or by the survivors
     once an agreement found a rank failed): its operations raise, while
     agree() and shrink() still work on it (docs/recovery.md)."""
+
+
+class GrowRefused(PyCollectivesError):
+    """pycollectives.join: the survivors will not take in newcomers
+    (rendezvous.grow.refuse: the lost ranks' state is lost too, say).
+    `reason`: what they said; `failed`: the lost ranks they named."""
+
+    def __init__(self, message: str, reason: str = "", failed: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.reason, self.failed = reason, failed

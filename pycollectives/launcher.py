@@ -13,7 +13,9 @@ With `survive`, a rank killed by a signal is left behind (the others go on
 without it) or, with `replace=N`, replaced by a new process (at most N): the
 launcher then serves the job's store itself, so that it outlives every rank
 (`launcher_store()` in the ranks), and a replacement finds the rank it
-replaces in `replacing()`.
+replaces in `replacing()` and tells the launcher the place it took in
+`took_place()` (ParallelDims.join does: with several lost at once the first
+to join takes the lowest, not necessarily the one it was started for).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 from ._base import _close_all_at_exit, abort_all_interrupted
 from .rendezvous.bootstrap import _stat_fields
 
-__all__ = ["launcher_store", "replacing", "run_rank", "spawn"]
+__all__ = ["launcher_store", "replacing", "run_rank", "spawn", "took_place"]
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 # What a rank the survivors left out raises (csrc/comm/recovery.cc).
@@ -43,6 +45,8 @@ REPLACES_ENV = "PYCOLL_REPLACES"  # the rank a replacement process replaces
 # What the ranks' fork server imports once (_context): torch, and torch._dynamo, which a
 # process's first optimizer imports (3-5 s of CPU on a 2-core machine).
 PRELOAD = ("torch", "torch._dynamo")
+_PLACE = "place"  # a rank's message to the launcher: (_PLACE, the rank whose place it took)
+_report_to: Any = None  # in a rank spawn() started: its Connection to the launcher
 
 
 def _say(line: str) -> None:
@@ -77,11 +81,11 @@ def run_rank(main: Callable[[], int | None], prog: str, report: Any = None) -> i
     After Ctrl-C it says "<prog>: rank R: interrupted" and exits with status
     130, every communicator of the process aborted first (the peers raise
     "rank R was interrupted (SIGINT)"); after a pycollectives, strategies,
-    ValueError or TimeoutError exception it says "<prog>: rank R: <error>" and
+    ValueError or TimeoutError exception it says "<prog>: rank R: <error>" (R:
+    RANK, or the place a replacement took: took_place()) and
     exits with status 1 (130 if the error is a peer's interrupt). Other
     exceptions propagate with their traceback. `report`, a multiprocessing
     Connection, receives (status, message) of a failure."""
-    rank = os.environ.get("RANK", "?")
     stopping = False
 
     def on_sigint(signum: int, frame: Any) -> None:
@@ -109,7 +113,7 @@ def run_rank(main: Callable[[], int | None], prog: str, report: Any = None) -> i
             what, status = f"{type(error).__name__}: {error}", 1
     else:
         raise error
-    _say(f"{prog}: rank {rank}: {what}")
+    _say(f"{prog}: rank {os.environ.get('RANK', '?')}: {what}")  # took_place() may change it
     if report is not None:
         with contextlib.suppress(OSError):
             report.send((status, what))
@@ -182,6 +186,8 @@ def _rank_entry(target: Callable[..., int | None], args: Sequence[Any], rank: in
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+    global _report_to
+    _report_to = report  # took_place() tells the launcher through it
     sys.exit(run_rank(lambda: target(*args), prog, report))
 
 
@@ -234,15 +240,45 @@ def replacing() -> int | None:
     return int(value)
 
 
-def _report(conn: Any, code: int) -> str:
-    """What rank's `conn` reported of its failure; for a rank killed by a
-    signal, which; '' for one that exited with a status of its own choice
-    (it said why itself)."""
+def took_place(rank: int) -> None:
+    """In a replacement that spawn(replace=N) started: this process took
+    world rank `rank`'s place (with several ranks lost at once, the first
+    newcomer to join takes the lowest, whichever it was started for).
+    From then on the launcher names it by `rank` (its loss, its failure,
+    its replacement) and so does run_rank (RANK is set to it). Does nothing
+    in any other process. Raises ValueError for a rank that is not an int
+    >= 0."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"pycollectives: took_place: rank={rank!r} must be an int >= 0")
+    if replacing() is None or _report_to is None:
+        return
+    os.environ["RANK"] = str(rank)
+    with contextlib.suppress(OSError):  # the launcher is gone: nobody to tell
+        _report_to.send((_PLACE, rank))
+
+
+def _drain(conn: Any) -> tuple[int | None, str | None]:
+    """What rank's `conn` holds so far: the latest place it took
+    (took_place) and its failure's message (run_rank), each None if none."""
+    place, failure = None, None
     try:
-        if conn.poll():
-            return conn.recv()[1]
-    except (EOFError, OSError):
+        while conn.poll():
+            kind, value = conn.recv()
+            if kind == _PLACE:
+                place = int(value)
+            else:
+                failure = str(value)
+    except (EOFError, OSError, ValueError, TypeError):
         pass
+    return place, failure
+
+
+def _report(failure: str | None, code: int) -> str:
+    """What a rank reported of its failure; for a rank killed by a signal,
+    which; '' for one that exited with a status of its own choice (it said
+    why itself)."""
+    if failure is not None:
+        return failure
     return _describe(code) if code < 0 else ""
 
 
@@ -262,10 +298,11 @@ def _is_stopped(pid: int) -> bool:
 
 
 def _kill_stopped(procs: dict[int, Any], running: set[int], since: dict[int, float],
-                  stopped: float | None, finished: float | None, prog: str) -> None:  # fmt: skip
-    """spawn(survive=True): SIGKILLs each running rank stopped for `stopped` seconds, or for
-    `finished` seconds when the others finished (None: no such limit), naming it; `since`
-    holds when each was first seen stopped."""
+                  stopped: float | None, finished: float | None, prog: str,
+                  name: Callable[[int], str]) -> None:  # fmt: skip
+    """spawn(survive=True): SIGKILLs each running process (by slot) stopped for `stopped`
+    seconds, or for `finished` seconds when the others finished (None: no such limit),
+    naming it (name(slot)); `since` holds when each was first seen stopped."""
     now = time.monotonic()
     for r in sorted(running):
         if not _is_stopped(procs[r].pid):
@@ -274,7 +311,7 @@ def _kill_stopped(procs: dict[int, Any], running: set[int], since: dict[int, flo
         for limit, why in ((stopped, "past the survivors' timeout"),
                            (finished, "after the others finished")):  # fmt: skip
             if limit is not None and now - since.setdefault(r, now) >= limit:
-                _say(f"{prog}: rank {r} stopped (SIGSTOP) for {now - since.pop(r):.0f} s, "
+                _say(f"{prog}: {name(r)} stopped (SIGSTOP) for {now - since.pop(r):.0f} s, "
                      f"{why}: killed")  # fmt: skip
                 procs[r].kill()  # its exit is a lost rank's: replaced, or left behind
                 break
@@ -304,7 +341,10 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
     process, as ElasticTrainer3D's do): such a rank is replaced instead, at
     most `replace` times in all: a new process runs `target(*args)` with the
     lost rank's RANK and `replacing()` returning it ("rank R killed by
-    SIGKILL: a new process takes its place (replacement 1 of 3)"). Once they
+    SIGKILL: a new process takes its place (replacement 1 of 3)"); once it
+    calls took_place(P) (ParallelDims.join does) it is rank P to the
+    launcher ("rank P (a replacement started for rank R)" where they
+    differ), which a later loss or failure of it names. Once they
     are used up, the next lost rank fails the run as a rank failure does,
     the message saying so. A replacement that is lost in turn is replaced
     the same way (the survivors fail, and so the run, if it was lost while
@@ -334,9 +374,12 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
     port = _free_port()
     store = _serve_store(port) if serve_store or replace is not None else None
     env = {STORE_ENV: "1"} if store is not None else {}
-    procs: dict[int, Any] = {}  # each rank's current process
-    reports: dict[int, Any] = {}
-    every: list[Any] = []  # every process started, replacements included
+    # Every process started, replacements included, has a slot (its index in `every`);
+    # rank_of[slot] is the rank it holds: the one it was started for, or the place it took.
+    every: list[Any] = []
+    reports: list[Any] = []
+    started_for: list[int] = []
+    rank_of: list[int] = []
 
     def start(r: int, replaces: bool) -> None:
         recv_end, send_end = ctx.Pipe(duplex=False)
@@ -346,60 +389,79 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
                                                   extra, _Stdio()), name=name)  # fmt: skip
         p.start()
         send_end.close()
-        procs[r], reports[r] = p, recv_end
         every.append(p)
+        reports.append(recv_end)
+        started_for.append(r)
+        rank_of.append(r)
+        running.add(len(every) - 1)
 
+    def name(slot: int) -> str:
+        r, was = rank_of[slot], started_for[slot]
+        return f"rank {r}" + (f" (a replacement started for rank {was})" if r != was else "")
+
+    said: dict[int, str] = {}  # each slot's failure, as it reported it
+
+    def hear(slot: int) -> None:
+        """The slot's messages so far: the place it took, its failure's message."""
+        place, failure = _drain(reports[slot])
+        if place is not None:
+            rank_of[slot] = place
+        if failure is not None:
+            said[slot] = failure
+
+    running: set[int] = set()  # slots
     for r in range(nprocs):
         start(r, replaces=False)
-    first: tuple[int, int, str] | None = None  # (rank, status, message)
+    first: tuple[int, int, str] | None = None  # (slot, status, message)
     interrupted, deadline, cause = False, None, ""
-    running = set(range(nprocs))
-    lost: set[int] = set()  # survive: ranks killed by a signal, the others went on
+    lost: set[int] = set()  # survive: slots killed by a signal, the others went on
     used = 0  # replacements started
-    fresh: set[int] = set()  # ranks whose current process is a replacement
-    finished: set[int] = set()  # ranks whose process exited 0
+    fresh: set[int] = set()  # slots of replacements
+    finished: set[int] = set()  # slots whose process exited 0
     idle_since: float | None = None  # since when only replacements run, the others done
-    stopped_at: dict[int, float] = {}  # survive: since when a running rank is stopped
+    stopped_at: dict[int, float] = {}  # survive: since when a running slot is stopped
     while running:
         try:
-            mp.connection.wait([procs[r].sentinel for r in running], timeout=0.2)
+            mp.connection.wait([every[r].sentinel for r in running], timeout=0.2)
         except KeyboardInterrupt:  # the ranks got it too (one process group)
             if interrupted:  # twice: no more grace
                 deadline = time.monotonic()
             interrupted = True
             if deadline is None:
                 deadline, cause = time.monotonic() + grace, "Ctrl-C"
+        for r in sorted(fresh & running):  # the places the replacements took meanwhile
+            hear(r)
         for r in sorted(running):
-            code = procs[r].exitcode
+            code = every[r].exitcode
             if code is None:
                 continue
             running.discard(r)
             if code == 0:
                 finished.add(r)
-            msg = _report(reports[r], code) if code != 0 else ""
+            hear(r)
+            msg = _report(said.get(r), code) if code != 0 else ""
             if survive and not interrupted and deadline is None and (code < 0 or FENCED in msg):
                 why = _describe(code) if code < 0 else "was fenced out (stopped past the timeout)"
                 if replace is None or finished:  # finished: the training is over
-                    _say(
-                        f"{prog}: rank {r} {why}: the others {'finished' if finished else 'go on'}"
-                    )
+                    _say(f"{prog}: {name(r)} {why}: the others "
+                         f"{'finished' if finished else 'go on'}")  # fmt: skip
                     lost.add(r)
                     continue
                 if used < replace:
                     used += 1
-                    _say(f"{prog}: rank {r} {why}: a new process takes its place (replacement "
+                    _say(f"{prog}: {name(r)} {why}: a new process takes its place (replacement "
                          f"{used} of {replace})")  # fmt: skip
-                    start(r, replaces=True)
-                    fresh.add(r)
-                    running.add(r)
+                    start(rank_of[r], replaces=True)
+                    fresh.add(len(every) - 1)
                     continue
                 msg = f"{why}, and no replacement is left ({used} of {replace} used)"
-                _say(f"{prog}: rank {r} {msg}: the run ends")
+                _say(f"{prog}: {name(r)} {msg}: the run ends")
             if code != 0 and first is None and not interrupted:
                 first = (r, code if code > 0 else 128 - code, msg)
-                deadline, cause = time.monotonic() + grace, f"rank {r} failed"
+                deadline, cause = time.monotonic() + grace, f"{name(r)} failed"
         if survive and deadline is None:
-            _kill_stopped(procs, running, stopped_at, stopped, grace if finished else None, prog)
+            _kill_stopped(dict(enumerate(every)), running, stopped_at, stopped,
+                          grace if finished else None, prog, name)  # fmt: skip
         # The others finished (a grid steps together: a replacement that joined
         # finished with them): a replacement still running waits for a recovery
         # that will not come (its rank was lost after the last step).
@@ -407,17 +469,17 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
             idle_since = idle_since or time.monotonic()
             if time.monotonic() - idle_since >= grace:
                 for r in sorted(running):
-                    _say(f"{prog}: rank {r}'s replacement still running {grace:g} s after the "
+                    _say(f"{prog}: {name(r)}'s replacement still running {grace:g} s after the "
                          "others finished (nothing left to join): ended")  # fmt: skip
-                    procs[r].kill()
-                    procs[r].join(5)
+                    every[r].kill()
+                    every[r].join(5)
                 running.clear()
         if deadline is not None and running and time.monotonic() >= deadline:
             for r in sorted(running):
-                _say(f"{prog}: rank {r} still running {grace:g} s after {cause}: killed")
-                procs[r].kill()
+                _say(f"{prog}: {name(r)} still running {grace:g} s after {cause}: killed")
+                every[r].kill()
             for r in sorted(running):
-                procs[r].join(5)
+                every[r].join(5)
             running.clear()
     for p in every:
         p.join()
@@ -427,9 +489,8 @@ def spawn(target: Callable[..., int | None], nprocs: int, args: Sequence[Any] = 
     if first is None and len(lost) < nprocs:
         return 0
     if first is None:  # survive, and every rank was killed
-        rank = min(lost)
-        return 128 - procs[rank].exitcode
-    rank, status, msg = first
+        return 128 - every[min(lost)].exitcode
+    slot, status, msg = first
     if msg:
-        _say(f"{prog}: rank {rank} failed first: {msg}")
+        _say(f"{prog}: {name(slot)} failed first: {msg}")
     return status

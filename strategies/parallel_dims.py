@@ -18,11 +18,14 @@ import contextlib
 import math
 import re
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from pycollectives import Communicator, PyCollectivesError, join
+from pycollectives.launcher import took_place
+from pycollectives.rendezvous.grow import refuse
 
 from .autograd_threads import autograd_comm
 
@@ -236,7 +239,12 @@ class ParallelDims:
         return ParallelDims(new, dp=new.world_size // (tp * pp), tp=tp, pp=pp)
 
     def replace(
-        self, store: Any, *, timeout: float | None = None, prefix: str = "pycoll-grow"
+        self,
+        store: Any,
+        *,
+        timeout: float | None = None,
+        prefix: str = "pycoll-grow",
+        check: Callable[[tuple[int, ...]], None] | None = None,
     ) -> ParallelDims:
         """Collective over the surviving ranks of `world` and one replacement
         process per failed rank (each calls ParallelDims.join with the same
@@ -249,14 +257,31 @@ class ParallelDims:
         where nobody failed: the same grid, rebuilt). The caller closes the
         new `world` and this one's; the communicators in between are closed.
         `timeout` bounds the shrink and the wait for the newcomers.
+        `check(failed)`, called on every survivor once the failed world ranks
+        are known, before anyone waits for a newcomer, may raise to refuse the
+        replacement (a lost rank's state is lost too): the shrunk
+        communicator is closed, the newcomers waiting under `prefix` are told
+        why (rendezvous.grow.refuse: their join raises GrowRefused with its
+        message and its `failed`, else these failed ranks) and the error
+        propagates.
 
-        Raises CommunicatorAborted on a rank fenced out, and grow's errors
-        (CollectiveTimeout when the newcomers do not come in time; init's when
-        one dies while they meet)."""
+        Raises CommunicatorAborted on a rank fenced out, what `check` raises,
+        and grow's errors (CollectiveTimeout when the newcomers do not come in
+        time; init's when one dies while they meet)."""
         shrunk = self._revoke_and_shrink("ParallelDims.replace", timeout)
         failed = tuple(shrunk.failed)
         if not failed:
             return self._regrid(shrunk, self.world.rank, self.sizes, ())
+        if check is not None:
+            try:
+                check(failed)
+            except BaseException as e:
+                if shrunk.rank == 0:  # one survivor tells the newcomers, before it leaves
+                    with contextlib.suppress(Exception):
+                        lost = tuple(getattr(e, "failed", failed))
+                        refuse(store, f"{type(e).__name__}: {e}", failed=lost, prefix=prefix)
+                shrunk.close()
+                raise
         try:
             grown = shrunk.grow(store, len(failed), timeout=timeout, prefix=prefix)
         finally:
@@ -281,7 +306,9 @@ class ParallelDims:
         for the survivors' grow (pycollectives.join), learns which failed
         rank's place it takes, and builds the grid (the same sizes as the
         survivors': a ParallelDims ValueError on every rank otherwise). Its
-        `replaced` names every newcomer's rank.
+        `replaced` names every newcomer's rank. In a process that
+        launcher.spawn(replace=N) started, it tells the launcher the place it
+        took (launcher.took_place).
 
         Raises join's errors, and PyCollectivesError for a place out of range."""
         grown = join(store, timeout=timeout, prefix=prefix)
@@ -305,6 +332,7 @@ class ParallelDims:
         if places[0] > 0:
             grown._c.set_default_timeout(float(places[0]))
         mine = failed[grown.rank - (grown.world_size - new)]
+        took_place(mine)  # started by spawn(replace=N): the launcher names it by this place
         return cls._regrid(grown, mine, {"dp": dp, "tp": tp, "pp": pp}, failed)
 
     @staticmethod

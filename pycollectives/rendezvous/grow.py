@@ -10,8 +10,10 @@ Under `<prefix>/`: the survivors' rank 0 takes the next grow number g
 (`gen`, an add) and publishes `open` = "g,n,new_ranks"; each newcomer waits
 for `open`, takes a place with an add of `<g>/place` (a place past new_ranks
 belongs to no one: it waits for a later grow, until its timeout); then
-everyone runs init under `<prefix>/<g>`. What the store holds is checked
-before use."""
+everyone runs init under `<prefix>/<g>`. Survivors that will not grow
+(the lost ranks' state is lost too) say why in `refused` (refuse()): a
+newcomer waiting in join raises GrowRefused at once instead of waiting out
+its timeout. What the store holds is checked before use."""
 
 from __future__ import annotations
 
@@ -66,6 +68,33 @@ def grow(comm: Any, store: Any, new_ranks: int, timeout: Timeout, prefix: str) -
     return grown
 
 
+_MAX_REASON = 4096  # bytes of a refusal a newcomer reads
+
+
+def refuse(
+    store: Any, reason: str, *, failed: tuple[int, ...] = (), prefix: str = "pycoll-grow"
+) -> None:
+    """The survivors' side when they will not grow (one of them calls it):
+    every newcomer waiting, or coming later, in join(store) under `prefix`
+    raises GrowRefused with `reason` and the lost ranks `failed`. Raises
+    what the store raises."""
+    ranks = ",".join(str(int(r)) for r in failed)
+    store.set(f"{prefix}/refused", f"{ranks};{reason}".encode()[:_MAX_REASON])
+
+
+def _refusal(raw: bytes, prefix: str) -> errors.GrowRefused:
+    """The GrowRefused of a `refused` value (checked: its ranks, then the reason)."""
+    text = bytes(raw)[:_MAX_REASON].decode(errors="replace")
+    ranks, _, reason = text.partition(";")
+    parts = ranks.split(",") if ranks else []
+    failed = tuple(int(r) for r in parts) if all(r.isdigit() for r in parts) else ()
+    return errors.GrowRefused(
+        f"pycollectives: join: the survivors under {prefix!r} take in no newcomer: {reason}",
+        reason,
+        failed,
+    )
+
+
 def join(store: Any, *, timeout: Timeout = 600.0, prefix: str = "pycoll-grow") -> Any:
     """A newcomer's side: waits (bounded by `timeout`) for the survivors'
     comm.grow(store, new_ranks) with the same `prefix`, takes a place and
@@ -73,7 +102,8 @@ def join(store: Any, *, timeout: Timeout = 600.0, prefix: str = "pycoll-grow") -
 
     Raises ValueError for a bad prefix, CollectiveTimeout if no grow with a
     free place opened within `timeout`, PyCollectivesError for a malformed
-    store value, and init's errors."""
+    store value, GrowRefused where the survivors refused (refuse()), and
+    init's errors."""
     init = _recovery_hosts.rendezvous("init")
     if not isinstance(prefix, str) or not prefix:
         raise ValueError("pycollectives: join: prefix must be a non-empty str")
@@ -81,6 +111,8 @@ def join(store: Any, *, timeout: Timeout = 600.0, prefix: str = "pycoll-grow") -
     deadline = time.monotonic() + seconds
     full = 0  # the latest grow this newcomer found without a free place
     while True:
+        if store.check([f"{prefix}/refused"]):
+            raise _refusal(store.get(f"{prefix}/refused"), prefix)
         if store.check([f"{prefix}/open"]):
             raw = store.get(f"{prefix}/open")
             g, n, new = _parse_open(raw, f"{prefix}/open", "join")

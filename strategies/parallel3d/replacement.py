@@ -28,7 +28,10 @@ process can take the lost place:
   to the copy's step (k = 1: the failed step is redone). Where the buddy is
   lost too, zero=0's state comes from a surviving data-parallel replica's
   own copy (the replicas hold the same); sharded state (--zero N, --fsdp)
-  has no replica: every rank raises ReplacementFailed naming both ranks.
+  has no replica: every survivor raises ReplacementFailed naming both ranks,
+  before it waits for a newcomer (ParallelDims.replace's check), and the
+  newcomers waiting to join raise it too (the survivors refuse them:
+  pycollectives.join raises GrowRefused).
 
     et = ElasticTrainer3D(dims, config, opts, store)  # every rank at the start
     et = ElasticTrainer3D.join(store, config, opts, dp=1, tp=2, pp=2)  # a newcomer
@@ -45,7 +48,7 @@ from typing import Any
 
 import torch
 
-from pycollectives import PyCollectivesError
+from pycollectives import GrowRefused, PyCollectivesError
 
 from ..data_parallel.redundancy import BuddyCopy
 from ..models.gpt import GPTConfig
@@ -141,11 +144,16 @@ class ElasticTrainer3D:
         AdamW: torch's first optimizer in a process imports torch._dynamo
         (3.4 s on the 2-core test machine), which would otherwise hold up
         the survivors' recovery where the newcomer was started beforehand.
-        Raises ParallelDims.join's errors, ReplacementFailed where the
-        place's state is lost, and RuntimeError for state that does not fit
+        Raises ParallelDims.join's errors, ReplacementFailed (the
+        survivors' message and failed ranks) where they refused it: a lost
+        rank's state is lost; and RuntimeError for state that does not fit
         this trainer's model."""
         torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
-        dims = ParallelDims.join(store, dp=dp, tp=tp, pp=pp, timeout=timeout, prefix=prefix)
+        try:
+            dims = ParallelDims.join(store, dp=dp, tp=tp, pp=pp, timeout=timeout, prefix=prefix)
+        except GrowRefused as e:  # the survivors found the lost state lost: so is this place's
+            why = f"ElasticTrainer3D: a newcomer: the survivors refused it: {e.reason}"
+            raise ReplacementFailed(why, e.failed) from e
         return cls(dims, config, opts, store, copy_every=copy_every, prefix=prefix)
 
     @property
@@ -167,9 +175,9 @@ class ElasticTrainer3D:
 
         Raises what Trainer3D.step raises other than a communication error,
         CommunicatorAborted on a rank fenced out (it must leave), and
-        ReplacementFailed when the recovery fails (on every rank, the
-        newcomers' join included, where a lost rank's state is lost with its
-        buddy: sources())."""
+        ReplacementFailed when the recovery fails (on every survivor, before
+        it waits for newcomers, where a lost rank's state is lost with its
+        buddy: sources(); the newcomers' join then raises it too)."""
         ok, refreshed, stats, k = True, False, None, self.steps
         try:
             stats = self.trainer.step()
@@ -198,8 +206,15 @@ class ElasticTrainer3D:
         """Replaces the grid, rebuilds the trainer and rolls back to the copy."""
         old, me, start = self.dims, self.dims.world.rank, time.monotonic()
         self.copy.discard()
+        sharded, buddies = bool(self.opts.zero or self.opts.fsdp), self.copy.buddies
+
+        def recoverable(lost: tuple[int, ...]) -> None:  # before anyone waits for a newcomer
+            sources(old, buddies, sharded, lost)
+
         try:
-            new = old.replace(self.store, timeout=self.timeout, prefix=self.prefix)
+            new = old.replace(
+                self.store, timeout=self.timeout, prefix=self.prefix, check=recoverable
+            )
             replace_s, start = time.monotonic() - start, time.monotonic()
             with warnings.catch_warnings():  # its failed pending operations: reported already
                 warnings.simplefilter("ignore", RuntimeWarning)

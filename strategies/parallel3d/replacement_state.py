@@ -88,26 +88,38 @@ def state_tensors(trainer: Trainer3D) -> list[StateTensor]:
 
 
 def sources(
-    dims: ParallelDims, buddies: list[int] | None = None, sharded: bool = False
+    dims: ParallelDims,
+    buddies: list[int] | None = None,
+    sharded: bool = False,
+    replaced: tuple[int, ...] | None = None,
 ) -> dict[int, tuple[int, str]]:
-    """For each replaced world rank (dims.replaced), the rank that sends it
-    its state and which copy: its buddy's ("remote", rank buddies[r], default
-    r + 1), else, unless the state is `sharded` over dp (--zero, --fsdp: no
-    replica holds it), a surviving data-parallel replica's own ("local").
-    The same on every rank.
+    """For each replaced world rank (`replaced`, default dims.replaced: the
+    survivors check with the failed ranks before they grow), the rank that
+    sends it its state and which copy: its buddy's ("remote", rank
+    buddies[r], default r + 1), else, unless the state is `sharded` over dp
+    (--zero, --fsdp: no replica holds it), a surviving data-parallel
+    replica's own ("local"), else the copy that a lost replica's surviving
+    buddy holds ("remote": the replicas' states are the same). The same on
+    every rank.
 
     Raises ReplacementFailed (the replaced ranks its `failed`) naming each
     lost rank and its buddy where neither survived (nor, unsharded, a
     replica): the state is lost."""
-    n, gone = dims.world.world_size, set(dims.replaced)
+    replaced = dims.replaced if replaced is None else replaced
+    n, gone = dims.world.world_size, set(replaced)
     buddies = buddies or [(r + 1) % n for r in range(n)]
     out, lost = {}, []
-    for r in dims.replaced:
-        replicas = [q for q in dims.group_of(r, "dp") if q not in gone]
+    for r in replaced:
+        group = [q for q in dims.group_of(r, "dp") if q != r]
+        replicas = [q for q in group if q not in gone]
+        # A lost replica's buddy holds that replica's state: the same as r's (unsharded)
+        held = [buddies[q] for q in group if q in gone and buddies[q] not in gone]
         if buddies[r] not in gone:
             out[r] = (buddies[r], "remote")
         elif replicas and not sharded:
             out[r] = (replicas[0], "local")
+        elif held and not sharded:
+            out[r] = (held[0], "remote")
         else:
             lost.append(r)
     if lost:
@@ -115,7 +127,9 @@ def sources(
             "failed with it, and no other rank holds its shard of the training state "
             "(sharded over dp)"
             if sharded
-            else "and every data-parallel replica failed with it"
+            else "and every data-parallel replica failed with it, with their buddies"
+            if dims.sizes["dp"] > 1
+            else "failed with it, and no other rank holds its state (dp=1: no replica)"
         )
         raise ReplacementFailed(
             f"ElasticTrainer3D: rank {dims.world.rank}: "
@@ -124,7 +138,7 @@ def sources(
                 for r in lost
             )
             + "; restart from a checkpoint",
-            tuple(dims.replaced),
+            tuple(replaced),
         )
     return out
 

@@ -1,7 +1,8 @@
 """pycollectives.launcher.spawn(survive=True, replace=N): the launcher serves
 the job's store (it outlives rank 0), starts a new process in a lost rank's
-place (replacing() names the rank), bounds the replacements, and does not
-wait for a replacement that has nothing left to join. Tiny programs without communicators (the one
+place (replacing() names the rank), names a replacement by the place it
+took (took_place), bounds the replacements, and does not wait for a
+replacement that has nothing left to join. Tiny programs without communicators (the one
 with the store imports torch for it: seconds each on a loaded machine)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from pycollectives.launcher import launcher_store, replacing, spawn
+from pycollectives.launcher import launcher_store, replacing, spawn, took_place
 
 
 def _die() -> None:
@@ -162,3 +163,53 @@ def test_a_rank_stopped_when_the_others_finished_is_killed_not_waited_for(capfd)
 def test_stopped_must_be_positive(stopped):
     with pytest.raises(ValueError, match="stopped="):
         spawn(_rank_1_stops_for_good, 2, prog="t", survive=True, stopped=stopped)
+
+
+def _swapped(folder: str) -> int:
+    """Ranks 1 and 2 die; their replacements take each other's place
+    (took_place, as newcomers joining in the other order would): the one now
+    in place 1 dies in turn, and its replacement (the third) waits; then the
+    one now in place 2 fails with an error of its own."""
+    rank, r = int(os.environ["RANK"]), replacing()
+    if r is None:
+        if rank in (1, 2):
+            _die()
+        time.sleep(30)  # rank 0: ended after the failure
+        return 0
+    try:
+        os.close(os.open(f"{folder}/for{r}", os.O_CREAT | os.O_EXCL))
+    except FileExistsError:  # the third replacement: rank 1's place again
+        open(f"{folder}/third", "w").close()
+        time.sleep(30)
+        return 0
+    took_place(3 - r)
+    if r == 2:  # now rank 1: lost in turn, once the other one holds rank 2
+        while not os.path.exists(f"{folder}/for1"):
+            time.sleep(0.01)
+        _die()
+    while not os.path.exists(f"{folder}/third"):
+        time.sleep(0.01)
+    raise ValueError("the newcomer in rank 2's place failed")
+
+
+@pytest.mark.timeout(60)
+def test_a_replacement_is_named_by_the_place_it_took(capfd, tmp_path):
+    assert spawn(_swapped, 3, (str(tmp_path),), prog="t", survive=True, replace=3, grace=1.0) == 1
+    err = capfd.readouterr().err
+    assert "t: rank 1 (a replacement started for rank 2) killed by SIGKILL: a new process takes " \
+           "its place (replacement 3 of 3)" in err, err  # fmt: skip
+    assert "t: rank 2: ValueError: the newcomer in rank 2's place failed" in err, err
+    assert "t: rank 2 (a replacement started for rank 1) failed first: ValueError: the " \
+           "newcomer in rank 2's place failed" in err, err  # fmt: skip
+    assert "t: rank 1 still running 1 s after rank 2 (a replacement started for rank 1) " \
+           "failed: killed" in err, err  # fmt: skip
+
+
+def test_took_place_checks_its_rank_and_does_nothing_outside_a_replacement(monkeypatch):
+    monkeypatch.delenv("PYCOLL_REPLACES", raising=False)
+    monkeypatch.setenv("RANK", "3")
+    took_place(1)  # not a replacement: nothing changes
+    assert os.environ["RANK"] == "3"
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="took_place: rank="):
+            took_place(bad)

@@ -9,7 +9,7 @@ same layout (same seeds, same batches). And: a newcomer that dies while it
 joins fails every survivor with ReplacementFailed, within seconds; two ranks
 of a dp=2 x tp=2 grid lost at once, one's state from its dp replica, match the
 uninterrupted run too; a newcomer's state comes from its buddy, else a dp
-replica, else it is lost. Every run is bounded."""
+replica, else a lost dp replica's buddy, else it is lost. Every run is bounded."""
 
 from __future__ import annotations
 
@@ -186,9 +186,14 @@ def test_a_newcomers_state_comes_from_its_buddy_else_a_dp_replica():
     assert sources(_grid((3,))) == {3: (4, "remote")}
     # rank 3's buddy (4) is replaced too: rank 3's dp replica, rank 1, sends its own copy
     assert sources(_grid((3, 4))) == {3: (1, "local"), 4: (5, "remote")}
-    # rank 1's buddy (2) and its only dp replica (3) are gone: its state is lost
-    with pytest.raises(RuntimeError, match=r"rank 1 \(dp=0, tp=1, pp=0\) is lost"):
-        sources(_grid((1, 2, 3)))
+    # rank 1's buddy (2) and its only dp replica (3) are gone, but 3's buddy (4) holds 3's
+    # state, the same as 1's; rank 2's replica (0) sends its own
+    assert sources(_grid((1, 2, 3))) == {1: (4, "remote"), 2: (0, "local"), 3: (4, "remote")}
+    # ... and with 4 gone too, rank 1's state is lost
+    with pytest.raises(RuntimeError, match=r"rank 1 \(dp=0, tp=1, pp=0\) is lost: its buddy rank 2 "
+                       r"\(dp=1, tp=0, pp=0\) and every data-parallel replica failed with it, "
+                       r"with their buddies"):  # fmt: skip
+        sources(_grid((1, 2, 3, 4)))
     # Across hosts (2 x 4 ranks) the buddies are on the other host (buddies.py): host 0
     # lost whole, every rank's state comes from its buddy on host 1
     across = buddy_ranks([0, 0, 0, 0, 1, 1, 1, 1], "auto", "test")

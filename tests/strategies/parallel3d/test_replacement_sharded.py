@@ -180,7 +180,10 @@ def _job(proc: int, world_size: int, port: int) -> dict[str, Any]:
         world, got = _case(store, world, i, CASES[i])
         store.set(f"result/{i}/{got['rank']}", pickle.dumps(got))
     out: dict[str, Any] = {"lost": _lost(store, world)}
-    if proc == 0:
+    store.set(f"lost/{proc}", "1")
+    if proc == 0:  # it serves the store: the newcomers may still read the survivors' refusal
+        alive = set(range(PROCESSES)) - set(_expected_exits())
+        store.wait([f"lost/{p}" for p in sorted(alive)], datetime.timedelta(seconds=60))
         keys = {c.name: [f"result/{i}/{w}" for w in range(4)] for i, c in enumerate(CASES)}
         out["cases"] = {
             name: [pickle.loads(store.get(k)) for k in ks if store.check([k])]
