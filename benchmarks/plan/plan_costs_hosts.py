@@ -64,6 +64,7 @@ from pycollectives.strategies.plan.costs import (  # noqa: E402
 )
 from pycollectives.strategies.plan.fitted import fit_model  # noqa: E402
 from pycollectives.strategies.plan.shm_model import fit_shm  # noqa: E402
+from pycollectives.strategies.plan.tcp_model import fit_sharing, fit_tcp  # noqa: E402
 
 BEGIN, END = "<!-- plan_costs_hosts:begin -->", "<!-- plan_costs_hosts:end -->"
 COLLS = "all_reduce,reduce_scatter,all_gather"
@@ -147,8 +148,23 @@ def main() -> int:
         metavar="JSON",
         help="price the runs recorded in this plan_costs_hosts JSON again instead of measuring",
     )
+    ap.add_argument(
+        "--model",
+        choices=("algorithms", "paths"),
+        default="algorithms",
+        help="TCP: algorithms: tcp_model.py (default); paths: the per-path alpha/beta of fitted.py",
+    )
+    ap.add_argument(
+        "--in-run",
+        action="store_true",
+        help="with --replay (writes nothing): fit the algorithms model's cost of ranks past the "
+        "cores (tcp_model.fit_sharing) to the 2 x 2 check rows at the fit's sizes, check the rest",
+    )
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    if args.in_run and not args.replay:
+        ap.error("--in-run: only with --replay")
+    args.no_write = args.no_write or args.in_run  # an analysis of a record: nothing written
     t0 = time.perf_counter()
     settings = {k: getattr(args, k) for k in ("max", "trials", "rounds", "iters", "estimator")}
     date = datetime.date.today().isoformat()
@@ -165,16 +181,29 @@ def main() -> int:
     t_all = sum(r["seconds"] for r in runs)
     tcp_rows, shm_rows, check = raw["tcp_fit"], raw["shm_fit"], raw["check"]
     # Every "host" is a namespace of this one machine: a run's ranks share its cores.
-    tcp = fit_model(tcp_rows, "tcp", source="TCP fit run", cores=cores)
     shm = fit_shm(shm_rows, cores, old.get("cache_bytes") if args.replay else None, source="shm")
+    if args.model == "paths":
+        tcp = fit_model(tcp_rows, "tcp", source="TCP fit run", cores=cores)
+    else:  # every "host" a namespace of this machine: all of a run's ranks share its cores
+        tcp = fit_tcp(tcp_rows, shm, cores, source="TCP fit run", sharing="all")
     seen = {(r["collective"], ranks_of(r), r["size"]) for r in tcp_rows}
+    if args.in_run and args.model == "algorithms":  # 4 ranks on the cores: from the check run
+        sizes = {r["size"] for r in tcp_rows}
+        shared = [r for r in check if r["layout"] != "2x1" and r["size"] in sizes]
+        tcp = fit_sharing(tcp, shared, sharing="all")
+        seen |= {(r["collective"], ranks_of(r), r["size"]) for r in shared}
 
     def predict(r: dict) -> tuple[float, str]:
         coll, n, size = r["collective"], r["nranks"], r["size"]
+        per_host = 1 if r["layout"] == "2x1" else 2
+        if args.model == "algorithms":
+            if r["layout"] == "2x2 ring":
+                return tcp.flat_time(coll, n // per_host, per_host, size, sharing=n), "flat"
+            t = tcp.hierarchical_time(coll, n // per_host, per_host, size, sharing=n)
+            return t, "hierarchical"
         share = core_share(n, cores)  # all of the run's ranks on this machine's cores
         if r["layout"] == "2x2 ring":  # one ring over every rank, paced by its TCP links
             return ring_time(coll, n, size, tcp) * share, "flat"
-        per_host = 2 if r["layout"] == "2x2" else 1
         return hierarchical_time(coll, n, per_host, size, shm, tcp) * share, "hierarchical"
 
     table, out_rows, _ = check_table(check, predict, seen)
@@ -225,8 +254,13 @@ def main() -> int:
         f"{settings['iters']} calls in each of {settings['rounds']} rounds (a round runs each "
         "fit and check once, in turn) "
         "(pycollectives-bench trials_us; each trial the slowest rank's mean over its calls).",
-        f"Cache regime boundary of the TCP fit: {tcp.cache_bytes >> 10} KiB (the L2 per core); "
-        f"of the shared-memory fit: {shm.cache_bytes >> 20} MiB (the last-level cache).",
+        (
+            f"Cache regime boundary of the TCP fit: {tcp.cache_bytes >> 10} KiB (the L2 per core); "
+            if args.model == "paths"
+            else "TCP (strategies/plan/tcp_model.py): per algorithm, the bytes each rank copies, "
+            "reduces and has the kernel copy for TCP, its frames and ring steps; "
+        )
+        + f"the shared-memory fit's cache boundary: {shm.cache_bytes >> 20} MiB (the last-level cache).",
         "Load average (1/5/15 min) before and after each run: "
         + "; ".join(f"{r['run']}: {r['load_before']} -> {r['load_after']}" for r in runs)
         + f"; {t_all:.0f} s of runs."
@@ -257,11 +291,11 @@ def main() -> int:
         (DATA / f"plan_costs_hosts-{date}.json").write_text(json.dumps({
             "summary": summaries, "ring_vs_hierarchical_agree": [agree, total], "command": cmd,
             "machine": f"{cpu_model()}, {cores} cores", "cores": cores, "cache_bytes": shm.cache_bytes, "date": date, "runs": runs,
-            "fitted": {"tcp": tcp.describe(), "shm": shm.describe()}, "rows": out_rows,
+            "model": args.model, "fitted": {"tcp": tcp.describe(), "shm": shm.describe()}, "rows": out_rows,
             "at_scale": at_scale, "settings": settings, "raw": raw,
         }, indent=1) + "\n")  # fmt: skip
     tables = [
-        "Fitted, TCP (2 hosts x 1 rank):", "", *fitted_table(tcp), "",
+        "Fitted, TCP (2 hosts x 1 rank):", "", *(fitted_table(tcp) if args.model == "paths" else constants_table(tcp)), "",
         "Fitted, shared memory within a host (2 ranks, PYCOLL_ALGO=ring):", "", *constants_table(shm), "",
         "Check runs against the fit (N: hosts x ranks per host):", "", *table, "",
         "Ring (PYCOLL_ALGO=ring) against hierarchical (the default) at 2 x 2, time ratios:", "", *choice, "",
