@@ -131,6 +131,24 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, list[dict]], list[dict]
     return raw, runs
 
 
+def rounds_agree(rows: list[dict], trials: int) -> str:
+    """Per layout, how many rows' least trial of the first round lies within 20% of the
+    second's (a row's trials_us: each round's `trials` in turn): how far the machine repeats
+    itself between rounds, a floor under any model's error."""
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        t = r.get("trials_us") or []
+        if trials > 0 and len(t) >= 2 * trials:
+            by.setdefault(r["layout"], []).append(min(t[trials : 2 * trials]) / min(t[:trials]))
+    if not by:
+        return "one round only"
+    return "; ".join(
+        f"{k} {sum(abs(x - 1) <= 0.2 for x in v)}/{len(v)} within 20% (median |difference| "
+        f"{statistics.median(abs(x - 1) for x in v):.0%})"
+        for k, v in sorted(by.items())
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max", default="16M", help="largest size (default 16M)")
@@ -247,6 +265,7 @@ def main() -> int:
             cells = [f"{g['ring_s'] / g['hierarchical_s']:.2f}" for g in got if g["ranks"] in (8, 64, 512, 4096)]  # fmt: skip
             scale.append(f"| {size_label(size)} | {per_host} | " + " | ".join(cells) + " |")
 
+    again_rounds = rounds_agree(tcp_rows + shm_rows + check, int(settings["trials"]))
     notes = [
         "Result: " + "; ".join(summaries) + f"; ring vs hierarchical at 2 x 2: the predicted "
         f"faster one measured faster at {agree}/{total} sizes.",
@@ -272,12 +291,15 @@ def main() -> int:
         f"The same points measured twice (2 x 1, the fit's {len(again)} collective and size "
         "pairs, in the check run against the fit run): check / fit from "
         + (
-            f"{again[0]:.2f} to {again[-1]:.2f}, median {statistics.median(again):.2f}"
+            f"{again[0]:.2f} to {again[-1]:.2f}, median {statistics.median(again):.2f}, "
+            f"{sum(abs(x - 1) <= 0.2 for x in again)}/{len(again)} within 20%"
             if again
             else "-"
         )
         + ": how far apart two runs of the same thing land on this machine at this load, a "
         "floor under any model's error.",
+        f"Round against round (the least trial of round 2 over round 1's, per row): "
+        f"{again_rounds}.",
         "Hosts: network namespaces on one machine, one veth pair each to a bridge: the two "
         f"hosts' ranks share its {cores} cores (and the kernel that copies TCP's bytes); the "
         "fits divide each row by the share of the cores its ranks had (costs.core_share: "
