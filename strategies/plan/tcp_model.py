@@ -21,9 +21,16 @@ all-gather: k = n-1, B = S/n) costs each rank, per `link_work`:
     copy     as over the shared slots (shm_model.work: csrc/algo/prims.cc fuses each
     reduce   step's receive, reduction or copy, and send into one pass: all-reduce
              copies S and reduces (n-1)B, reduce-scatter B and (n-1)B, all-gather S and 0)
-    net      k B x sides: the bytes the kernel copies for it, sides = 2 where both its
-             send and its receive cross hosts (one rank per host), 1 where one does
-    frames   k ceil(B / slot) x sides: a send() or recv() and a wake-up each
+    net      2 k B: the kernel's work for the link's bytes at both of its ends. With one
+             rank per host that is the rank's own send and receive. In a flat ring over
+             hosts of several ranks, where a rank's send or its receive crosses hosts,
+             the busiest rank is the sender: its send() of a frame over loopback or veth
+             also runs the receiving stack (softirq, in the sender's context), so it bears
+             most of the link's work; the model charges it all (the upper bound; half,
+             the lower, priced the flat ring's rows of the 2026-12-07 record worse:
+             5/27 rows within 20% against 12/27)
+    frames   k ceil(B / slot) x sides: a send() or recv() and a wake-up each (sides 2
+             with one rank per host, 1 in the flat ring over hosts of several ranks)
     steps    k: a round trip through the link each (the ring waits for its predecessor)
     handoffs k ceil(B / slot): chunks received, over either kind of link
 
@@ -99,9 +106,10 @@ def link_work(
     b = size / n
     slot = slot or slot_bytes(n)
     sides = 0 if hosts == 1 else 2 if per_host == 1 else 1
+    net = 0 if hosts == 1 else 2 * k * b  # module docstring: the busiest rank's share
     w = work(collective, "slots", n, size, slot)  # the ring's copies and reductions
     chunks = k * math.ceil(b / slot)
-    return LinkWork(w.copy, w.reduce, k * b * sides, chunks * sides, k, chunks)
+    return LinkWork(w.copy, w.reduce, net, chunks * sides, k, chunks)
 
 
 @dataclass
