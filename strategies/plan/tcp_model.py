@@ -41,7 +41,9 @@ two to rows with more ranks than cores (fit_tcp takes the shared-memory model's 
 and no wait).
 
 The within-host rings of the hierarchical schedules are priced with shm_model.work and the
-shared-memory model's constants. The time is the ranks' CPU work (busy time) times
+shared-memory model's constants; past its last-level cache, where all the ranks' buffers
+together exceed it, the time is the memory's for their traffic if that is longer (as in
+shm_model, at its fitted bandwidth; fit_tcp then leaves those rows out where others suffice). The time is the ranks' CPU work (busy time) times
 shm_model.share() of the ranks that share the cores: on a cluster a host's own ranks on
 its cores; on one machine holding every "host" (network namespaces over veth, the test
 bed) all ranks, whose kernels' copies for TCP take the same cores.
@@ -58,7 +60,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .shm_model import COLLECTIVES, ShmModel, _lstsq_nonneg, share, slot_bytes, work
+from .shm_model import COLLECTIVES, ShmModel, _lstsq_nonneg, share, slot_bytes, traffic, work
 from .units import PlanInputError
 
 __all__ = ["LinkWork", "TcpModel", "fit_sharing", "fit_tcp", "link_work"]
@@ -190,13 +192,36 @@ class TcpModel:
                 waits += work(half, "slots", per_host, size).handoffs
         return busy, waits
 
+    def memory_time(
+        self, collective: str, hosts: int, per_host: int, size: float, flat: bool, sharing: int
+    ) -> float:
+        """Seconds the memory takes for the traffic (shm_model.traffic: a copy 2 bytes per
+        byte, a reduction 3, a kernel copy 2) of the `sharing` ranks that share it, at the
+        shared-memory model's bandwidth past its cache, once their buffers together
+        (sharing x size) exceed that cache; 0 within it or without a shared-memory model."""
+        shm = self.shm
+        if shm is None or not shm.per_traffic or sharing * size < shm.cache_bytes:
+            return 0.0
+        per_rank = 0.0
+        parts = [link_work(collective, hosts, per_host, size)] if flat or hosts < 2 else [
+            link_work(collective, hosts, 1, size / per_host)]  # fmt: skip
+        if not flat and hosts > 1 and per_host > 1:
+            for half in ("reduce_scatter", "all_gather"):
+                if collective in ("all_reduce", half):
+                    per_rank += traffic(work(half, "slots", per_host, size))
+        per_rank += sum(2 * w.copy + 3 * w.reduce + 2 * w.net for w in parts)
+        return sharing * per_rank * shm.per_traffic
+
     def flat_time(
         self, collective: str, hosts: int, per_host: int, size: float, sharing: int | None = None
     ) -> float:
         """Seconds of one ring over hosts x per_host ranks on `sharing` ranks' cores
-        (default per_host: a host's own). Raises PlanInputError as link_work does."""
+        (default per_host: a host's own): the cores' time or the memory's, the longer.
+        Raises PlanInputError as link_work does."""
         busy, waits = self.parts(collective, hosts, per_host, size, True)
-        return self._shared(busy, waits, sharing or per_host)
+        m = sharing or per_host
+        cpu = self._shared(busy, waits, m)
+        return max(cpu, self.memory_time(collective, hosts, per_host, size, True, m))
 
     def hierarchical_time(
         self, collective: str, hosts: int, per_host: int, size: float, sharing: int | None = None
@@ -205,7 +230,9 @@ class TcpModel:
         ranks on `sharing` ranks' cores (default per_host). Raises PlanInputError as
         link_work does."""
         busy, waits = self.parts(collective, hosts, per_host, size, False)
-        return self._shared(busy, waits, sharing or per_host)
+        m = sharing or per_host
+        cpu = self._shared(busy, waits, m)
+        return max(cpu, self.memory_time(collective, hosts, per_host, size, False, m))
 
     def time(self, collective: str, n: int, size: float, path: str | None = None) -> float:
         """Seconds of a ring `collective` over `n` ranks joined by TCP links (one per host),
@@ -256,7 +283,8 @@ def fit_tcp(
     "layout" of "HxP" where not one rank per host; "ring" in it: the flat ring, else the
     hierarchical schedule) of all_reduce, reduce_scatter, all_gather at >= min_bytes,
     minimizing squared relative errors (non-negative constants). The copy and reduce rates
-    are `shm`'s where given, else fitted. cores: the cores the rows' ranks shared (None: a
+    are `shm`'s where given, else fitted; rows past shm's cache are the memory's (left out
+    where two others remain). cores: the cores the rows' ranks shared (None: a
     core each); sharing "host": a host's ranks share them, "all": every rank of a row (one
     machine). Raises PlanInputError with fewer than two usable rows or another sharing."""
     if sharing not in ("host", "all"):
@@ -265,12 +293,16 @@ def fit_tcp(
     probe = TcpModel(0, 0, 0, 0, 0, shm, cores)
     a: list[list[float]] = []
     b: list[float] = []
-    for r in _usable(rows, min_bytes):
+    usable = _usable(rows, min_bytes)
+    if shm is not None and shm.per_traffic:  # rows past the cache: the memory's (shm's) time
+        inside = [r for r in usable if _ranks(r, sharing) * r["size"] < shm.cache_bytes]
+        usable = inside if len(inside) >= 2 else usable
+    for r in usable:
         hosts, per, flat = _layout(r)
         coll, size, t = r["collective"], r["size"], r["time_us"] * 1e-6
         w = link_work(coll, hosts, per, size) if flat else link_work(coll, hosts, 1, size / per)
         fixed = 0.0 if flat else probe.parts(coll, hosts, per, size, False)[0]  # within hosts
-        sh = share(r["nranks"] if sharing == "all" else per, cores, cont)
+        sh = share(_ranks(r, sharing), cores, cont)
         cols = [w.steps, w.frames, w.net]
         cols += [0.0, 0.0] if shm is not None else [w.copy, w.reduce]
         known = (w.copy * shm.per_copy + w.reduce * shm.per_reduce) if shm is not None else 0.0
@@ -289,6 +321,11 @@ def fit_tcp(
     pr = pr or pc
     what = f"{source}: tcp, per algorithm, {len(a)} rows"
     return TcpModel(step, frame, net, pc, pr, shm, cores, what, len(a), cont)
+
+
+def _ranks(row: dict[str, Any], sharing: str) -> int:
+    """The ranks that share the cores with a row's: all of them ("all") or its host's."""
+    return row["nranks"] if sharing == "all" else _layout(row)[1]
 
 
 def _usable(rows: list[dict[str, Any]], min_bytes: int) -> list[dict[str, Any]]:

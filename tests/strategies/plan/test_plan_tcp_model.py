@@ -153,3 +153,27 @@ def test_cli_prices_tcp_per_algorithm_or_per_path(tmp_path, capsys):
         out = capsys.readouterr().out
         inter_link = json.loads(out_json.read_text())["links"]["inter"]
         assert want in inter_link["source"] and inter_link["transport"] == "tcp", out
+
+
+def test_past_the_cache_the_memory_may_pace_it():
+    """4 ranks whose buffers together pass the shared-memory model's cache: the memory's
+    time for every rank's traffic (a copy 2 bytes per byte, a reduction 3, a kernel copy 2)
+    where it is longer than the cores'."""
+    shm = ShmModel(3e-6, 1 / 10e9, 1 / 5e9, 1 / 8e9, 0.0, 1 / 1e9, None, 4 * MIB)
+    m = _tcp(shm)
+    s = 4 * MIB
+    across = link_work("all_gather", 2, 1, s / 2)
+    intra = work("all_gather", "slots", 2, s)
+    per_rank = 2 * intra.copy + 2 * across.copy + 2 * across.net
+    want = 4 * per_rank / 1e9
+    assert m.memory_time("all_gather", 2, 2, s, False, 4) == pytest.approx(want)
+    assert m.hierarchical_time("all_gather", 2, 2, s, sharing=4) == pytest.approx(want)
+    assert m.memory_time("all_gather", 2, 2, MIB / 2, False, 4) == 0.0  # within the cache
+    flat = link_work("reduce_scatter", 2, 2, s)
+    want = 4 * (2 * flat.copy + 3 * flat.reduce + 2 * flat.net) / 1e9
+    assert m.memory_time("reduce_scatter", 2, 2, s, True, 4) == pytest.approx(want)
+    # the fit leaves the rows past the cache to the memory, and recovers the rest
+    rows = _rows(_tcp(shm, cores=2))
+    got = fit_tcp(rows, shm, cores=2, sharing="all")
+    assert got.per_net == pytest.approx(1 / 4e9, rel=1e-6)
+    assert got.rows == sum(2 * r["size"] < 4 * MIB for r in rows)
