@@ -10,8 +10,10 @@ all_gather, each row's time the least of its trials by default (the machine is s
 other processes only add time), the trials of --rounds rounds, each of which runs every
 fit and check once in turn. Fit runs, 64 KiB to --max x4 apart:
 
-- TCP: 2 hosts x 1 rank (strategies/plan/fitted.py: alpha and beta of the ring formulas
-  per collective, path and cache regime);
+- TCP: 2 hosts x 1 rank (strategies/plan/tcp_model.py: per algorithm the bytes each rank
+  copies, reduces and has the kernel copy for TCP, its frames and ring steps, with the
+  shared-memory fit's copy and reduction rates; --model paths: fitted.py's alpha and beta
+  of the ring formulas per collective, path and cache regime);
 - shared memory: 2 ranks on one host under PYCOLL_ALGO=ring, the rings over the shared
   slots that the hierarchical schedules run within a host (costs.INTRA_PATH), fitted as
   plan_costs.py fits shared memory (strategies/plan/shm_model.py: the bytes each rank
@@ -23,7 +25,9 @@ priced by costs.hierarchical_time) and 2 hosts x 2 ranks under PYCOLL_ALGO=ring 
 ring over the four ranks, priced as a ring paced by the TCP link), so that the measured
 choice between ring and hierarchical checks the predicted one. Target: within 20% from
 64 KiB up. Then the fitted figures' ring against hierarchical at 8 to 4096 ranks
-(costs.ring_vs_hierarchical). Writes its section of docs/benchmarks.md (between
+(costs.ring_vs_hierarchical). `--replay JSON` prices a record again; with `--in-run` the
+algorithms model's cost of ranks past the cores (tcp_model.fit_sharing) is fitted to its
+2 x 2 check rows at the fit's sizes and checked on the rest. Writes its section of docs/benchmarks.md (between
 <!-- plan_costs_hosts:begin --> and <!-- plan_costs_hosts:end -->),
 docs/data/plan_costs_hosts-DATE.json and the TCP fit run as a bench JSON
 (docs/data/plan_costs_hosts-DATE-tcp.json, for `pycollectives-plan --inter-bench-json`).
