@@ -305,9 +305,15 @@ def main() -> int:
         f"Round against round (the least trial of round 2 over round 1's, per row): "
         f"{again_rounds}.",
         "Hosts: network namespaces on one machine, one veth pair each to a bridge: the two "
-        f"hosts' ranks share its {cores} cores (and the kernel that copies TCP's bytes); the "
-        "fits divide each row by the share of the cores its ranks had (costs.core_share: "
-        "max(1, ranks / cores)) and the predictions multiply the check run's back.",
+        f"hosts' ranks share its {cores} cores (and the kernel that copies TCP's bytes); "
+        + (
+            "the fits divide each row by the share of the cores its ranks had (costs.core_share: "
+            "max(1, ranks / cores)) and the predictions multiply the check run's back."
+            if args.model == "paths"
+            else "the model prices all of a run's ranks on them (shm_model.share with the "
+            "shared-memory fit's contention; tcp_model's wait per handoff past the cores: 0 "
+            "unless --in-run fits it)."
+        ),
     ]
     if not args.no_write:
         DATA.mkdir(exist_ok=True)
