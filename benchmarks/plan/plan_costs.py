@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
@@ -40,6 +41,7 @@ from pycollectives.strategies.plan.costs import core_share  # noqa: E402
 from pycollectives.strategies.plan.fitted import CostModel, fit_model, row_path  # noqa: E402
 from pycollectives.strategies.plan.shm_model import (  # noqa: E402
     ShmModel,
+    fit_busiest,
     fit_shm,
     last_level_cache_bytes,
 )
@@ -171,6 +173,26 @@ def breakdown(out_rows: list[dict]) -> str:
     )
 
 
+def record_rows(old: dict) -> tuple[list[dict], list[dict]]:
+    """(fit rows, check rows) of a plan_costs record: its raw rows where it has them, else
+    no fit rows and the check rows as its table recorded them."""
+    if "raw" in old:
+        return old["raw"]["fit"], old["raw"]["check"]
+    return [], [
+        {"backend": "pycoll", "collective": r["collective"], "nranks": r["nranks"],
+         "size": r["size"], "time_us": r["measured_us"], "paths": {r["path_check"]: 1}}
+        for r in old["rows"]
+    ]  # fmt: skip
+
+
+def in_run_split(check_rows: list[dict], fit_ranks: str) -> tuple[list[dict], list[dict]]:
+    """(the check rows at fit_ranks and the fit run's sizes, the rest)."""
+    ranks = {int(x) for x in fit_ranks.split(",")}
+    at = {64 << 10 << 2 * k for k in range(5)}  # 64 KiB to 16 MiB x4 apart, the fit run's
+    fit = [r for r in check_rows if r["nranks"] in ranks and r["size"] in at]
+    return fit, [r for r in check_rows if r not in fit]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit-ranks", default="2,4")
@@ -200,10 +222,18 @@ def main() -> int:
         "check its other rows (no drift between runs; also for a JSON without raw rows); "
         "writes nothing",
     )
+    ap.add_argument(
+        "--busiest-from",
+        metavar="JSON",
+        help="with --replay, algorithms model: the busiest core's weight (shm_model.share) fitted "
+        "on another plan_costs record's rows at rank counts not a multiple of the cores "
+        "(cross-record check); writes nothing",
+    )
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
-    if args.in_run and not args.replay:
-        ap.error("--in-run: only with --replay")
+    if (args.in_run or args.busiest_from) and not args.replay:
+        ap.error("--in-run, --busiest-from: only with --replay")
+    args.no_write = args.no_write or bool(args.busiest_from)
     args.no_write = args.no_write or args.in_run  # an analysis of a record: nothing written
     load0, t0 = os.getloadavg(), time.perf_counter()
     cores = os.cpu_count() or 1
@@ -214,14 +244,7 @@ def main() -> int:
         if "raw" not in old and not args.in_run:
             ap.error(f"--replay {args.replay}: no raw rows (recorded before 2026-12-07 04:50; "
                      "--in-run prices its check rows)")  # fmt: skip
-        if "raw" in old:
-            fit_rows, check_rows = old["raw"]["fit"], old["raw"]["check"]
-        else:  # the check rows as the table recorded them
-            fit_rows, check_rows = [], [
-                {"backend": "pycoll", "collective": r["collective"], "nranks": r["nranks"],
-                 "size": r["size"], "time_us": r["measured_us"], "paths": {r["path_check"]: 1}}
-                for r in old["rows"]
-            ]  # fmt: skip
+        fit_rows, check_rows = record_rows(old)
         cores = old.get("cores") or int(old["machine"].rsplit(", ", 1)[1].split()[0])
         date, load0, load1 = old["date"], old["load_start"], old["load_end"]
         cache = old.get("cache_bytes", cache)
@@ -231,10 +254,7 @@ def main() -> int:
         load1 = os.getloadavg()
     repeat = run_to_run(fit_rows, check_rows)  # the two runs as recorded
     if args.in_run:  # the check run alone: the fit's ranks at the fit's sizes against the rest
-        ranks = {int(x) for x in args.fit_ranks.split(",")}
-        at = {64 << 10 << 2 * k for k in range(5)}  # 64 KiB to 16 MiB x4 apart, the fit run's
-        fit_rows = [r for r in check_rows if r["nranks"] in ranks and r["size"] in at]
-        check_rows = [r for r in check_rows if r not in fit_rows]
+        fit_rows, check_rows = in_run_split(check_rows, args.fit_ranks)
     seen = {(r["collective"], ranks_of(r), r["size"]) for r in fit_rows}
     if args.model == "paths":
         model = fit_model(fit_rows, "shm", source="fit run", cores=cores)
@@ -252,6 +272,15 @@ def main() -> int:
         )
     else:
         shm = fit_shm(fit_rows, cores, cache, source="fit run")
+        if args.busiest_from:  # the busiest core's weight of another record, fitted there
+            other = json.loads(Path(args.busiest_from).read_text())
+            o_fit, o_check = record_rows(other)
+            if not o_fit:  # a record without raw rows: its own check run's split
+                o_fit, o_check = in_run_split(o_check, args.fit_ranks)
+            o_cores = other.get("cores") or int(other["machine"].rsplit(", ", 1)[1].split()[0])
+            o_model = fit_shm(o_fit, o_cores, other.get("cache_bytes", cache), source="other")
+            shm = replace(shm, busiest=fit_busiest(o_model, o_check).busiest,
+                          source=f"{shm.source}; busiest from {args.busiest_from}")  # fmt: skip
 
         def predict(r: dict) -> tuple[float, str]:
             coll, n, size = r["collective"], r["nranks"], r["size"]

@@ -10,8 +10,10 @@ all_gather, each row's time the least of its trials by default (the machine is s
 other processes only add time), the trials of --rounds rounds, each of which runs every
 fit and check once in turn. Fit runs, 64 KiB to --max x4 apart:
 
-- TCP: 2 hosts x 1 rank (strategies/plan/fitted.py: alpha and beta of the ring formulas
-  per collective, path and cache regime);
+- TCP: 2 hosts x 1 rank (strategies/plan/tcp_model.py: per algorithm the bytes each rank
+  copies, reduces and has the kernel copy for TCP, its frames and ring steps, with the
+  shared-memory fit's copy and reduction rates; --model paths: fitted.py's alpha and beta
+  of the ring formulas per collective, path and cache regime);
 - shared memory: 2 ranks on one host under PYCOLL_ALGO=ring, the rings over the shared
   slots that the hierarchical schedules run within a host (costs.INTRA_PATH), fitted as
   plan_costs.py fits shared memory (strategies/plan/shm_model.py: the bytes each rank
@@ -23,7 +25,9 @@ priced by costs.hierarchical_time) and 2 hosts x 2 ranks under PYCOLL_ALGO=ring 
 ring over the four ranks, priced as a ring paced by the TCP link), so that the measured
 choice between ring and hierarchical checks the predicted one. Target: within 20% from
 64 KiB up. Then the fitted figures' ring against hierarchical at 8 to 4096 ranks
-(costs.ring_vs_hierarchical). Writes its section of docs/benchmarks.md (between
+(costs.ring_vs_hierarchical). `--replay JSON` prices a record again; with `--in-run` the
+algorithms model's cost of ranks past the cores (tcp_model.fit_sharing) is fitted to its
+2 x 2 check rows at the fit's sizes and checked on the rest. Writes its section of docs/benchmarks.md (between
 <!-- plan_costs_hosts:begin --> and <!-- plan_costs_hosts:end -->),
 docs/data/plan_costs_hosts-DATE.json and the TCP fit run as a bench JSON
 (docs/data/plan_costs_hosts-DATE-tcp.json, for `pycollectives-plan --inter-bench-json`).
@@ -64,6 +68,7 @@ from pycollectives.strategies.plan.costs import (  # noqa: E402
 )
 from pycollectives.strategies.plan.fitted import fit_model  # noqa: E402
 from pycollectives.strategies.plan.shm_model import fit_shm  # noqa: E402
+from pycollectives.strategies.plan.tcp_model import fit_sharing, fit_tcp  # noqa: E402
 
 BEGIN, END = "<!-- plan_costs_hosts:begin -->", "<!-- plan_costs_hosts:end -->"
 COLLS = "all_reduce,reduce_scatter,all_gather"
@@ -130,6 +135,24 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, list[dict]], list[dict]
     return raw, runs
 
 
+def rounds_agree(rows: list[dict], trials: int) -> str:
+    """Per layout, how many rows' least trial of the first round lies within 20% of the
+    second's (a row's trials_us: each round's `trials` in turn): how far the machine repeats
+    itself between rounds, a floor under any model's error."""
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        t = r.get("trials_us") or []
+        if trials > 0 and len(t) >= 2 * trials:
+            by.setdefault(r["layout"], []).append(min(t[trials : 2 * trials]) / min(t[:trials]))
+    if not by:
+        return "one round only"
+    return "; ".join(
+        f"{k} {sum(abs(x - 1) <= 0.2 for x in v)}/{len(v)} within 20% (median |difference| "
+        f"{statistics.median(abs(x - 1) for x in v):.0%})"
+        for k, v in sorted(by.items())
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max", default="16M", help="largest size (default 16M)")
@@ -147,8 +170,23 @@ def main() -> int:
         metavar="JSON",
         help="price the runs recorded in this plan_costs_hosts JSON again instead of measuring",
     )
+    ap.add_argument(
+        "--model",
+        choices=("algorithms", "paths"),
+        default="algorithms",
+        help="TCP: algorithms: tcp_model.py (default); paths: the per-path alpha/beta of fitted.py",
+    )
+    ap.add_argument(
+        "--in-run",
+        action="store_true",
+        help="with --replay (writes nothing): fit the algorithms model's cost of ranks past the "
+        "cores (tcp_model.fit_sharing) to the 2 x 2 check rows at the fit's sizes, check the rest",
+    )
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    if args.in_run and not args.replay:
+        ap.error("--in-run: only with --replay")
+    args.no_write = args.no_write or args.in_run  # an analysis of a record: nothing written
     t0 = time.perf_counter()
     settings = {k: getattr(args, k) for k in ("max", "trials", "rounds", "iters", "estimator")}
     date = datetime.date.today().isoformat()
@@ -165,16 +203,29 @@ def main() -> int:
     t_all = sum(r["seconds"] for r in runs)
     tcp_rows, shm_rows, check = raw["tcp_fit"], raw["shm_fit"], raw["check"]
     # Every "host" is a namespace of this one machine: a run's ranks share its cores.
-    tcp = fit_model(tcp_rows, "tcp", source="TCP fit run", cores=cores)
     shm = fit_shm(shm_rows, cores, old.get("cache_bytes") if args.replay else None, source="shm")
+    if args.model == "paths":
+        tcp = fit_model(tcp_rows, "tcp", source="TCP fit run", cores=cores)
+    else:  # every "host" a namespace of this machine: all of a run's ranks share its cores
+        tcp = fit_tcp(tcp_rows, shm, cores, source="TCP fit run", sharing="all")
     seen = {(r["collective"], ranks_of(r), r["size"]) for r in tcp_rows}
+    if args.in_run and args.model == "algorithms":  # 4 ranks on the cores: from the check run
+        sizes = {r["size"] for r in tcp_rows}
+        shared = [r for r in check if r["layout"] != "2x1" and r["size"] in sizes]
+        tcp = fit_sharing(tcp, shared, sharing="all")
+        seen |= {(r["collective"], ranks_of(r), r["size"]) for r in shared}
 
     def predict(r: dict) -> tuple[float, str]:
         coll, n, size = r["collective"], r["nranks"], r["size"]
+        per_host = 1 if r["layout"] == "2x1" else 2
+        if args.model == "algorithms":
+            if r["layout"] == "2x2 ring":
+                return tcp.flat_time(coll, n // per_host, per_host, size, sharing=n), "flat"
+            t = tcp.hierarchical_time(coll, n // per_host, per_host, size, sharing=n)
+            return t, "hierarchical"
         share = core_share(n, cores)  # all of the run's ranks on this machine's cores
         if r["layout"] == "2x2 ring":  # one ring over every rank, paced by its TCP links
             return ring_time(coll, n, size, tcp) * share, "flat"
-        per_host = 2 if r["layout"] == "2x2" else 1
         return hierarchical_time(coll, n, per_host, size, shm, tcp) * share, "hierarchical"
 
     table, out_rows, _ = check_table(check, predict, seen)
@@ -218,6 +269,7 @@ def main() -> int:
             cells = [f"{g['ring_s'] / g['hierarchical_s']:.2f}" for g in got if g["ranks"] in (8, 64, 512, 4096)]  # fmt: skip
             scale.append(f"| {size_label(size)} | {per_host} | " + " | ".join(cells) + " |")
 
+    again_rounds = rounds_agree(tcp_rows + shm_rows + check, int(settings["trials"]))
     notes = [
         "Result: " + "; ".join(summaries) + f"; ring vs hierarchical at 2 x 2: the predicted "
         f"faster one measured faster at {agree}/{total} sizes.",
@@ -225,8 +277,13 @@ def main() -> int:
         f"{settings['iters']} calls in each of {settings['rounds']} rounds (a round runs each "
         "fit and check once, in turn) "
         "(pycollectives-bench trials_us; each trial the slowest rank's mean over its calls).",
-        f"Cache regime boundary of the TCP fit: {tcp.cache_bytes >> 10} KiB (the L2 per core); "
-        f"of the shared-memory fit: {shm.cache_bytes >> 20} MiB (the last-level cache).",
+        (
+            f"Cache regime boundary of the TCP fit: {tcp.cache_bytes >> 10} KiB (the L2 per core); "
+            if args.model == "paths"
+            else "TCP (strategies/plan/tcp_model.py): per algorithm, the bytes each rank copies, "
+            "reduces and has the kernel copy for TCP, its frames and ring steps; "
+        )
+        + f"the shared-memory fit's cache boundary: {shm.cache_bytes >> 20} MiB (the last-level cache).",
         "Load average (1/5/15 min) before and after each run: "
         + "; ".join(f"{r['run']}: {r['load_before']} -> {r['load_after']}" for r in runs)
         + f"; {t_all:.0f} s of runs."
@@ -238,16 +295,25 @@ def main() -> int:
         f"The same points measured twice (2 x 1, the fit's {len(again)} collective and size "
         "pairs, in the check run against the fit run): check / fit from "
         + (
-            f"{again[0]:.2f} to {again[-1]:.2f}, median {statistics.median(again):.2f}"
+            f"{again[0]:.2f} to {again[-1]:.2f}, median {statistics.median(again):.2f}, "
+            f"{sum(abs(x - 1) <= 0.2 for x in again)}/{len(again)} within 20%"
             if again
             else "-"
         )
         + ": how far apart two runs of the same thing land on this machine at this load, a "
         "floor under any model's error.",
+        f"Round against round (the least trial of round 2 over round 1's, per row): "
+        f"{again_rounds}.",
         "Hosts: network namespaces on one machine, one veth pair each to a bridge: the two "
-        f"hosts' ranks share its {cores} cores (and the kernel that copies TCP's bytes); the "
-        "fits divide each row by the share of the cores its ranks had (costs.core_share: "
-        "max(1, ranks / cores)) and the predictions multiply the check run's back.",
+        f"hosts' ranks share its {cores} cores (and the kernel that copies TCP's bytes); "
+        + (
+            "the fits divide each row by the share of the cores its ranks had (costs.core_share: "
+            "max(1, ranks / cores)) and the predictions multiply the check run's back."
+            if args.model == "paths"
+            else "the model prices all of a run's ranks on them (shm_model.share with the "
+            "shared-memory fit's contention; tcp_model's wait per handoff past the cores: 0 "
+            "unless --in-run fits it)."
+        ),
     ]
     if not args.no_write:
         DATA.mkdir(exist_ok=True)
@@ -257,11 +323,11 @@ def main() -> int:
         (DATA / f"plan_costs_hosts-{date}.json").write_text(json.dumps({
             "summary": summaries, "ring_vs_hierarchical_agree": [agree, total], "command": cmd,
             "machine": f"{cpu_model()}, {cores} cores", "cores": cores, "cache_bytes": shm.cache_bytes, "date": date, "runs": runs,
-            "fitted": {"tcp": tcp.describe(), "shm": shm.describe()}, "rows": out_rows,
+            "model": args.model, "fitted": {"tcp": tcp.describe(), "shm": shm.describe()}, "rows": out_rows,
             "at_scale": at_scale, "settings": settings, "raw": raw,
         }, indent=1) + "\n")  # fmt: skip
     tables = [
-        "Fitted, TCP (2 hosts x 1 rank):", "", *fitted_table(tcp), "",
+        "Fitted, TCP (2 hosts x 1 rank):", "", *(fitted_table(tcp) if args.model == "paths" else constants_table(tcp)), "",
         "Fitted, shared memory within a host (2 ranks, PYCOLL_ALGO=ring):", "", *constants_table(shm), "",
         "Check runs against the fit (N: hosts x ranks per host):", "", *table, "",
         "Ring (PYCOLL_ALGO=ring) against hierarchical (the default) at 2 x 2, time ratios:", "", *choice, "",

@@ -6,9 +6,10 @@
 
 prints the inputs as understood, the best layouts by predicted step time (memory and time
 itemized) and the rejected ones with their reason; --json FILE writes all of it.
---bench-json FILE fits the intra-host link to a `pycollectives-bench --json` run (per path
-the communicator took and cache regime, strategies/plan/fitted.py), --inter-bench-json FILE
-the inter-host link to one run across hosts (TCP). --cores-per-host N, where the ranks of
+--bench-json FILE fits the intra-host link to a `pycollectives-bench --json` run
+(strategies/plan/shm_model.py), --inter-bench-json FILE the inter-host link to one run
+across hosts (TCP: strategies/plan/tcp_model.py, per algorithm; --inter-model paths: the
+per-path alpha/beta of strategies/plan/fitted.py). --cores-per-host N, where the ranks of
 a host outnumber its cores (CPU training), bounds the step by the host's CPU work over its
 cores and prices --collective-cpu and --collective-wait per synchronizing collective;
 --block-call and
@@ -30,16 +31,21 @@ from .fitted import CostModel, fit_model
 from .inputs import Request, parse_request
 from .layout import Layout, Priced, Rejected, price
 from .shm_model import ShmModel, fit_shm
+from .tcp_model import TcpModel, fit_tcp
 from .units import PlanInputError
 
 __all__ = ["main", "plan"]
 
 
 def _links(
-    req: Request, bench: str | None, inter_bench: str | None = None
-) -> dict[str, LinkCost | CostModel | ShmModel]:
+    req: Request, bench: str | None, inter_bench: str | None = None, inter_model: str = "algorithms"
+) -> dict[str, LinkCost | CostModel | ShmModel | TcpModel]:
     """The given links, the intra-host one fitted to `bench` and the inter-host one to
-    `inter_bench` (pycollectives-bench --json runs) where given."""
+    `inter_bench` (pycollectives-bench --json runs) where given: by tcp_model (inter_model
+    "algorithms", with the intra-host fit's copy and reduction rates where there is one)
+    or fitted.fit_model ("paths"). Raises PlanInputError for another inter_model."""
+    if inter_model not in ("algorithms", "paths"):
+        raise PlanInputError(f"--inter-model {inter_model!r} is not 'algorithms' or 'paths'")
     c = req.cluster
     links = {
         "intra": LinkCost(c.intra.latency, 1 / c.intra.bandwidth, f"given {c.intra.text}"),
@@ -48,12 +54,17 @@ def _links(
     if bench:
         links["intra"] = fit_shm(load_bench_json(bench), None, source=bench)
     if inter_bench:
-        links["inter"] = fit_model(load_bench_json(inter_bench), "tcp", source=inter_bench)
+        rows = load_bench_json(inter_bench)
+        if inter_model == "paths":
+            links["inter"] = fit_model(rows, "tcp", source=inter_bench)
+        else:
+            shm = links["intra"] if isinstance(links["intra"], ShmModel) else None
+            links["inter"] = fit_tcp(rows, shm, None, source=inter_bench)
     return links
 
 
 def plan(
-    req: Request, links: dict[str, LinkCost | CostModel | ShmModel]
+    req: Request, links: dict[str, LinkCost | CostModel | ShmModel | TcpModel]
 ) -> tuple[list[Priced], list[Rejected]]:
     """Every allowed layout of req priced: (those that fit, fastest first; the rejected)."""
     a, n = req.allowed, req.cluster.devices
@@ -89,7 +100,7 @@ def _row(p: Priced) -> str:
 
 def report(
     req: Request,
-    links: dict[str, LinkCost | CostModel | ShmModel],
+    links: dict[str, LinkCost | CostModel | ShmModel | TcpModel],
     fits: list[Priced],
     rejected: list[Rejected],
     top: int,
@@ -135,9 +146,9 @@ def report(
     return "\n".join(lines)
 
 
-def _link_json(link: LinkCost | CostModel | ShmModel) -> dict[str, Any]:
-    if isinstance(link, ShmModel):
-        return {"transport": link.transport, "cache_bytes": link.cache_bytes, "alpha": link.alpha,
+def _link_json(link: LinkCost | CostModel | ShmModel | TcpModel) -> dict[str, Any]:
+    if isinstance(link, ShmModel | TcpModel):
+        return {"transport": link.transport, "cache_bytes": getattr(link, "cache_bytes", None), "alpha": link.alpha,
                 "beta": link.beta, "source": link.source, "fitted": link.describe()}  # fmt: skip
     if isinstance(link, CostModel):
         return {"transport": link.transport, "cache_bytes": link.cache_bytes,
@@ -147,7 +158,7 @@ def _link_json(link: LinkCost | CostModel | ShmModel) -> dict[str, Any]:
 
 def as_json(
     req: Request,
-    links: dict[str, LinkCost | CostModel | ShmModel],
+    links: dict[str, LinkCost | CostModel | ShmModel | TcpModel],
     fits: list[Priced],
     rejected: list[Rejected],
 ) -> dict[str, Any]:
@@ -213,6 +224,12 @@ def _parser() -> argparse.ArgumentParser:
         help="fit the inter-host link to this pycollectives-bench --json file, run across "
         "hosts (one rank per host: benchmarks/plan/plan_costs_hosts.py writes one)",
     )
+    ap.add_argument(
+        "--inter-model",
+        choices=("algorithms", "paths"),
+        default="algorithms",
+        help="the inter-host fit: algorithms (tcp_model.py, default) or paths (fitted.py)",
+    )
     ap.add_argument("--top", type=int, default=10, help="how many layouts to print (default 10)")
     ap.add_argument(
         "--json", metavar="FILE", help="write the inputs, every layout and the rejected ones"
@@ -233,10 +250,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise PlanInputError(f"--config {args.config}: {e}") from None
             if not isinstance(d, dict):
                 raise PlanInputError(f"--config {args.config}: not a JSON object")
-        skip = {"config", "bench_json", "inter_bench_json", "top", "json"}
+        skip = {"config", "bench_json", "inter_bench_json", "inter_model", "top", "json"}
         d.update({k: v for k, v in vars(args).items() if v is not None and k not in skip})
         req = parse_request(d)
-        links = _links(req, args.bench_json, args.inter_bench_json)
+        links = _links(req, args.bench_json, args.inter_bench_json, args.inter_model)
         fits, rejected = plan(req, links)
     except PlanInputError as e:
         print(f"pycollectives-plan: {e}", file=sys.stderr)

@@ -48,7 +48,7 @@ to measured rows, each priced by the path it took.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .units import PlanInputError
@@ -57,6 +57,7 @@ __all__ = [
     "ShmModel",
     "cma_band",
     "code_paths",
+    "fit_busiest",
     "fit_shm",
     "last_level_cache_bytes",
     "share",
@@ -124,17 +125,21 @@ def work(collective: str, path: str, n: int, size: float, slot: int | None = Non
     raise PlanInputError(f"{collective}: path={path!r} is not one of {', '.join(PATHS)}")
 
 
-def share(n: int, cores: int | None, contention: float = 0.0) -> float:
+def share(n: int, cores: int | None, contention: float = 0.0, busiest: float = 0.0) -> float:
     """How many times longer `n` ranks on `cores` cores take than on a core each: 1 up to
-    `cores` ranks (or cores None), else n / cores (time-sharing) x (1 + contention (n -
-    cores) / cores): each rank past the cores costs every rank `contention` / cores more
-    (a peer descheduled at a handoff, caches shared between ranks; fitted). Raises
-    PlanInputError for cores < 1."""
+    `cores` ranks (or cores None), else the load of a core x (1 + contention (n - cores) /
+    cores): each rank past the cores costs every rank `contention` / cores more (a peer
+    descheduled at a handoff, caches shared between ranks; fitted). The load of a core is
+    n / cores (time-sharing, the ranks spread evenly over time) moved by `busiest` (0 to 1,
+    fitted: fit_busiest) towards ceil(n / cores), the busiest core's where the ranks stay put
+    and a lockstep collective waits for the slowest; the two agree where cores divides n.
+    Raises PlanInputError for cores < 1."""
     if cores is None or n <= cores:
         return 1.0
     if cores < 1:
         raise PlanInputError(f"share: n={n}, cores={cores}: need cores >= 1")
-    return n / cores * (1 + contention * (n - cores) / cores)
+    load = n / cores + busiest * (math.ceil(n / cores) - n / cores)
+    return load * (1 + contention * (n - cores) / cores)
 
 
 def cma_band(collective: str, n: int, size: float) -> bool:
@@ -201,6 +206,7 @@ class ShmModel:
     cache_bytes: int
     source: str = "fit"
     rows: int = 0
+    busiest: float = 0.0
 
     transport = "shm"
 
@@ -219,7 +225,9 @@ class ShmModel:
         in the cache)."""
         w = work(collective, path, n, size)
         busy = w.copy * self.per_copy + w.reduce * self.per_reduce + w.kernel * self.per_kernel
-        return share(n, self.cores, self.contention) * (self.alpha * w.handoffs + busy)
+        return share(n, self.cores, self.contention, self.busiest) * (
+            self.alpha * w.handoffs + busy
+        )
 
     def memory_time(self, collective: str, path: str, n: int, size: float) -> float:
         """Seconds the memory takes for every rank's traffic (traffic()) once the ranks'
@@ -268,6 +276,7 @@ class ShmModel:
             {"constant": "kernel copy bandwidth", "value": gbps(self.per_kernel), "unit": "GB/s"},
             {"constant": "contention per rank past the cores", "value": self.contention, "unit": ""},
             {"constant": "memory bandwidth past the cache", "value": gbps(self.per_traffic), "unit": "GB/s"},
+            {"constant": "busiest core's weight (ranks not a multiple of the cores)", "value": self.busiest, "unit": ""},
         ]  # fmt: skip
 
 
@@ -325,7 +334,8 @@ def fit_shm(
     within the cache fit the cores' constants: linear in alpha and the three per-byte costs
     for a given contention, which is searched (0, then 1/16 to 16 on a log grid); the rows
     past it fit the memory's cost per byte of traffic; a per-byte cost no row resolves is
-    a copy's. cores: the machine's (None: no sharing).
+    a copy's; rows at rank counts past the cores and not a multiple of them fit the busiest
+    core's weight alone (fit_busiest). cores: the machine's (None: no sharing).
     cache_bytes: its last-level cache (default: this machine's). Raises PlanInputError with
     fewer than two usable rows."""
     from .fitted import row_path
@@ -343,6 +353,12 @@ def fit_shm(
         w = work(r["collective"], path, n, r["size"])
         pt = (w, path, r["time_us"] * 1e-6)
         (past if n * r["size"] >= cache else inside).append((n, pt))
+    # Rank counts past the cores and not a multiple of them are fit_busiest's (share()'s
+    # weight of the busiest core moves them alone), where the other rows suffice.
+    odd = [x for x in inside + past if cores and x[0] > cores and x[0] % cores]
+    if odd and len(inside) + len(past) - len(odd) >= 2:
+        inside = [x for x in inside if x not in odd]
+        past = [x for x in past if x not in odd]
     if len(inside) + len(past) < 2:
         raise PlanInputError(
             f"fit_shm: {len(inside) + len(past)} usable rows (pycoll all_reduce/reduce_scatter/"
@@ -369,4 +385,35 @@ def fit_shm(
     pr, pk = pr or pc, pk or pc
     n_rows = len(inside) + len(past)
     what = f"{source}: shm, per algorithm, {n_rows} rows"
-    return ShmModel(alpha, pc, pr, pk, cont, per_traffic, cores, cache, what, n_rows)
+    model = ShmModel(alpha, pc, pr, pk, cont, per_traffic, cores, cache, what, n_rows)
+    return fit_busiest(model, rows, min_bytes)
+
+
+def fit_busiest(model: ShmModel, rows: list[dict[str, Any]], min_bytes: int = 64 * KIB) -> ShmModel:
+    """`model` with its `busiest` (share()) fitted to the rows (as fit_shm takes them, each
+    priced by the path it took) whose rank count exceeds model.cores and is not a multiple
+    of it, the only ones it moves: the weight in 0, 0.05, .., 1 of least squared relative
+    error; the model unchanged where there is no such row."""
+    from .fitted import row_path
+
+    c = model.cores
+    pts = []
+    for r in rows:
+        if r.get("backend", "pycoll") != "pycoll" or r.get("collective") not in COLLECTIVES:
+            continue
+        n = r["nranks"]
+        if not c or n <= c or n % c == 0 or r["size"] < min_bytes or not r.get("time_us"):
+            continue
+        path = row_path(r)
+        if path not in PATHS:
+            path = code_paths(r["collective"], n, r["size"])[-1]
+        pts.append((r["collective"], path, n, r["size"], r["time_us"] * 1e-6))
+    if not pts:
+        return model
+
+    def err(w: float) -> float:
+        m = replace(model, busiest=w)
+        return sum((m.path_time(coll, p, n, s) / t - 1) ** 2 for coll, p, n, s, t in pts)
+
+    w = min((i / 20 for i in range(21)), key=err)
+    return replace(model, busiest=w, source=f"{model.source}; busiest: {len(pts)} rows")

@@ -188,7 +188,9 @@ def test_cli_fits_the_inter_host_link(tmp_path, capsys):
             "--memory-per-device", "1GB", "--intra-host", "10GB/s,1us",
             "--inter-host", "100GB/s,1us", "--flops", "100GFLOP/s"]  # fmt: skip
     out_json = tmp_path / "plan.json"
-    assert main([*argv, "--inter-bench-json", str(inter), "--json", str(out_json)]) == 0
+    # the per-path model (--inter-model paths; the default is tcp_model's, test_plan_tcp_model)
+    paths = ["--inter-model", "paths"]
+    assert main([*argv, *paths, "--inter-bench-json", str(inter), "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "link inter: alpha" in out and str(inter) in out, out
     links = json.loads(out_json.read_text())["links"]

@@ -5,6 +5,7 @@ a fit that recovers known constants from rows it generated."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from pycollectives.strategies.plan.shm_model import (
     ShmModel,
     cma_band,
     code_paths,
+    fit_busiest,
     fit_shm,
     share,
     slot_bytes,
@@ -83,6 +85,10 @@ def test_share_of_the_cores():
     assert share(12, 8, 2.0) == pytest.approx(1.5 * 2)
     with pytest.raises(PlanInputError, match="cores"):
         share(4, 0)
+    # the busiest core's weight moves the load of 3 ranks on 2 cores from 1.5 towards 2
+    assert share(3, 2, 0.0, 1.0) == 2.0 and share(3, 2, 0.0, 0.5) == 1.75
+    assert share(3, 2, 1.0, 1.0) == pytest.approx(2 * 1.5)
+    assert share(4, 2, 0.0, 1.0) == 2.0  # a multiple of the cores: no busier core
 
 
 def test_the_paths_the_code_may_take():
@@ -149,6 +155,23 @@ def test_fit_recovers_the_constants_and_predicts_held_out_ranks():
         TRUTH.path_time("all_gather", "slots", 4, MIB)
     )
     assert {d["constant"] for d in model.describe()} >= {"copy bandwidth", "alpha (per handoff)"}
+
+
+def test_fit_busiest_from_ranks_not_a_multiple_of_the_cores():
+    """2 and 4 ranks on 2 cores cannot tell the busiest core's weight; rows at 3 can."""
+    truth = replace(TRUTH, busiest=0.35)
+    rows = []
+    for coll in ("all_reduce", "reduce_scatter", "all_gather"):
+        for size in (64 * KIB, 256 * KIB, MIB):
+            path = code_paths(coll, 3, size)[-1]
+            t = truth.path_time(coll, path, 3, size)
+            rows.append({"collective": coll, "nranks": 3, "size": size, "time_us": t * 1e6,
+                         "paths": {path: 10}})  # fmt: skip
+    assert fit_shm(_rows(), cores=2, cache_bytes=8 * MIB).busiest == 0.0
+    model = fit_shm(_rows() + rows, cores=2, cache_bytes=8 * MIB)
+    assert model.busiest == pytest.approx(0.35) and "busiest: 9 rows" in model.source
+    assert fit_busiest(TRUTH, rows).busiest == pytest.approx(0.35)
+    assert fit_busiest(TRUTH, _rows()) is TRUTH  # no row it moves
 
 
 def test_fit_without_rows_past_the_cores_or_the_cache():
