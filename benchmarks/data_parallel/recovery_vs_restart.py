@@ -241,7 +241,7 @@ def _line(got: dict) -> str:
     """One run's figures: seconds as ms, counts as they are, memory (MiB) apart."""
     out = [f"{key} {v}" if isinstance(v, int) else f"{key} {v * 1e3:.1f} ms"
            for key, v in got.items() if key != "mem"]  # fmt: skip
-    return ", ".join(out) + ", memory MiB " + json.dumps(got["mem"])
+    return ", ".join(out) + (f", memory MiB {json.dumps(got['mem'])}" if "mem" in got else "")
 
 
 def _summary(size: str, n: int, a: list[dict], b: list[dict], strategy: str) -> str:
