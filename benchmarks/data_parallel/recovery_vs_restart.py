@@ -12,7 +12,8 @@ backward's first gradients), after writing the instant (CLOCK_MONOTONIC, one
 clock for every process of the host).
 
 - in place: ElasticDataParallel over ranks started by pycollectives.launcher.spawn
-  (survive=True). From the kill to the slowest survivor's commit of the retried
+  (survive=True), each in a session of its own as torchrun's workers are
+  (a CPU share of its own under sched_autogroup: _recovery_runs.own_session). From the kill to the slowest survivor's commit of the retried
   step: detect (to its agree(): the backward's failing all-reduce), agree,
   shrink, rebuild (DDP detached, the old communicator closed, DDP wrapped again
   with a fingerprint check of the parameters), the retried step.
@@ -62,6 +63,7 @@ from _recovery_runs import (  # noqa: E402 - a sibling module
     inplace_zero_rank,
     inplace_zero_summary,
     mem,
+    own_session,
     write,
 )
 
@@ -75,6 +77,7 @@ def inplace_rank(size: str, k: int, out: str) -> None:
     from pycollectives.strategies.data_parallel import ElasticDataParallel
     from pycollectives.strategies.models.gpt import GPT
 
+    own_session()  # a CPU share of its own, as torchrun's workers have
     torch.set_num_threads(1)
     comm = pc.init(timeout=120)
     rank, n, marks = comm.rank, comm.world_size, {}
