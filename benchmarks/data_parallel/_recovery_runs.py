@@ -17,9 +17,9 @@ of this rank's own state), per refresh, on the steps before the kill.
 
 Memory (MiB, each rank's RssAnon; the largest over the survivors): built
 (ElasticZero made), steady (before the step of the kill), assemble (inside
-gather_full_state once it assembled the full state: every survivor's copy,
-the dead rank's, and the full state, its peak), gather (after it: the full
-state alone), reshard (after the new ZeroOptimizer and its copy), end; with
+gather_full_state once it assembled what it returns, before it frees what it
+gathered: every survivor's copy besides, where it gathers them all at once),
+gather (after it: what it returned), reshard (after the new ZeroOptimizer and its copy), end; with
 the ZeroOptimizer's storage by role and the buddy copy's bytes at steady.
 """
 
@@ -135,14 +135,8 @@ def inplace_zero_rank(size: str, k: int, refresh: int, out: str) -> None:
             copies[-1][3] = time.monotonic() - t
 
     cls.refresh, cls.commit = timed_refresh, timed_commit  # this worker process only
-    assemble = redundancy._assemble  # noqa: SLF001
-
-    def assemble_mem(*a: Any) -> Any:  # gather_full_state's peak: every copy and the full state
-        got = assemble(*a)
-        marks["assemble_mem"] = mem()
-        return got
-
-    redundancy._assemble = assemble_mem  # noqa: SLF001
+    for name in ("_assemble", "_gather_kept"):  # the end of gather_full_state, before it frees
+        setattr(redundancy, name, _at_end(marks, getattr(redundancy, name)))
     comm.agree = _failing_agree(marks, comm.agree)
     comm.shrink = _timed(marks, "shrink", comm.shrink)
     ez.rebuild = _timed(marks, "gather", ez.rebuild, mem)
@@ -173,6 +167,17 @@ def inplace_zero_rank(size: str, k: int, refresh: int, out: str) -> None:
     rec = {"marks": marks, "steps": ends, "copies": copies, "left": ez.world_size}
     write(out, f"inplace-{rank}.json", rec)
     ez.comm.close()
+
+
+def _at_end(marks: dict, fn: Any) -> Any:
+    """fn, recording mem() as marks["assemble_mem"] when it returns."""
+
+    def call(*a: Any, **kw: Any) -> Any:
+        got = fn(*a, **kw)
+        marks["assemble_mem"] = mem()
+        return got
+
+    return call
 
 
 def _failing_agree(marks: dict, agree: Any) -> Any:

@@ -297,13 +297,24 @@ def _view(buf: torch.Tensor, e: Entry) -> torch.Tensor:
     return buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
 
 
-def gather_full_state(copy: BuddyCopy, comm: Communicator, survivors: tuple[int, ...]) -> FullState:
+def gather_full_state(
+    copy: BuddyCopy,
+    comm: Communicator,
+    survivors: tuple[int, ...],
+    keep: Callable[[Entry], tuple[int, int] | None] | None = None,
+) -> FullState:
     """Collective over `comm` (the survivors; `survivors[i]` is new rank i's
     rank in copy.comm, as Communicator.shrink's parent_ranks): the full state
     of every flat parameter as of copy.step, by (flat index, key, slot), with its
     Entry: each sharded entry the concatenation of every old rank's block (the
     flat parameter's padded length at the old size), each scalar this rank's
     own, in host memory. A dead rank's block comes from its buddy's copy.
+
+    `keep` (optional, alike on every survivor): for each sharded entry, the
+    [start, end) of its full tensor this rank keeps (None: all of it); the
+    entries are then gathered one at a time, so that a survivor holds at once
+    only what it keeps and one entry's full tensor, not every survivor's copy
+    and the whole full state (24 bytes a parameter under fp32 AdamW).
 
     Raises RuntimeError on every survivor alike when a rank and its buddy both
     failed (that shard is lost), or no copy was ever committed; and the
@@ -330,6 +341,8 @@ def gather_full_state(copy: BuddyCopy, comm: Communicator, survivors: tuple[int,
             f"gather_full_state: rank {me}: the survivors' copies differ in size "
             f"({sizes.tolist()} bytes): they were committed at different steps"
         )
+    if keep is not None:
+        return _gather_kept(copy, comm, survivors, keep)
     nb = int(sizes[0])
     own = torch.empty(comm.world_size * nb, dtype=torch.uint8)
     comm.all_gather(own, copy.local)
@@ -342,6 +355,45 @@ def gather_full_state(copy: BuddyCopy, comm: Communicator, survivors: tuple[int,
         comm.broadcast(buf, root)
         blocks[r] = buf
     return _assemble(copy.entries, [blocks[r] for r in range(old_n)], copy.local)
+
+
+def _gather_kept(
+    copy: BuddyCopy,
+    comm: Communicator,
+    survivors: tuple[int, ...],
+    keep: Callable[[Entry], tuple[int, int] | None],
+) -> FullState:
+    """gather_full_state entry by entry: of each sharded entry, the range
+    keep(entry) of its full tensor (one all-gather of the survivors' blocks,
+    one broadcast from each dead rank's buddy)."""
+    where = {old: new for new, old in enumerate(survivors)}
+    dead = [r for r in range(copy.world_size) if r not in where]
+    out: FullState = {}
+    for e in copy.entries:
+        if not e.sharded:
+            out[(e.flat, e.key, e.slot)] = (_view(copy.local, e).clone(), e)
+            continue
+        nb = e.nbytes
+        every = torch.empty(comm.world_size * nb, dtype=torch.uint8)
+        comm.all_gather(every, copy.local[e.offset : e.offset + nb])
+        blocks = {old: every[new * nb : (new + 1) * nb] for new, old in enumerate(survivors)}
+        for r in dead:  # from its buddy, which received it at the last refresh
+            root = where[copy.buddies[r]]
+            mine = comm.rank == root
+            buf = (
+                copy.remote[e.offset : e.offset + nb]
+                if mine
+                else torch.empty(nb, dtype=torch.uint8)
+            )
+            comm.broadcast(buf, root)
+            blocks[r] = buf
+        full = torch.cat([blocks[r].view(e.dtype).view(e.shape) for r in range(copy.world_size)])
+        span = keep(e)
+        out[(e.flat, e.key, e.slot)] = (
+            full if span is None else full[span[0] : span[1]].clone(),
+            e,
+        )
+    return out
 
 
 def _assemble(entries: list[Entry], blocks: list[torch.Tensor], own: torch.Tensor) -> FullState:
