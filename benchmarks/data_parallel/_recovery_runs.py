@@ -110,7 +110,7 @@ def inplace_zero_rank(size: str, k: int, refresh: int, out: str) -> None:
 
     import pycollectives as pc
     from pycollectives.strategies.data import GlobalBatches, SyntheticSequences
-    from pycollectives.strategies.data_parallel import ElasticZero, redundancy
+    from pycollectives.strategies.data_parallel import ElasticZero, full_state, redundancy
     from pycollectives.strategies.models.gpt import GPT
 
     own_session()
@@ -135,8 +135,8 @@ def inplace_zero_rank(size: str, k: int, refresh: int, out: str) -> None:
             copies[-1][3] = time.monotonic() - t
 
     cls.refresh, cls.commit = timed_refresh, timed_commit  # this worker process only
-    for name in ("_assemble", "_gather_kept"):  # the end of gather_full_state, before it frees
-        setattr(redundancy, name, _at_end(marks, getattr(redundancy, name)))
+    for name in ("assemble", "_gather_kept"):  # the end of gather_full_state, before it frees
+        setattr(full_state, name, _at_end(marks, getattr(full_state, name)))
     comm.agree = _failing_agree(marks, comm.agree)
     comm.shrink = _timed(marks, "shrink", comm.shrink)
     ez.rebuild = _timed(marks, "gather", ez.rebuild, mem)
