@@ -52,9 +52,11 @@ def write(out: str, name: str, rec: dict) -> None:
 
 def mem() -> dict[str, float]:
     """This process's memory now (MiB, /proc/self/status): anon (RssAnon:
-    its own pages, what the ranks add up to), rss (VmRSS, shared pages
-    included) and hwm (VmHWM, the peak of rss)."""
-    keys = {"RssAnon": "anon", "VmRSS": "rss", "VmHWM": "hwm"}
+    its own pages, what the ranks add up to), shmem (RssShmem: the shared
+    memory it touched, its own windows and the peers' it read: ZeRO-1/2's
+    full flat parameters and reduce windows live there), rss (VmRSS, every
+    page mapped) and hwm (VmHWM, the peak of rss)."""
+    keys = {"RssAnon": "anon", "RssShmem": "shmem", "VmRSS": "rss", "VmHWM": "hwm"}
     out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         key, _, value = line.partition(":")
@@ -211,6 +213,7 @@ def inplace_zero_summary(ranks: list[dict], kill: float) -> dict[str, Any]:
     memory = {key[:-4]: max(r["marks"][key]["anon"] for r in ranks) for key in keys}
     memory["assemble_sum"] = sum(r["marks"]["assemble_mem"]["anon"] for r in ranks)
     memory["hwm"] = max(r["marks"]["end_mem"]["hwm"] for r in ranks)
+    memory["steady_shmem"] = max(r["marks"]["steady_mem"]["shmem"] for r in ranks)
     memory["storage"] = {k: round(v / 2**20, 1) for k, v in slow["marks"]["storage"].items()}
     return {
         "detect": a0 - kill, "agree": a1 - a0, "shrink": s1 - s0,

@@ -233,6 +233,7 @@ def restart_run(size: str, n: int, k: int, every: int, out: Path, strategy: str 
             "total": steps[-1][2] - kill, "step": _step_s(before["steps"] + [None]),
             "save": statistics.median(before["saves"]),
             "mem": {"anon": max(r["mem"]["anon"] for r in new),
+                    "shmem": max(r["mem"]["shmem"] for r in new),
                     "hwm": max(r["mem"]["hwm"] for r in new)}}  # fmt: skip
 
 
