@@ -40,7 +40,8 @@ from pycollectives import Communicator
 from ..data import ElasticSampler
 from .buddies import buddy_ranks
 from .elastic import ElasticDataParallel
-from .redundancy import BuddyCopy, FullState, gather_full_state
+from .redundancy import BuddyCopy, Entry, FullState, gather_full_state
+from .sharding.flat_param import FlatLayout
 from .zero import ZeroOptimizer
 
 __all__ = ["ElasticBuddyCopy", "ElasticZero", "reshard"]
@@ -133,10 +134,15 @@ class ElasticBuddyCopy(ElasticDataParallel):
         (gather_full_state: RuntimeError when a rank and its buddy both
         failed), and `steps` and the sampler rolled back to its step."""
         self.copy.discard()
-        self._full = gather_full_state(self.copy, new, self.survivors)
+        self._full = gather_full_state(self.copy, new, self.survivors, self._keep(new))
         self.steps = self.copy.step
         if self.sampler is not None and self._cursor is not None:
             self.sampler.rewind(self._cursor)
+
+    def _keep(self, comm: Communicator) -> Callable[[Entry], tuple[int, int] | None] | None:
+        """What of each sharded entry of the full state this rank keeps
+        (gather_full_state's `keep`); default None: all of it."""
+        return None
 
     def recovered(self) -> None:
         """The copy wrap() staged becomes the copy of step `steps`."""
@@ -208,9 +214,24 @@ class ElasticZero(ElasticBuddyCopy):
         if self._full is None:
             self.zero = ZeroOptimizer(self.model, optimizer_class, comm, stage, **kwargs)
         else:
-            self.zero = reshard(self.zero, self._full, comm, optimizer_class, stage, **kwargs)
+            self.zero = reshard(
+                self.zero, self._full, comm, optimizer_class, stage, kept=True, **kwargs
+            )
         self._stage(self.zero)
         return self.model
+
+    def _keep(self, comm: Communicator) -> Callable[[Entry], tuple[int, int] | None]:
+        """The full parameters (every rank holds them under ZeRO-1/2, and
+        detach takes them whole), of the optimizer state only this rank's
+        block at `comm`'s size: what reshard reads."""
+        flats = [f for u in self.zero.engine.units for f in u.flats]
+
+        def keep(e: Entry) -> tuple[int, int] | None:
+            if e.key == "param":
+                return None
+            return resized(flats[e.flat].layout, comm.world_size).shard_range(comm.rank)
+
+        return keep
 
     def _zero_grad(self) -> None:
         self.zero.zero_grad()
@@ -219,20 +240,30 @@ class ElasticZero(ElasticBuddyCopy):
         self.zero.step()  # ZeRO-1/2: its all-gather, before the agreement
 
 
+def resized(layout: FlatLayout, world_size: int) -> FlatLayout:
+    """`layout`'s parameters laid out for `world_size` ranks (as a new ZeroOptimizer lays them)."""
+    slots = [(s.name, s.aliases, s.shape) for s in layout.slots]
+    return FlatLayout.build(slots, layout.dtype, layout.requires_grad, world_size)
+
+
 def reshard(
     old: ZeroOptimizer,
     full: FullState,
     comm: Communicator,
     optimizer_class: type[torch.optim.Optimizer],
     stage: int,
+    *,
+    kept: bool = False,
     **zero_kwargs: Any,
 ) -> ZeroOptimizer:
     """Collective over `comm`: re-shards the full state `full` (as
     gather_full_state returns it, laid out as `old`'s flat parameters) over
     `comm`: gives the model the full values (old.detach), wraps it in a new
     ZeroOptimizer and loads each new shard's optimizer state (the learning
-    rates and other hyperparameters from `old`'s parameter groups). Returns
-    the new optimizer; `old` must not be used any more."""
+    rates and other hyperparameters from `old`'s parameter groups). `kept`:
+    `full` holds of the sharded optimizer state only this rank's block at
+    the new size (gather_full_state with ElasticZero._keep). Returns the new
+    optimizer; `old` must not be used any more."""
     flats = [f for u in old.engine.units for f in u.flats]
     values = {}
     for u in old.engine.units:
@@ -255,7 +286,7 @@ def reshard(
                 continue
             if e.sharded:  # this rank's block at the new size (zeros in new padding)
                 block = torch.zeros(b - a, dtype=t.dtype)
-                have = t[a : min(b, t.numel())]
+                have = t if kept else t[a : min(b, t.numel())]
                 block[: have.numel()] = have
                 t = block
             state[key] = t.to(e.device, copy=True)

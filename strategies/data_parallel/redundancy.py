@@ -50,6 +50,7 @@ import torch
 from pycollectives import Communicator
 
 from .buddies import buddy_ranks, check_placement, survives_host_loss
+from .full_state import assemble, gather_full_state
 from .state_layout import (
     Entry,
     FullState,
@@ -293,69 +294,6 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return (flat if flat.device.type == "cpu" else flat.cpu()).view(torch.uint8)
 
 
-def _view(buf: torch.Tensor, e: Entry) -> torch.Tensor:
-    return buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
-
-
-def gather_full_state(copy: BuddyCopy, comm: Communicator, survivors: tuple[int, ...]) -> FullState:
-    """Collective over `comm` (the survivors; `survivors[i]` is new rank i's
-    rank in copy.comm, as Communicator.shrink's parent_ranks): the full state
-    of every flat parameter as of copy.step, by (flat index, key, slot), with its
-    Entry: each sharded entry the concatenation of every old rank's block (the
-    flat parameter's padded length at the old size), each scalar this rank's
-    own, in host memory. A dead rank's block comes from its buddy's copy.
-
-    Raises RuntimeError on every survivor alike when a rank and its buddy both
-    failed (that shard is lost), or no copy was ever committed; and the
-    communicator's errors."""
-    old_n, me = copy.world_size, comm.rank
-    where = {old: new for new, old in enumerate(survivors)}
-    dead = [r for r in range(old_n) if r not in where]
-    lost = [r for r in dead if copy.buddies[r] not in where]
-    if lost or copy.step < 0:
-        buddies = ", ".join(f"rank {copy.buddies[r]}" for r in lost)
-        why = (
-            f"the shards of ranks {lost} are lost: each and its buddy ({buddies}) failed"
-            if lost
-            else "no copy was committed"
-        )
-        raise RuntimeError(
-            f"gather_full_state: rank {me}: {why}; restore the job from a checkpoint"
-        )
-    size = torch.tensor([copy.local.numel()], dtype=torch.int64)
-    sizes = torch.empty(comm.world_size, dtype=torch.int64)
-    comm.all_gather(sizes, size)
-    if len(set(sizes.tolist())) != 1:  # committed copies always agree; a guard against misuse
-        raise RuntimeError(
-            f"gather_full_state: rank {me}: the survivors' copies differ in size "
-            f"({sizes.tolist()} bytes): they were committed at different steps"
-        )
-    nb = int(sizes[0])
-    own = torch.empty(comm.world_size * nb, dtype=torch.uint8)
-    comm.all_gather(own, copy.local)
-    blocks: dict[int, torch.Tensor] = {
-        old: own[new * nb : (new + 1) * nb] for new, old in enumerate(survivors)
-    }
-    for r in dead:  # from its buddy, which received it at the last refresh
-        root = where[copy.buddies[r]]
-        buf = copy.remote if me == root else torch.empty(nb, dtype=torch.uint8)
-        comm.broadcast(buf, root)
-        blocks[r] = buf
-    return _assemble(copy.entries, [blocks[r] for r in range(old_n)], copy.local)
-
-
-def _assemble(entries: list[Entry], blocks: list[torch.Tensor], own: torch.Tensor) -> FullState:
-    """The full state from every shard's packed bytes (`blocks`, by shard
-    index) and this rank's (`own`, for the scalars)."""
-    out = {}
-    for e in entries:
-        if e.sharded:
-            out[(e.flat, e.key, e.slot)] = (torch.cat([_view(b, e) for b in blocks]), e)
-        else:
-            out[(e.flat, e.key, e.slot)] = (_view(own, e).clone(), e)
-    return out
-
-
 def pack(source: Any) -> tuple[torch.Tensor, list[Entry]]:
     """A shard state now (a ShardSource, or a ZeroOptimizer), packed into
     host bytes, and its entries."""
@@ -394,4 +332,4 @@ def gather_from_replicas(
     every = torch.empty(comm.world_size * nb, dtype=torch.uint8)
     comm.all_gather(every, own)
     blocks = [every[h[0] * nb : (h[0] + 1) * nb] for h in holders]
-    return _assemble(entries, blocks, own)
+    return assemble(entries, blocks, own)
