@@ -115,6 +115,33 @@ def _stop(proc: subprocess.Popen, stop: Path) -> str:
         proc.kill()
 
 
+def _attacked(proc: subprocess.Popen, stop: Path, d: Path, call) -> tuple:
+    """(call(), the attacker's log), the attacker stopped after call() either way.
+    A RankError (a rank raised, died or hung: spawn.run) is raised again with the
+    attacker's log and the end of every rank's stderr (its refusals) appended."""
+    try:
+        out = call()
+    except spawn.RankError as e:
+        log = _stop(proc, stop)
+        tails = "".join(f"\n--- {f.name} (its end) ---\n{f.read_text()[-3000:]}"
+                        for f in sorted(d.glob("stderr*")))  # fmt: skip
+        raise spawn.RankError(f"{e}\n--- the attacker's stderr ---\n{log}{tails}") from None
+    except BaseException:
+        _stop(proc, stop)
+        raise
+    return out, _stop(proc, stop)
+
+
+def _await(path: Path, what: str, seconds: float = 60.0) -> None:
+    """Returns once `path` exists; raises TimeoutError saying `what` did not
+    come after `seconds` (a rank never waits for the attacker for ever)."""
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not come within {seconds:.0f} s ({path} is missing)")
+        time.sleep(0.01)
+
+
 def _refusals(d: Path, rank: int) -> list[str]:
     text = (d / f"stderr{rank}").read_text()
     return [line for line in text.splitlines() if "refused" in line and "pycollectives" in line]
@@ -161,11 +188,9 @@ def test_a_flood_before_during_and_after_init_costs_the_job_nothing(fabric, tmp_
                      f"{store}:pycoll/0/addr/1", "--one", ONE, "--many", ",".join(MANY),
                      "--ready", str(ready), "--stop", str(stop), "--wait-targets", "2")  # fmt: skip
     t0 = time.monotonic()
-    try:
-        out = spawn.run(_rank, 2, fabric.hosts, str(tmp_path), env, ("addr/1", str(ready)), None,
-                        _job_flooded_init, (), timeout=150)  # fmt: skip
-    finally:
-        log = _stop(proc, stop)
+    out, log = _attacked(proc, stop, tmp_path, lambda: spawn.run(
+        _rank, 2, fabric.hosts, str(tmp_path), env, ("addr/1", str(ready)), None,
+        _job_flooded_init, (), timeout=150))  # fmt: skip
     took = time.monotonic() - t0
     print(log, out)
     assert ready.exists(), log
@@ -183,11 +208,10 @@ def test_a_flood_before_during_and_after_init_costs_the_job_nothing(fabric, tmp_
 def _job_flooded_split(comm, store, d, shaped: str) -> dict:
     r = comm.rank
     res = _collectives(comm, "parent")  # the parent's connections are all made
-    (Path(d) / f"warm{r}").touch()
-    while not (Path(d) / "ready").exists():
-        time.sleep(0.01)
-    out = {"parent": res, "children": []}
+    _await(Path(d) / "ready", "the attacker's --ready (its flood in place)")
+    out = {"parent": res, "children": [], "took": []}  # took: seconds of each split, its checks
     for i in range(2):
+        t0 = time.monotonic()
         if r == 0:  # its packets crawl while split runs: the flood lands before its connection
             subprocess.run(["tc", "qdisc", "replace", "dev", "eth0", "root", *shaped.split()],
                            check=True, timeout=20)  # fmt: skip
@@ -196,9 +220,11 @@ def _job_flooded_split(comm, store, d, shaped: str) -> dict:
         finally:
             if r == 0:
                 subprocess.run(["tc", "qdisc", "del", "dev", "eth0", "root"], timeout=20)
+        t1 = time.monotonic()
         time.sleep(0.3)  # the flood reaches the new ports
         out["children"].append(_collectives(sub, f"child {i}"))
         sub.close()
+        out["took"].append((round(t1 - t0, 2), round(time.monotonic() - t1, 2)))
     return out
 
 
@@ -211,10 +237,8 @@ def test_a_flood_during_a_split_across_hosts_costs_it_nothing(fabric, tmp_path):
                      "--one", ONE, "--many", ",".join(MANY), "--ready", str(ready), "--stop",
                      str(stop), "--wait-targets", "0")  # fmt: skip
     shaped = "tbf rate 50kbit burst 1600 latency 5s"
-    try:
-        out = _run(fabric, tmp_path, _job_flooded_split, shaped)
-    finally:
-        log = _stop(proc, stop)
+    out, log = _attacked(proc, stop, tmp_path,
+                         lambda: _run(fabric, tmp_path, _job_flooded_split, shaped))  # fmt: skip
     print(log, out)
     assert log.count("attacker: flooding") >= 2, log  # both children's ports were found
     for r, o in enumerate(out):
@@ -231,8 +255,7 @@ def _job_injected(comm, store, d) -> dict:
     r = comm.rank
     secret_left = store.check(["pycoll/0/authkey"])
     if r == 1:  # rank 1 comes once the attacker has tried
-        while not (Path(d) / "done").exists():
-            time.sleep(0.01)
+        _await(Path(d) / "done", "the attacker's --done (its injection tried)")
     else:
         (Path(d) / "go").touch()
     x = torch.ones(1)

@@ -174,25 +174,31 @@ def _targets(spec: str, done: set, seen: set) -> list[tuple[str, int]]:
             return []
         with open(pidfile) as f:
             pid = f.read().strip()
-        with open(f"/proc/{pid}/net/tcp") as f:
-            rows = [line.split() for line in f.readlines()[1:]]
+        try:
+            with open(f"/proc/{int(pid)}/net/tcp") as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except (ValueError, FileNotFoundError):  # the pid half written, or the process gone
+            return []
         found = [(ip, int(r[1].split(":")[1], 16)) for r in rows if r[3] == "0A"]  # LISTEN
     else:
         raise SystemExit(f"attacker: unknown target {spec!r}")
     return [t for t in found if t not in seen]
 
 
-def _dead(s: socket.socket) -> bool:
-    """Whether the listener closed or refused non-blocking socket s (what it
-    sent before is read and dropped)."""
+def _dead(s: socket.socket) -> str:
+    """Why non-blocking socket s is gone: "refused" (nothing listens at its
+    target: a closed port) or "dropped" (the listener closed it; what it sent
+    before is read and dropped); "" while it is open or still connecting."""
     try:
         while s.recv(4096):
             pass
-        return True
+        return "dropped"
     except BlockingIOError:
-        return False
+        return ""
+    except ConnectionRefusedError:
+        return "refused"
     except OSError:
-        return True
+        return "dropped"
 
 
 def _open(target: tuple[str, int], source: str) -> socket.socket | None:
@@ -207,17 +213,24 @@ def _open(target: tuple[str, int], source: str) -> socket.socket | None:
     return s
 
 
+_TCP_STATES = {1: "established", 2: "syn-sent", 7: "close", 8: "close-wait", 11: "closing"}
+
+
 def flood(args: argparse.Namespace) -> None:
     """Holds --count idle connections from --one and --count garbage ones
     (the start of a Hello, then nothing) from the --many addresses in turn to
     every target, reopening those a listener drops (at most 100 every 10 ms),
     until --stop exists; writes --ready once --wait-targets targets are
-    flooded (their connections made and their bytes sent)."""
+    flooded (their connections made and their bytes sent), a target that
+    refuses connections (its port closed since it was found) counting as
+    done: it never takes the bytes, and waiting for it held --ready back for
+    as long as the flood went on (the ranks that waited for --ready hung)."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     many = args.many.split(",")
     slots: dict[tuple, socket.socket | None] = {}  # (target, source, garbage, i) -> socket
-    unsent: dict[socket.socket, bytes] = {}
+    unsent: dict[socket.socket, tuple[bytes, tuple]] = {}  # socket -> (its bytes, its target)
+    closed: set = set()  # targets whose last answer was a refusal: nothing listens there
     done: set = set()
     seen: set = set()
     opened = dropped = 0
@@ -234,8 +247,11 @@ def flood(args: argparse.Namespace) -> None:
         budget = 100
         for key, s in slots.items():
             if s is not None:
-                if not _dead(s):
+                why = _dead(s)
+                if not why:
                     continue
+                if why == "refused":
+                    closed.add(key[0])
                 s.close()
                 unsent.pop(s, None)
                 dropped += 1
@@ -247,21 +263,37 @@ def flood(args: argparse.Namespace) -> None:
             s = slots[key] = _open(t, source)
             opened += 1
             if s is not None and garbage:
-                unsent[s] = struct.pack("=QI", MAGIC, VERSION) + os.urandom(28)
-        for s, data in list(unsent.items()):
+                unsent[s] = (struct.pack("=QI", MAGIC, VERSION) + os.urandom(28), t)
+        for s, (data, t) in list(unsent.items()):
             try:
                 s.send(data)
-                del unsent[s]
+                closed.discard(t)
+            except BlockingIOError:
+                continue  # not connected yet
+            except ConnectionRefusedError:
+                closed.add(t)
             except OSError:
-                pass  # not connected yet
-        if not ready and len(seen) >= args.wait_targets and not unsent:
+                pass  # dropped by the listener: reopened above, next round
+            del unsent[s]
+        waiting = {t for _, t in unsent.values() if t not in closed}
+        if not ready and len(seen) >= args.wait_targets and not waiting:
             time.sleep(0.05)  # the last ones reach the listeners
             with open(args.ready, "w") as f:
                 f.write(f"{len(seen)} targets\n")
             ready = True
         time.sleep(0.01)
+    # What it holds at the end, per target and TCP state, and what it still had to
+    # send (what a failed run's report shows of the flood).
+    held: dict = {}
+    for (t, *_), s in slots.items():
+        if s is not None:
+            state = _TCP_STATES.get(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0], "?")
+            held.setdefault(t, {}).setdefault(state, 0)
+            held[t][state] += 1
+    unsent_to = sorted({t for _, t in unsent.values()})
     print(f"attacker: {len(seen)} targets, {opened} connections opened, {dropped} dropped by the"
-          " listeners", file=sys.stderr, flush=True)  # fmt: skip
+          f" listeners; held at the end: {held}; unsent to {unsent_to}; refusing: {sorted(closed)};"
+          f" ready: {ready}", file=sys.stderr, flush=True)  # fmt: skip
     for s in slots.values():
         if s is not None:
             s.close()

@@ -21,16 +21,27 @@ library reads those on first use, in the rank) and starts no thread.
 Each rank takes the environment the test had when it started the rank, as a
 spawned process would (not the fork server's), then `env`; the preloaded
 torch read its own settings when the server started.
+
+A rank that hangs past the timeout is reported with where it was: every
+thread's Python stack (faulthandler, on STACK_SIGNAL) and, with
+PYCOLL_TEST_NATIVE_STACKS=1 where gdb is installed, its native ones, in the
+RankError's message.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import shutil
+import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -66,6 +77,74 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A rank dumps every thread's Python stack to its file in the run's stack folder
+# on this signal: what the parent reads of a rank that hangs past the timeout.
+STACK_SIGNAL = signal.SIGUSR1
+_stack_file = None  # kept open for faulthandler
+
+
+def _arm_stack_dump(stacks: str | None, rank: int) -> None:
+    global _stack_file
+    if stacks is None:
+        return
+    _stack_file = open(os.path.join(stacks, f"rank{rank}"), "w")  # noqa: SIM115 - kept open
+    faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True)
+
+
+def _native_stacks(pids: list[int], budget: float = 30.0) -> dict[int, str]:
+    """Every thread's native stack of each process (gdb, where installed, all at
+    once within `budget` seconds): {pid: text}."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return {p: "(no gdb here)" for p in pids}
+    cmd = [gdb, "-batch", "-nx", "-ex", "set print frame-arguments none", "-ex",
+           "set print frame-info short-location", "-ex", "thread apply all bt 40", "-p"]  # fmt: skip
+    procs = {p: subprocess.Popen([*cmd, str(p)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True) for p in pids}  # fmt: skip
+    out, deadline = {}, time.monotonic() + budget
+    for p, g in procs.items():
+        try:
+            text = g.communicate(timeout=max(0.1, deadline - time.monotonic()))[0]
+            keep = [ln for ln in text.splitlines() if ln.startswith(("Thread ", "#"))]
+            out[p] = "\n".join(keep[-300:])
+        except subprocess.TimeoutExpired:
+            g.kill()
+            g.communicate()
+            out[p] = f"(gdb took over {budget:.0f} s)"
+    return out
+
+
+def stacks_of(procs: list, ranks: list[int], stacks: str | None) -> str:
+    """Where each of `ranks` (alive) is now: its Python stacks (faulthandler, every
+    thread) and, with PYCOLL_TEST_NATIVE_STACKS=1, its native ones (gdb); "" without
+    a stack folder."""
+    if stacks is None:
+        return ""
+    live = [r for r in ranks if procs[r].exitcode is None]
+    for r in live:
+        with contextlib.suppress(OSError):  # gone since
+            os.kill(procs[r].pid, STACK_SIGNAL)
+    deadline = time.monotonic() + 2
+    files = {r: os.path.join(stacks, f"rank{r}") for r in live}
+    while time.monotonic() < deadline and not all(
+        os.path.exists(f) and os.path.getsize(f) > 0 for f in files.values()
+    ):
+        time.sleep(0.05)
+    time.sleep(0.1)  # the last lines
+    # gdb takes 10-30 s a rank at CI's load (torch's libraries): asked for only
+    native = {}
+    if os.environ.get("PYCOLL_TEST_NATIVE_STACKS") == "1":
+        native = _native_stacks([procs[r].pid for r in live])
+    out = ""
+    for r in live:
+        with open(files[r]) as f:
+            py = f.read().strip() or "(none dumped: the rank is stopped, or never ran Python again)"
+        out += f"\n--- rank {r} (pid {procs[r].pid}): Python stacks ---\n{py}"
+        if native:
+            out += f"\n--- rank {r}: native stacks ---\n{native[procs[r].pid]}"
+    return out
+
+
 def _set_env(
     rank: int, world_size: int, port: int, env: dict[str, str] | None, parent_env: dict[str, str]
 ) -> None:
@@ -94,8 +173,10 @@ def _child(
     fn: Callable,
     args: tuple,
     results: Any,
+    stacks: str | None = None,
 ) -> None:
     _set_env(rank, world_size, port, env, parent_env)
+    _arm_stack_dump(stacks, rank)
     try:
         results.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -124,10 +205,16 @@ class RankError(AssertionError):
 
 
 def _collect(
-    procs: list, results: Any, ranks: list[int], timeout: float, label: str
+    procs: list,
+    results: Any,
+    ranks: list[int],
+    timeout: float,
+    label: str,
+    stacks: str | None = None,
 ) -> dict[int, Any]:
     """Waits for one report from each of `ranks`; raises RankError naming the
-    ranks that raised, died without reporting, or hung past the timeout."""
+    ranks that raised, died without reporting, or hung past the timeout (with
+    where each of those was: stacks_of)."""
     out: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout
@@ -158,8 +245,12 @@ def _collect(
             msg += f"; rank {r} " + (
                 "hung past the timeout" if code is None else f"exited with {code} without reporting"
             )
+        hung = [r for r in silent if procs[r].exitcode is None]
         raise RankError(
-            msg + "\n" + "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+            msg
+            + "\n"
+            + "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+            + stacks_of(procs, hung, stacks)
         )
     return out
 
@@ -190,10 +281,11 @@ def run(
     expect_exit = expect_exit or {}
     port = free_port()
     results = _CTX.Queue()
+    stacks = tempfile.mkdtemp(prefix="pycoll-stacks-")
     procs = [
         _CTX.Process(
             target=_child,
-            args=(r, world_size, port, env, dict(os.environ), fn, args, results),
+            args=(r, world_size, port, env, dict(os.environ), fn, args, results, stacks),
             daemon=True,
         )
         for r in range(world_size)
@@ -202,7 +294,8 @@ def run(
         p.start()
     try:
         live = [r for r in range(world_size) if r not in expect_exit]
-        values = _collect(procs, results, live, timeout, getattr(fn, "__name__", str(fn)))
+        name = getattr(fn, "__name__", str(fn))
+        values = _collect(procs, results, live, timeout, name, stacks)
         for p in procs:
             p.join(max(1.0, timeout / 4))
         bad = []
@@ -215,6 +308,7 @@ def run(
         return [values.get(r) for r in range(world_size)]
     finally:
         _stop(procs)
+        shutil.rmtree(stacks, ignore_errors=True)
 
 
 def _pool_worker(
@@ -225,8 +319,10 @@ def _pool_worker(
     parent_env: dict,
     jobs: Any,
     results: Any,
+    stacks: str | None = None,
 ) -> None:
     _set_env(rank, world_size, port, env, parent_env)
+    _arm_stack_dump(stacks, rank)
     import pycollectives as pc
 
     comm = pc.init(timeout=60)
@@ -252,10 +348,12 @@ class RankPool:
         port = free_port()
         self._results = _CTX.Queue()
         self._jobs = [_CTX.Queue() for _ in range(world_size)]
+        self._stacks = tempfile.mkdtemp(prefix="pycoll-stacks-")
+        env_now, stacks = dict(os.environ), self._stacks
         self._procs = [
             _CTX.Process(
                 target=_pool_worker,
-                args=(r, world_size, port, env, dict(os.environ), self._jobs[r], self._results),
+                args=(r, world_size, port, env, env_now, self._jobs[r], self._results, stacks),
                 daemon=True,
             )
             for r in range(world_size)
@@ -274,6 +372,7 @@ class RankPool:
                 list(range(self.world_size)),
                 timeout,
                 f"{getattr(fn, '__name__', fn)} on {self.world_size} ranks",
+                self._stacks,
             )
             return [out[r] for r in range(self.world_size)]
         except BaseException:
@@ -288,3 +387,4 @@ class RankPool:
             for p in self._procs:
                 p.join(10)
         _stop(self._procs)
+        shutil.rmtree(self._stacks, ignore_errors=True)

@@ -7,6 +7,11 @@ tiny model on 2 CPU ranks under torchrun with gloo, then with pycoll, and
 fails unless every rank of both runs ends with the same parameters, bit for
 bit (2 ranks: every sum is a + b on both backends). Skipped when the framework
 is not installed: `pip install -e ".[frameworks]"` installs them.
+
+The driver is the examples' own (_compare.drive, which `python <example>`
+calls), run as `python _compare.py <example>`: a driver that imports the
+example imports its framework too, which it never uses (Lightning: ~8 s of
+CPU a test); the ranks run the example itself.
 """
 
 from __future__ import annotations
@@ -30,9 +35,8 @@ def _needs(module: str, pip: str) -> pytest.MarkDecorator:
 
 
 def _run_example(name: str) -> None:
-    p = subprocess.run(
-        [sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=240
-    )
+    cmd = [sys.executable, str(EXAMPLES / "_compare.py"), str(EXAMPLES / name)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, f"{name} exited {p.returncode}\n{p.stdout[-4000:]}{p.stderr[-6000:]}"
     assert "pycoll and gloo trained the same parameters on 2 ranks" in p.stdout, p.stdout
 
