@@ -24,7 +24,9 @@ the ZeroOptimizer's storage by role and the buddy copy's bytes at steady;
 `*_total` RssAnon + RssShmem at each point from steady on (the largest over
 the survivors), and peak_over_steady the survivors' largest VmHWM from
 steady (reset there) to the end above their VmRSS at steady: the true peak
-of the recovery and the retried step, between the points too.
+of the recovery and the retried step, between the points too; step_peak
+the same of the step before (k - 1): what any step adds (activations,
+gradients), for comparison.
 """
 
 from __future__ import annotations
@@ -169,7 +171,12 @@ def inplace_zero_rank(size: str, k: int, refresh: int, out: str) -> None:
         die_in_backward(model.blocks, out, lambda: ez.steps == k)
     while ez.steps <= k:
         s, t = ez.steps, time.monotonic()
+        if s == k - 1 and "step_start_mem" not in marks:  # a step's own peak, for comparison
+            reset_peak()
+            marks["step_start_mem"] = mem()
         if s == k and "steady_mem" not in marks:
+            if "step_start_mem" in marks:
+                marks["step_end_mem"] = mem()
             marks["steady_mem"] = mem()
             reset_peak()  # end_mem's hwm: the peak from here (the recovery, the retried step)
             marks["storage"] = {**ez.zero.storage(), "buddy_copy": ez.copy.nbytes}
@@ -235,6 +242,10 @@ def inplace_zero_summary(ranks: list[dict], kill: float) -> dict[str, Any]:
     memory["peak_over_steady"] = max(
         r["marks"]["end_mem"]["hwm"] - r["marks"]["steady_mem"]["rss"] for r in ranks
     )
+    if all("step_end_mem" in r["marks"] for r in ranks):  # a step's peak over its start, k-1's
+        memory["step_peak"] = max(
+            r["marks"]["step_end_mem"]["hwm"] - r["marks"]["step_start_mem"]["rss"] for r in ranks
+        )
     memory["storage"] = {k: round(v / 2**20, 1) for k, v in slow["marks"]["storage"].items()}
     return {
         "detect": a0 - kill, "agree": a1 - a0, "shrink": s1 - s0,
