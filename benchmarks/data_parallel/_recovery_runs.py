@@ -20,11 +20,18 @@ Memory (MiB, each rank's RssAnon; the largest over the survivors): built
 gather_full_state once it assembled what it returns, before it frees what it
 gathered: every survivor's copy besides, where it gathers them all at once),
 gather (after it: what it returned), reshard (after the new ZeroOptimizer and its copy), end; with
-the ZeroOptimizer's storage by role and the buddy copy's bytes at steady.
+the ZeroOptimizer's storage by role and the buddy copy's bytes at steady;
+`*_total` RssAnon + RssShmem at each point from steady on (the largest over
+the survivors), and peak_over_steady the survivors' largest VmHWM from
+steady (reset there) to the end above their VmRSS at steady: the true peak
+of the recovery and the retried step, between the points too; step_peak
+the same of the step before (k - 1): what any step adds (activations,
+gradients), for comparison.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -63,6 +70,13 @@ def mem() -> dict[str, float]:
         if key in keys:
             out[keys[key]] = round(int(value.split()[0]) / 1024, 1)
     return out
+
+
+def reset_peak() -> None:
+    """Resets VmHWM to the current VmRSS (Linux: 5 to /proc/self/clear_refs);
+    nothing where the kernel refuses it."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
 
 
 def die_in_backward(blocks: Any, out: str, when: Any) -> None:
@@ -157,8 +171,14 @@ def inplace_zero_rank(size: str, k: int, refresh: int, out: str) -> None:
         die_in_backward(model.blocks, out, lambda: ez.steps == k)
     while ez.steps <= k:
         s, t = ez.steps, time.monotonic()
+        if s == k - 1 and "step_start_mem" not in marks:  # a step's own peak, for comparison
+            reset_peak()
+            marks["step_start_mem"] = mem()
         if s == k and "steady_mem" not in marks:
+            if "step_start_mem" in marks:
+                marks["step_end_mem"] = mem()
             marks["steady_mem"] = mem()
+            reset_peak()  # end_mem's hwm: the peak from here (the recovery, the retried step)
             marks["storage"] = {**ez.zero.storage(), "buddy_copy": ez.copy.nbytes}
         if ez.step(loss_fn):
             ends.append((s, t, time.monotonic()))
@@ -214,6 +234,18 @@ def inplace_zero_summary(ranks: list[dict], kill: float) -> dict[str, Any]:
     memory["assemble_sum"] = sum(r["marks"]["assemble_mem"]["anon"] for r in ranks)
     memory["hwm"] = max(r["marks"]["end_mem"]["hwm"] for r in ranks)
     memory["steady_shmem"] = max(r["marks"]["steady_mem"]["shmem"] for r in ranks)
+    for key in keys[1:]:  # anon + shmem: ZeRO-1/2's flat parameters are shared memory
+        memory[key[:-4] + "_total"] = max(
+            r["marks"][key]["anon"] + r["marks"][key]["shmem"] for r in ranks
+        )
+    # the peak RSS from steady (VmHWM reset there) above steady's RSS, per survivor
+    memory["peak_over_steady"] = max(
+        r["marks"]["end_mem"]["hwm"] - r["marks"]["steady_mem"]["rss"] for r in ranks
+    )
+    if all("step_end_mem" in r["marks"] for r in ranks):  # a step's peak over its start, k-1's
+        memory["step_peak"] = max(
+            r["marks"]["step_end_mem"]["hwm"] - r["marks"]["step_start_mem"]["rss"] for r in ranks
+        )
     memory["storage"] = {k: round(v / 2**20, 1) for k, v in slow["marks"]["storage"].items()}
     return {
         "detect": a0 - kill, "agree": a1 - a0, "shrink": s1 - s0,

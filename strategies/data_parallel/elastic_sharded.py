@@ -44,7 +44,7 @@ from .redundancy import BuddyCopy, Entry, FullState, gather_full_state
 from .sharding.flat_param import FlatLayout
 from .zero import ZeroOptimizer
 
-__all__ = ["ElasticBuddyCopy", "ElasticZero", "reshard"]
+__all__ = ["ElasticBuddyCopy", "ElasticZero", "ZeroPlan", "reshard"]
 
 
 class ElasticBuddyCopy(ElasticDataParallel):
@@ -132,8 +132,9 @@ class ElasticBuddyCopy(ElasticDataParallel):
     def rebuild(self, old: Communicator, new: Communicator, failed: tuple[int, ...]) -> None:
         """The full state of the last committed copy on every survivor
         (gather_full_state: RuntimeError when a rank and its buddy both
-        failed), and `steps` and the sampler rolled back to its step."""
-        self.copy.discard()
+        failed), and `steps` and the sampler rolled back to its step. The
+        copy's staging buffer is freed (the copy is only read from now on)."""
+        self.copy.discard(keep_staging=False)
         self._full = gather_full_state(self.copy, new, self.survivors, self._keep(new))
         self.steps = self.copy.step
         if self.sampler is not None and self._cursor is not None:
@@ -191,6 +192,7 @@ class ElasticZero(ElasticBuddyCopy):
     ) -> None:
         self.model = model
         self._build = (optimizer_class, stage, zero_kwargs)
+        self._plan: ZeroPlan | None = None  # the released optimizer's, during a recovery
         super().__init__(model, comm, copy_every, placement, sampler)
 
     def step(self, loss_fn: Callable[[nn.Module, int, int], torch.Tensor]) -> bool:  # type: ignore[override]
@@ -214,22 +216,39 @@ class ElasticZero(ElasticBuddyCopy):
         if self._full is None:
             self.zero = ZeroOptimizer(self.model, optimizer_class, comm, stage, **kwargs)
         else:
+            assert self._plan is not None  # rebuild() set it
             self.zero = reshard(
-                self.zero, self._full, comm, optimizer_class, stage, kept=True, **kwargs
+                self._plan, self._full, comm, optimizer_class, stage, kept=True, **kwargs
             )
         self._stage(self.zero)
         return self.model
 
+    def rebuild(self, old: Communicator, new: Communicator, failed: tuple[int, ...]) -> None:
+        """ElasticBuddyCopy's, the ZeroOptimizer released first (its layout
+        kept, `_plan`): its flat parameters, gradients and optimizer state are
+        the failed step's, freed before the copy's state is gathered. (If the
+        rebuild then fails with no rank lost, the model is left empty: restore
+        it from a checkpoint.)"""
+        if not self.zero.released:  # (a second try: the optimizer wrap() built, if any)
+            self._plan = ZeroPlan(self.zero)
+            self.zero.release()
+        super().rebuild(old, new, failed)
+
+    def recovered(self) -> None:
+        super().recovered()
+        self._plan = None
+
     def _keep(self, comm: Communicator) -> Callable[[Entry], tuple[int, int] | None]:
         """The full parameters (every rank holds them under ZeRO-1/2, and
-        detach takes them whole), of the optimizer state only this rank's
-        block at `comm`'s size: what reshard reads."""
-        flats = [f for u in self.zero.engine.units for f in u.flats]
+        reshard hands them to the model), of the optimizer state only this
+        rank's block at `comm`'s size: what reshard reads."""
+        assert self._plan is not None  # rebuild() set it
+        layouts = [f[1] for f in self._plan.flats]
 
         def keep(e: Entry) -> tuple[int, int] | None:
             if e.key == "param":
                 return None
-            return resized(flats[e.flat].layout, comm.world_size).shard_range(comm.rank)
+            return resized(layouts[e.flat], comm.world_size).shard_range(comm.rank)
 
         return keep
 
@@ -246,8 +265,31 @@ def resized(layout: FlatLayout, world_size: int) -> FlatLayout:
     return FlatLayout.build(slots, layout.dtype, layout.requires_grad, world_size)
 
 
+class ZeroPlan:
+    """What reshard reads of a ZeroOptimizer, which it can outlive (release):
+    the model; its flat parameters in the engine's order (the buddy copy's
+    flat indices) as (name prefix, layout, parameters, device); the indices
+    of the trainable ones in the inner optimizer's order; and the
+    hyperparameters of its parameter groups (a scheduled learning rate among
+    them)."""
+
+    def __init__(self, zero: ZeroOptimizer) -> None:
+        self.model = zero.model
+        self.flats: list[tuple[str, FlatLayout, list[nn.Parameter], torch.device]] = []
+        index = {}
+        for u in zero.engine.units:
+            prefix = "" if u is zero.engine.root else u.name + "."
+            for f in u.flats:
+                index[id(f)] = len(self.flats)
+                self.flats.append((prefix, f.layout, list(f.params), f.device))
+        self.trainable = [index[id(f)] for f in zero._flats]  # noqa: SLF001
+        self.groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups
+        ]
+
+
 def reshard(
-    old: ZeroOptimizer,
+    old: ZeroOptimizer | ZeroPlan,
     full: FullState,
     comm: Communicator,
     optimizer_class: type[torch.optim.Optimizer],
@@ -258,38 +300,53 @@ def reshard(
 ) -> ZeroOptimizer:
     """Collective over `comm`: re-shards the full state `full` (as
     gather_full_state returns it, laid out as `old`'s flat parameters) over
-    `comm`: gives the model the full values (old.detach), wraps it in a new
-    ZeroOptimizer and loads each new shard's optimizer state (the learning
-    rates and other hyperparameters from `old`'s parameter groups). `kept`:
-    `full` holds of the sharded optimizer state only this rank's block at
-    the new size (gather_full_state with ElasticZero._keep). Returns the new
-    optimizer; `old` must not be used any more."""
-    flats = [f for u in old.engine.units for f in u.flats]
-    values = {}
-    for u in old.engine.units:
-        prefix = "" if u is old.engine.root else u.name + "."
-        for f in u.flats:
-            flat = full[(flats.index(f), "param", -1)][0]
-            for s in f.layout.slots:
-                values[prefix + s.name] = flat[s.offset : s.end].view(s.shape)
-    old.detach(values)
-    new = ZeroOptimizer(old.model, optimizer_class, comm, stage, **zero_kwargs)
-    for g_new, g_old in zip(new.optimizer.param_groups, old.optimizer.param_groups, strict=True):
-        g_new.update({k: v for k, v in g_old.items() if k != "params"})  # e.g. a scheduled lr
-    index = {id(f): i for i, f in enumerate(flats)}
-    for f_old, f_new in zip(old._flats, new._flats, strict=True):  # noqa: SLF001
-        i = index[id(f_old)]
+    `comm`: gives the model the full values (old.detach without copies, or,
+    for a ZeroPlan of a released optimizer, as the parameters' data), wraps
+    it in a new ZeroOptimizer and loads each new shard's optimizer state (the
+    learning rates and other hyperparameters from `old`'s parameter groups).
+    `kept`: `full` holds of the sharded optimizer state only this rank's
+    block at the new size (gather_full_state with ElasticZero._keep).
+
+    Takes out of `full` what it hands on (the model's values, and the kept
+    blocks that become the new optimizer state as they are), so that each
+    unit's gathered values are freed once the new ZeroOptimizer copied them
+    into its flat parameter. Returns the new optimizer; `old` must not be
+    used any more."""
+    plan = old if isinstance(old, ZeroPlan) else ZeroPlan(old)
+    _hand_values(old, plan, full)
+    new = ZeroOptimizer(plan.model, optimizer_class, comm, stage, **zero_kwargs)
+    for g_new, g_old in zip(new.optimizer.param_groups, plan.groups, strict=True):
+        g_new.update(g_old)  # e.g. a scheduled lr
+    for i, f_new in zip(plan.trainable, new._flats, strict=True):  # noqa: SLF001
         a, b = f_new.layout.shard_range(comm.rank)
         state = {}
-        for (j, key, _), (t, e) in full.items():
-            if j != i or key == "param":
+        for k in [k for k in full if k[0] == i and k[1] != "param"]:
+            t, e = full[k]
+            if e.sharded and kept and t.numel() == b - a:  # this rank's block as it is
+                state[k[1]] = full.pop(k)[0].to(e.device)
                 continue
             if e.sharded:  # this rank's block at the new size (zeros in new padding)
                 block = torch.zeros(b - a, dtype=t.dtype)
                 have = t if kept else t[a : min(b, t.numel())]
                 block[: have.numel()] = have
                 t = block
-            state[key] = t.to(e.device, copy=True)
+            state[k[1]] = t.to(e.device, copy=True)
         if state:
             new.optimizer.state[f_new.opt_param] = state
     return new
+
+
+def _hand_values(old: ZeroOptimizer | ZeroPlan, plan: ZeroPlan, full: FullState) -> None:
+    """Gives the model's parameters the full values in `full`, taken out of
+    it (views, no copies: old.detach(copy=False), or set as their data)."""
+    values = {}
+    for i, (prefix, layout, _, _) in enumerate(plan.flats):
+        flat = full.pop((i, "param", -1))[0]
+        for s in layout.slots:
+            values[prefix + s.name] = flat[s.offset : s.end].view(s.shape)
+    if isinstance(old, ZeroOptimizer):
+        old.detach(values, copy=False)
+        return
+    for prefix, layout, params, device in plan.flats:
+        for s, p in zip(layout.slots, params, strict=True):
+            p.data = values[prefix + s.name].to(device)

@@ -101,34 +101,77 @@ def _gather_kept(
     """gather_full_state entry by entry: of each sharded entry, the range
     keep(entry) of its full tensor (one all-gather of the survivors' blocks,
     one broadcast from each dead rank's buddy)."""
-    where = {old: new for new, old in enumerate(survivors)}
-    dead = [r for r in range(copy.world_size) if r not in where]
     out: FullState = {}
     for e in copy.entries:
+        key = (e.flat, e.key, e.slot)
         if not e.sharded:
-            out[(e.flat, e.key, e.slot)] = (_view(copy.local, e).clone(), e)
+            out[key] = (_view(copy.local, e).clone(), e)
             continue
-        nb = e.nbytes
-        every = torch.empty(comm.world_size * nb, dtype=torch.uint8)
-        comm.all_gather(every, copy.local[e.offset : e.offset + nb])
-        blocks = {old: every[new * nb : (new + 1) * nb] for new, old in enumerate(survivors)}
-        for r in dead:  # from its buddy, which received it at the last refresh
-            root = where[copy.buddies[r]]
-            mine = comm.rank == root
-            buf = (
-                copy.remote[e.offset : e.offset + nb]
-                if mine
-                else torch.empty(nb, dtype=torch.uint8)
-            )
-            comm.broadcast(buf, root)
-            blocks[r] = buf
-        full = torch.cat([blocks[r].view(e.dtype).view(e.shape) for r in range(copy.world_size)])
         span = keep(e)
-        out[(e.flat, e.key, e.slot)] = (
-            full if span is None else full[span[0] : span[1]].clone(),
-            e,
-        )
+        whole = span is None
+        got = _whole(copy, comm, survivors, e) if whole else _range(copy, comm, survivors, e, span)
+        out[key] = (got, e)
     return out
+
+
+def _block(buf: torch.Tensor, e: Entry) -> torch.Tensor:
+    return buf[e.offset : e.offset + e.nbytes]
+
+
+def _dead(copy: CommittedCopy, survivors: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(old rank, new rank of its buddy) of every dead rank."""
+    where = {old: new for new, old in enumerate(survivors)}
+    return [(r, where[copy.buddies[r]]) for r in range(copy.world_size) if r not in where]
+
+
+def _whole(
+    copy: CommittedCopy, comm: Communicator, survivors: tuple[int, ...], e: Entry
+) -> torch.Tensor:
+    """Entry e's full tensor, gathered in place: the survivors' blocks
+    all-gathered into its start, each moved to its old rank's place, the dead
+    ranks' broadcast into theirs (no buffer besides the result)."""
+    nb, n = e.nbytes, comm.world_size
+    whole = torch.empty(copy.world_size * nb, dtype=torch.uint8)
+    comm.all_gather(whole[: n * nb], _block(copy.local, e))
+    # New rank i's block to old rank survivors[i] >= i's place, from the last:
+    # no block is overwritten before it moved.
+    for i in reversed(range(n)):
+        if survivors[i] != i:
+            r = survivors[i]
+            whole[r * nb : (r + 1) * nb].copy_(whole[i * nb : (i + 1) * nb])
+    for r, root in _dead(copy, survivors):  # from its buddy's copy
+        place = whole[r * nb : (r + 1) * nb]
+        if comm.rank == root:
+            place.copy_(_block(copy.remote, e))
+        comm.broadcast(place, root)
+    return whole.view(e.dtype)
+
+
+def _range(
+    copy: CommittedCopy,
+    comm: Communicator,
+    survivors: tuple[int, ...],
+    e: Entry,
+    span: tuple[int, int],
+) -> torch.Tensor:
+    """Elements [span) of entry e's full tensor (clipped to its length), from
+    the all-gathered blocks of the survivors and the broadcast dead ranks'."""
+    nb, n, per = e.nbytes, comm.world_size, e.nbytes // e.dtype.itemsize
+    every = torch.empty(n * nb, dtype=torch.uint8)
+    comm.all_gather(every, _block(copy.local, e))
+    blocks = {old: every[new * nb : (new + 1) * nb] for new, old in enumerate(survivors)}
+    for r, root in _dead(copy, survivors):  # from its buddy's copy
+        mine = comm.rank == root
+        buf = _block(copy.remote, e) if mine else torch.empty(nb, dtype=torch.uint8)
+        comm.broadcast(buf, root)
+        blocks[r] = buf
+    lo, hi = span[0], min(span[1], copy.world_size * per)
+    kept = torch.empty(max(hi - lo, 0), dtype=e.dtype)
+    for r, block in blocks.items():
+        a, b = max(lo, r * per), min(hi, (r + 1) * per)
+        if a < b:
+            kept[a - lo : b - lo].copy_(block.view(e.dtype)[a - r * per : b - r * per])
+    return kept
 
 
 def assemble(entries: list[Entry], blocks: list[torch.Tensor], own: torch.Tensor) -> FullState:

@@ -281,11 +281,15 @@ class BuddyCopy:
             self.remote_entries = theirs
         self.entries, self.step = entries, step
 
-    def discard(self) -> None:
-        """Forgets a refresh that did not commit (its staging buffer is kept for the next)."""
+    def discard(self, keep_staging: bool = True) -> None:
+        """Forgets a refresh that did not commit; its staging buffer is kept
+        for the next refresh, or freed with keep_staging=False (after a
+        failure: the survivors only read the committed copy, then replace it)."""
         if self._staged is not None:
             self._staging = self._staged[0]
         self._staged = None
+        if not keep_staging:
+            self._staging = torch.empty(0, dtype=torch.uint8)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

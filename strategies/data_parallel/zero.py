@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -195,6 +196,7 @@ class ZeroOptimizer:
         self._flats = [f for u in self.engine.units for f in u.trainable]
         self.optimizer = optimizer_class([f.opt_param for f in self._flats], **optimizer_kwargs)
         self._cast_hook = None
+        self.released = False  # release() dropped the state
         if param_dtype is not None and stage < 3:  # stage 3 units cast their own inputs
             self._cast_hook = model.register_forward_pre_hook(
                 functools.partial(_cast_inputs, param_dtype), with_kwargs=True
@@ -261,14 +263,18 @@ class ZeroOptimizer:
         """Bytes this rank holds by role (see ShardingEngine.storage)."""
         return self.engine.storage(self.optimizer)
 
-    def detach(self, values: Mapping[str, torch.Tensor] | None = None) -> None:
+    def detach(
+        self, values: Mapping[str, torch.Tensor] | None = None, *, copy: bool = True
+    ) -> None:
         """Unwraps the model, locally (no collective): removes every hook and
         mark this optimizer put on it, drops the gradients, and gives each
         parameter storage of its own in its own shape and dtype: `values[name]`
         (full values by name as full_parameters() gives them, e.g. rebuilt
         after a lost rank) where given, else a copy of the full parameter it
-        views. The model can then be wrapped again, e.g. by a ZeroOptimizer
-        on another communicator; this optimizer must not be used any more.
+        views. copy=False: a value already on the parameter's device and in
+        its dtype becomes its storage as it is (no copy: the caller gives it
+        up). The model can then be wrapped again, e.g. by a ZeroOptimizer on
+        another communicator; this optimizer must not be used any more.
 
         Raises ValueError, changing nothing, for a value of the wrong shape,
         or a parameter without a value whose full master value this rank does
@@ -287,7 +293,8 @@ class ZeroOptimizer:
                         problems.append(f"'{prefix + s.name}': shape {tuple(v.shape)} != {s.shape}")
                     else:
                         src = view if v is None else v
-                        new.append((p, src.detach().to(f.device, f.layout.dtype, copy=True)))
+                        own = copy or v is None
+                        new.append((p, src.detach().to(f.device, f.layout.dtype, copy=own)))
         if problems:
             raise ValueError(
                 f"ZeroOptimizer.detach: rank {self.comm.rank}: values: " + "; ".join(problems[:8])
@@ -301,6 +308,28 @@ class ZeroOptimizer:
             p.grad = None
         for f in self._flats:
             f.opt_param.grad = None
+
+    def release(self) -> None:
+        """Unwraps the model as detach() does, locally, but leaves every
+        parameter empty (no elements: the caller gives it its values, e.g.
+        rebuilt after a lost rank, by setting .data) and drops this
+        optimizer's flat parameters, gradient buffers and optimizer state, so
+        that their memory is freed now (a cyclic garbage collection: the units
+        and the engine refer to each other). `released` is then True and
+        nothing else of this optimizer may be used."""
+        for u in self.engine.units:
+            u.detach()
+            for f in u.flats:
+                for p in f.params:
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                    p.grad = None
+        if self._cast_hook is not None:
+            self._cast_hook.remove()
+            self._cast_hook = None
+        del self.engine, self.optimizer
+        self._flats = []
+        self.released = True
+        gc.collect()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state and where it lies: the inner optimizer's
