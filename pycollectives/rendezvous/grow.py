@@ -83,13 +83,16 @@ def refuse(
 
 
 def _refusal(raw: bytes, prefix: str) -> errors.GrowRefused:
-    """The GrowRefused of a `refused` value (checked: its ranks, then the reason)."""
+    """The GrowRefused of a `refused` value (checked: its ranks, ASCII digits of
+    at most 9 each, else none named; the reason cut to _MAX_REASON bytes)."""
     text = bytes(raw)[:_MAX_REASON].decode(errors="replace")
     ranks, _, reason = text.partition(";")
     parts = ranks.split(",") if ranks else []
-    failed = tuple(int(r) for r in parts) if all(r.isdigit() for r in parts) else ()
+    ok = all(r.isascii() and r.isdigit() and len(r) <= 9 for r in parts)
+    failed = tuple(int(r) for r in parts) if ok else ()
     return errors.GrowRefused(
-        f"pycollectives: join: the survivors under {prefix!r} take in no newcomer: {reason}",
+        f"pycollectives: join: the survivors under {prefix!r} take in no newcomer "
+        f"(store key {prefix}/refused): {reason}",
         reason,
         failed,
     )

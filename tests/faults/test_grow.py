@@ -80,3 +80,23 @@ def test_join_without_a_grow_times_out():
     import spawn
 
     run(_no_grow, 1, spawn.free_port(), timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("value", "failed"),
+    [
+        (b"2,3;the state of rank 2 is lost", (2, 3)),
+        (b"\xff\xfe;garbage \xff", ()),  # not ranks: none named, no crash
+        ("²,3;unicode digits".encode(), ()),  # isdigit() but not int()-able
+        (b"-1,2;negative", ()),
+        (b"9" * 5000, ()),  # huge: cut, no rank of 4096 digits
+        (b"", ()),
+    ],
+)
+def test_a_refusal_from_the_store_is_checked_and_join_raises_at_once(value, failed):
+    store = torch.distributed.HashStore()
+    store.set("pycoll-grow/refused", value)
+    with pytest.raises(pc.GrowRefused, match="pycoll-grow/refused") as got:
+        pc.join(store, timeout=30)
+    assert got.value.failed == failed
+    assert len(str(got.value)) < 4096 + 200
