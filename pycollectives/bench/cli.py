@@ -144,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         choices=(0, 1),
         default=0,
-        help="1: with --compare, run --trials rounds, each of which goes over every size and "
-        "runs one trial of pycollectives and of each peer at each size (-w warmup iterations "
+        help="1: run --trials rounds, each of which goes over every size and runs one trial "
+        "of pycollectives (and, with --compare, of each peer) at each size (-w warmup iterations "
         "before the first trial of a size, 1 before each later one), in the same ranks (run by "
         "mpirun when MPI is compared), instead of one sweep after the other with the trials of a "
         "size back to back: a slowdown of the machine spoils a trial or two of a size, which "

@@ -148,8 +148,9 @@ def bench_collective(
     """Benchmark one collective over all sizes on every runner: one runner after the other (all
     trials of a size back to back), each row printed as it is measured, or with --interleave 1
     in `--trials` rounds, each of which runs one trial of every runner at every size (the same
-    tables, printed once the collective is done)."""
-    interleave = bool(args.interleave) and len(runners) > 1
+    tables, printed once the collective is done; with one runner too: a size's trials then
+    spread over the whole sweep, not a few milliseconds of it)."""
+    interleave = bool(args.interleave)
     sweeps = [_Sweep(r, spec, args, rewarm=1 if interleave else 0) for r in runners]
     elsize = torch.empty(0, dtype=sweeps[0].tdtype).element_size()
     sizes: dict[int, int] = {}  # size -> count, in order
