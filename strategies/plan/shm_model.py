@@ -125,14 +125,17 @@ def work(collective: str, path: str, n: int, size: float, slot: int | None = Non
     raise PlanInputError(f"{collective}: path={path!r} is not one of {', '.join(PATHS)}")
 
 
-def share(n: int, cores: int | None, contention: float = 0.0, busiest: float = 0.0) -> float:
+def share(n: int, cores: int | None, contention: float = 0.0, busiest: float = 1.0) -> float:
     """How many times longer `n` ranks on `cores` cores take than on a core each: 1 up to
     `cores` ranks (or cores None), else the load of a core x (1 + contention (n - cores) /
     cores): each rank past the cores costs every rank `contention` / cores more (a peer
     descheduled at a handoff, caches shared between ranks; fitted). The load of a core is
     n / cores (time-sharing, the ranks spread evenly over time) moved by `busiest` (0 to 1,
-    fitted: fit_busiest) towards ceil(n / cores), the busiest core's where the ranks stay put
-    and a lockstep collective waits for the slowest; the two agree where cores divides n.
+    fitted: fit_busiest; 1 unless fitted) towards ceil(n / cores), the busiest core's where
+    the ranks stay put and a lockstep collective waits for the slowest; the two agree where
+    cores divides n. Unfitted, 1: measured 3-rank rows on 2 cores (two plan_costs runs of
+    2026-12-07, fitted at 2 and 4 ranks) came out at a median 0.77-0.79 of the prediction
+    under 0 and 1.03-1.05 under 1.
     Raises PlanInputError for cores < 1."""
     if cores is None or n <= cores:
         return 1.0
@@ -206,7 +209,7 @@ class ShmModel:
     cache_bytes: int
     source: str = "fit"
     rows: int = 0
-    busiest: float = 0.0
+    busiest: float = 1.0  # share(): 1 unless fit_busiest has rows to fit it
 
     transport = "shm"
 
@@ -393,7 +396,7 @@ def fit_busiest(model: ShmModel, rows: list[dict[str, Any]], min_bytes: int = 64
     """`model` with its `busiest` (share()) fitted to the rows (as fit_shm takes them, each
     priced by the path it took) whose rank count exceeds model.cores and is not a multiple
     of it, the only ones it moves: the weight in 0, 0.05, .., 1 of least squared relative
-    error; the model unchanged where there is no such row."""
+    error; the model unchanged (its busiest: 1 unless set) where there is no such row."""
     from .fitted import row_path
 
     c = model.cores

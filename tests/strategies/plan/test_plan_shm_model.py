@@ -79,10 +79,12 @@ def test_bad_work_arguments():
 
 def test_share_of_the_cores():
     assert share(2, 2) == 1.0 and share(8, None) == 1.0 and share(1, 4, 3.0) == 1.0
-    assert share(4, 2) == 2.0 and share(3, 2) == 1.5  # time-sharing alone
-    assert share(3, 2, 1.0) == pytest.approx(1.5 * 1.5)  # one rank past 2 cores: +1/2
+    assert share(4, 2) == 2.0 and share(3, 2, 0.0, 0.0) == 1.5  # time-sharing alone
+    assert share(3, 2) == 2.0  # unless fitted, the busiest core's load (ceil(3 / 2))
+    assert share(3, 2, 1.0, 0.0) == pytest.approx(1.5 * 1.5)  # one rank past 2 cores: +1/2
     assert share(4, 2, 1.0) == pytest.approx(2 * 2)
-    assert share(12, 8, 2.0) == pytest.approx(1.5 * 2)
+    assert share(12, 8, 2.0, 0.0) == pytest.approx(1.5 * 2)
+    assert share(12, 8, 2.0) == pytest.approx(2 * 2)  # 2 ranks on the busiest core
     with pytest.raises(PlanInputError, match="cores"):
         share(4, 0)
     # the busiest core's weight moves the load of 3 ranks on 2 cores from 1.5 towards 2
@@ -167,7 +169,7 @@ def test_fit_busiest_from_ranks_not_a_multiple_of_the_cores():
             t = truth.path_time(coll, path, 3, size)
             rows.append({"collective": coll, "nranks": 3, "size": size, "time_us": t * 1e6,
                          "paths": {path: 10}})  # fmt: skip
-    assert fit_shm(_rows(), cores=2, cache_bytes=8 * MIB).busiest == 0.0
+    assert fit_shm(_rows(), cores=2, cache_bytes=8 * MIB).busiest == 1.0  # unfitted: 1
     model = fit_shm(_rows() + rows, cores=2, cache_bytes=8 * MIB)
     assert model.busiest == pytest.approx(0.35) and "busiest: 9 rows" in model.source
     assert fit_busiest(TRUTH, rows).busiest == pytest.approx(0.35)
