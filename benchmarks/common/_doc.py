@@ -29,6 +29,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def busy_cores(seconds: float = 2.0) -> float:
+    """How many of this machine's CPUs other processes kept busy over the next `seconds`
+    (/proc/stat: non-idle time over the interval; the caller sleeps through it), unlike the
+    load average, which still counts the runs of the minutes before. 0.0 where /proc/stat
+    cannot be read."""
+    import time
+
+    def sample() -> tuple[int, int] | None:
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields), idle
+
+    a = sample()
+    time.sleep(seconds)
+    b = sample()
+    if a is None or b is None or b[0] <= a[0]:
+        return 0.0
+    total, idle = b[0] - a[0], b[1] - a[1]
+    return (os.cpu_count() or 1) * (total - idle) / total
+
+
 def run_bench(nranks: int, flags: list[str], env: dict[str, str] | None = None) -> dict:
     """Runs `pycollectives-bench --nproc nranks --json ... flags` (its table
     discarded) and returns the JSON it wrote: metadata and rows. Raises

@@ -6,9 +6,11 @@
     python benchmarks/plan/plan_costs.py --replay docs/data/plan_costs-DATE.json --in-run --model paths
 
 Two `pycollectives-bench --json` runs of all_reduce, reduce_scatter and all_gather: a fit
-run (--fit-ranks, 64 KiB to 16 MiB x4 apart) and, after it, a check run (--check-ranks,
-64 KiB to 16 MiB x2 apart), each row's time the least of its trials by default (the
-machine is shared: other processes only add time). The planner's model
+run (--fit-ranks, 64 KiB to 16 MiB x4 apart) and a check run (--check-ranks, 64 KiB to
+16 MiB x2 apart), launched in turn --rounds times, each row's time by default the median
+over its launches of each one's least trial (the machine is shared: other processes only
+add time to a trial; and each launch is a fresh communicator, which on this VM runs the
+same calls up to 4x faster or slower for its whole life). The planner's model
 (strategies/plan/shm_model.py: per algorithm the bytes each rank copies, reduces and has
 the kernel copy and its handoffs, the cores' share when ranks outnumber them, the memory's
 bandwidth past the last-level cache, the path the code would take) is fitted to the first
@@ -35,7 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
-from _doc import cpu_model, emit_section, run_bench, size_label  # noqa: E402
+from _doc import busy_cores, cpu_model, emit_section, run_bench, size_label  # noqa: E402
 
 from pycollectives.strategies.plan.costs import core_share  # noqa: E402
 from pycollectives.strategies.plan.fitted import CostModel, fit_model, row_path  # noqa: E402
@@ -52,21 +54,85 @@ DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
 
 
 def least_of_trials(rows: list[dict], estimator: str) -> list[dict]:
-    """The pycoll rows with a time, each row's time_us the least of its trials under "min"
-    (the least-disturbed trial: other processes only ever add time), else their median."""
+    """The pycoll rows with a time, each row's time_us from its trials: under "rounds" the
+    median over its rounds of their least trial (round_mins: one per launch, each a fresh
+    communicator), under "min" the least of all its trials (the least-disturbed trial: other
+    processes only ever add time), under "median" the median of all."""
     rows = [r for r in rows if r.get("time_us") and r["backend"] == "pycoll"]
-    if estimator == "min":
-        for r in rows:
+    for r in rows:
+        if estimator == "rounds" and r.get("round_mins"):
+            r["time_us"] = statistics.median(r["round_mins"])
+        elif estimator in ("min", "rounds"):
             r["time_us"] = min(r["trials_us"])
+        else:
+            r["time_us"] = statistics.median(r["trials_us"])
     return rows
 
 
-def _sweep(ranks: str, factor: str, trials: str, estimator: str) -> list[dict]:
-    rows = []
-    for n in (int(x) for x in ranks.split(",")):
-        flags = ["-b", "64K", "-e", "16M", "-f", factor, "-c", "0", "--trials", trials]
-        rows += run_bench(n, [*flags, "--coll", COLLS])["rows"]
-    return least_of_trials(rows, estimator)
+def merge_round(got: dict[tuple, dict], key: str, rows: list[dict]) -> None:
+    """Adds one launch's pycoll rows to `got` ((key, collective, ranks, size) -> row): another
+    round's row of the same point adds its trials, its least trial (round_mins) and its
+    calls by path to the first round's."""
+    for r in rows:
+        if r["backend"] != "pycoll" or not r.get("time_us") or not r.get("trials_us"):
+            continue
+        r["round_mins"] = [min(r["trials_us"])]
+        old = got.setdefault((key, r["collective"], ranks_of(r), r["size"]), r)
+        if old is not r:
+            old["trials_us"] += r["trials_us"]
+            old["round_mins"] += r["round_mins"]
+            for path, calls in r["paths"].items():
+                old["paths"][path] = old["paths"].get(path, 0) + calls
+
+
+def measure(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[dict]]:
+    """The fit run (--fit-ranks, 64 KiB to 16 MiB x4 apart) and the check run (--check-ranks,
+    x2 apart), --rounds times over in turn, each launch a fresh communicator (on this VM
+    its shared segment decides much of its speed: docs/benchmarks.md) whose trials go round
+    its sizes (--interleave 1). Returns (fit rows, check rows, one entry per launch: what
+    ran, the load average before and after, the CPUs' cache-line round trip)."""
+    got: dict[tuple, dict] = {}
+    launches: list[dict] = []
+    for rnd in range(args.rounds):
+        for key, ranks, factor in (("fit", args.fit_ranks, "4"), ("check", args.check_ranks, "2")):
+            for n in (int(x) for x in ranks.split(",")):
+                flags = ["-b", "64K", "-e", "16M", "-f", factor, "-c", "0", "--trials",
+                         args.trials, "--interleave", "1", "--coll", COLLS]  # fmt: skip
+                before = os.getloadavg()
+                data = run_bench(n, flags)
+                merge_round(got, key, data["rows"])
+                launches.append({"round": rnd, "run": key, "nranks": n, "load_before": before,
+                                 "load_after": os.getloadavg(),
+                                 "cpu_round_trip_ns": data["metadata"].get("cpu_round_trip_ns")})  # fmt: skip
+    fit = least_of_trials([r for k, r in got.items() if k[0] == "fit"], args.estimator)
+    check = least_of_trials([r for k, r in got.items() if k[0] == "check"], args.estimator)
+    return fit, check, launches
+
+
+ESTIMATORS = {
+    "rounds": "the median over the launches of each one's least trial",
+    "min": "the least of its trials",
+    "median": "the median of its trials",
+}
+
+
+def round_trips(launches: list[dict]) -> str:
+    """The range of the launches' CPU round trips (ns), or "not recorded"."""
+    ns = [t["before"] for x in launches if (t := x.get("cpu_round_trip_ns")) and t.get("before")]
+    return f"{min(ns):.0f}-{max(ns):.0f} ns" if ns else "not recorded"
+
+
+def rounds_spread(rows: list[dict]) -> str:
+    """How far a point moves from one fresh communicator to the next: per row, its slowest
+    round's least trial over its fastest round's."""
+    spans = [max(m) / min(m) for r in rows if len(m := r.get("round_mins") or []) >= 2]
+    if not spans:
+        return "one round only"
+    return (
+        f"per row, the slowest round's least trial over the fastest round's: median "
+        f"{statistics.median(spans):.2f}, above 1.5 at {sum(x > 1.5 for x in spans)}/"
+        f"{len(spans)} rows, above 2 at {sum(x > 2 for x in spans)}"
+    )
 
 
 def ranks_of(r: dict) -> str:
@@ -197,12 +263,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit-ranks", default="2,4")
     ap.add_argument("--check-ranks", default="2,3,4")
-    ap.add_argument("--trials", default="7")
+    ap.add_argument("--trials", default="5", help="trials per size and launch (default 5)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="launches of every run, in turn, each a fresh communicator (default 5)",
+    )
     ap.add_argument(
         "--estimator",
-        choices=("min", "median"),
-        default="min",
-        help="a row's time from its trials (default min: the machine is shared)",
+        choices=("rounds", "min", "median"),
+        default="rounds",
+        help="a row's time from its trials: rounds (default): the median over the launches of "
+        "each one's least trial; min: the least of all; median: the median of all",
     )
     ap.add_argument(
         "--replay",
@@ -248,9 +321,13 @@ def main() -> int:
         cores = old.get("cores") or int(old["machine"].rsplit(", ", 1)[1].split()[0])
         date, load0, load1 = old["date"], old["load_start"], old["load_end"]
         cache = old.get("cache_bytes", cache)
+        launches = old.get("launches", [])
+        busy0 = old.get("busy_before")  # records since 2026-12-07 19:00
+        for k, v in old.get("settings", {"trials": "7", "rounds": 1, "estimator": "min"}).items():
+            setattr(args, k, v)  # the recorded run's, for the notes
     else:
-        fit_rows = _sweep(args.fit_ranks, "4", args.trials, args.estimator)
-        check_rows = _sweep(args.check_ranks, "2", args.trials, args.estimator)
+        busy0 = busy_cores()
+        fit_rows, check_rows, launches = measure(args)
         load1 = os.getloadavg()
     repeat = run_to_run(fit_rows, check_rows)  # the two runs as recorded
     if args.in_run:  # the check run alone: the fit's ranks at the fit's sizes against the rest
@@ -290,8 +367,9 @@ def main() -> int:
         described = shm.describe()
         how = (
             f"Model: per algorithm the bytes each rank copies, reduces and has the kernel copy "
-            f"and its handoffs (shm_model.work), on {cores} cores (N ranks past them: N / "
-            f"{cores} time-sharing times the fitted contention per rank past the cores), "
+            f"and its handoffs (shm_model.work), on {cores} cores (N ranks past them: the "
+            f"load of the busiest core, from N / {cores} towards ceil(N / {cores}) by the "
+            "busiest core's weight, times the fitted contention per rank past the cores), "
             f"past the {cache >> 20} MiB last-level cache the memory's bandwidth if slower; where the "
             "code may take single copy or the slots (its tuner times both), the faster."
         )
@@ -307,29 +385,32 @@ def main() -> int:
         f"The machine against itself: {repeat} (no model fitted to the one run can do better "
         "on those points of the other).",
         f"By rows: {parts}.",
-        f"A row's time: the {args.estimator} over its {args.trials} trials (pycollectives-bench "
-        "trials_us; each trial the slowest rank's mean over its calls).",
+        f"A row's time: {ESTIMATORS[args.estimator]}, of {args.rounds} launches in turn of "
+        f"{args.trials} trials each (pycollectives-bench trials_us, --interleave 1 where "
+        "rounds > 1; each trial the slowest rank's mean over its calls).",
+        f"Fresh communicators: {rounds_spread(fit_rows + check_rows)}; cache-line round trip "
+        f"between the 2 CPUs (before each launch's ranks ran) {round_trips(launches)}.",
         how,
         f"Load average at start {', '.join(f'{x:.2f}' for x in load0)}, at end "
         f"{', '.join(f'{x:.2f}' for x in load1)}; {time.perf_counter() - t0:.0f} s in all"
         + (f" (priced again with --replay {args.replay})." if args.replay else "."),
     ]
-    if max(load0[0], load1[0]) > (os.cpu_count() or 1) / 2:
-        notes.append(
-            f"The load average exceeded half of the {os.cpu_count()} cores: with 3-4 ranks "
-            "on 2 cores ranks are descheduled mid-collective, and a size's median moves by "
-            "more than 20% between the two runs; a quiet rerun is needed to judge the target."
-        )
+    if busy0 is not None:
+        notes.append(f"Other processes kept {busy0:.2f} of the {cores} CPUs busy in the 2 s "
+                     "before the run (/proc/stat)" + (": other processes took the ranks' "
+                     "cores, a quiet rerun is needed to judge the target." if busy0 > 0.25 else
+                     "."))  # fmt: skip
     if args.in_run:
         notes.insert(1, "Split within the check run (--in-run): fitted to its rows at "
                      f"{args.fit_ranks} ranks and 64 KiB to 16 MiB x4 apart, checked on the rest.")  # fmt: skip
-    if not args.no_write:
+    if not args.no_write and not args.replay:  # a replay rewrites the section, not the record
         DATA.mkdir(exist_ok=True)
         (DATA / f"plan_costs-{date}.json").write_text(json.dumps({
             "summary": summary, "command": "python benchmarks/plan/plan_costs.py " + " ".join(sys.argv[1:]),
             "machine": f"{cpu_model()}, {os.cpu_count()} cores", "date": date,
             "load_start": load0, "load_end": load1, "cores": cores, "cache_bytes": cache, "model": args.model, "fitted": described,
-            "rows": out_rows, "raw": {"fit": fit_rows, "check": check_rows},
+            "rows": out_rows, "raw": {"fit": fit_rows, "check": check_rows}, "launches": launches, "busy_before": busy0,
+            "settings": {k: getattr(args, k) for k in ("trials", "rounds", "estimator")},
         }, indent=1) + "\n")  # fmt: skip
     argv = " ".join(sys.argv[1:])
     emit_section(

@@ -6,9 +6,9 @@
 Two hosts made of network namespaces on one bridge (tests/support/netns.py), the
 project's `pycollectives-bench` run across them (benchmarks/common/_bench_hosts.py: one
 rank process per namespace, met the torchrun way), all_reduce, reduce_scatter and
-all_gather, each row's time the least of its trials by default (the machine is shared:
-other processes only add time), the trials of --rounds rounds, each of which runs every
-fit and check once in turn. Fit runs, 64 KiB to --max x4 apart:
+all_gather, in --rounds rounds, each of which runs every fit and check once in turn (each
+a fresh communicator: see plan_costs.py), each row's time by default the median over the
+rounds of each one's least trial. Fit runs, 64 KiB to --max x4 apart:
 
 - TCP: 2 hosts x 1 rank (strategies/plan/tcp_model.py: per algorithm the bytes each rank
   copies, reduces and has the kernel copy for TCP, its frames and ring steps, with the
@@ -17,7 +17,9 @@ fit and check once in turn. Fit runs, 64 KiB to --max x4 apart:
 - shared memory: 2 ranks on one host under PYCOLL_ALGO=ring, the rings over the shared
   slots that the hierarchical schedules run within a host (costs.INTRA_PATH), fitted as
   plan_costs.py fits shared memory (strategies/plan/shm_model.py: the bytes each rank
-  copies and reduces, its handoffs, the memory's bandwidth past the last-level cache).
+  copies and reduces, its handoffs, the memory's bandwidth past the last-level cache);
+- ranks past the cores: 2 hosts x 2 ranks (hierarchical), whose 4 ranks share the 2 cores,
+  to fit tcp_model's contention and wait per handoff past the cores (tcp_model.fit_sharing).
 
 Check runs, 64 KiB to --max x2 apart: 2 hosts x 1 rank (sizes the fit never saw between
 its own), 2 hosts x 2 ranks as the code chooses (PYCOLL_ALGO default: hierarchical,
@@ -26,8 +28,8 @@ ring over the four ranks, priced as a ring paced by the TCP link), so that the m
 choice between ring and hierarchical checks the predicted one. Target: within 20% from
 64 KiB up. Then the fitted figures' ring against hierarchical at 8 to 4096 ranks
 (costs.ring_vs_hierarchical). `--replay JSON` prices a record again; with `--in-run` the
-algorithms model's cost of ranks past the cores (tcp_model.fit_sharing) is fitted to its
-2 x 2 check rows at the fit's sizes and checked on the rest. Writes its section of docs/benchmarks.md (between
+algorithms model's cost of ranks past the cores is fitted to its 2 x 2 check rows at the
+fit's sizes instead (hierarchical and flat ring) and checked on the rest. Writes its section of docs/benchmarks.md (between
 <!-- plan_costs_hosts:begin --> and <!-- plan_costs_hosts:end -->),
 docs/data/plan_costs_hosts-DATE.json and the TCP fit run as a bench JSON
 (docs/data/plan_costs_hosts-DATE-tcp.json, for `pycollectives-plan --inter-bench-json`).
@@ -52,10 +54,12 @@ from _bench_hosts import run_bench_hosts  # noqa: E402
 from _doc import cpu_model, emit_section, size_label  # noqa: E402
 from plan_costs import (  # noqa: E402
     DATA,
+    ESTIMATORS,
     check_table,
     constants_table,
     fitted_table,
     least_of_trials,
+    merge_round,
     ranks_of,
     summarize,
 )
@@ -89,6 +93,7 @@ def _load() -> str:
 RUNS = (
     ("tcp_fit", "2x1", "4"),
     ("shm_fit", "1x2 ring", "4"),
+    ("share_fit", "2x2", "4"),
     ("check", "2x1", "2"),
     ("check", "2x2", "2"),
     ("check", "2x2 ring", "2"),
@@ -103,7 +108,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, list[dict]], list[dict]
     if why := netns.unavailable():
         raise SystemExit(f"plan_costs_hosts: {why}")
     runs: list[dict] = []  # what ran, with the load average (1/5/15 min) before and after
-    got: dict[tuple[str, str, str], dict] = {}  # (key, layout, collective/size) -> row
+    got: dict[tuple, dict] = {}  # (key, collective, layout, size) -> row
 
     def run(fabric: netns.Fabric, key: str, name: str, factor: str) -> None:
         layout, algo = LAYOUTS[name]
@@ -112,14 +117,8 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, list[dict]], list[dict]
         before, t = _load(), time.perf_counter()
         data = run_bench_hosts(fabric, layout, flags, {"PYCOLL_ALGO": algo} if algo else {})
         for r in data["rows"]:
-            if r["backend"] != "pycoll" or not r.get("time_us"):
-                continue
             r["layout"] = name
-            old = got.setdefault((key, name, f"{r['collective']}/{r['size']}"), r)
-            if old is not r:  # another round's trials of the same point
-                old["trials_us"] += r["trials_us"]
-                for path, calls in r["paths"].items():
-                    old["paths"][path] = old["paths"].get(path, 0) + calls
+        merge_round(got, key, data["rows"])  # another round's trials of a point add to its
         runs.append({"run": f"{name} -f {factor}", "load_before": before, "load_after": _load(),
                      "seconds": round(time.perf_counter() - t, 1), "metadata": data["metadata"]})  # fmt: skip
 
@@ -127,10 +126,8 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, list[dict]], list[dict]
         for _ in range(args.rounds):
             for key, name, factor in RUNS:
                 run(fabric, key, name, factor)
-    raw: dict[str, list[dict]] = {"tcp_fit": [], "shm_fit": [], "check": []}
-    for (key, _, _), r in got.items():
-        if args.estimator == "median":
-            r["time_us"] = statistics.median(r["trials_us"])
+    raw: dict[str, list[dict]] = {key: [] for key, _, _ in RUNS}
+    for (key, *_), r in got.items():
         raw[key] += least_of_trials([r], args.estimator)
     return raw, runs
 
@@ -157,13 +154,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max", default="16M", help="largest size (default 16M)")
     ap.add_argument("--trials", default="10", help="trials per size and round (default 10)")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of every run (default 2)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every run (default 3)")
     ap.add_argument("--iters", default="5", help="calls per trial (-n; default 5)")
     ap.add_argument(
         "--estimator",
-        choices=("min", "median"),
-        default="min",
-        help="a row's time from its trials (default min: the machine is shared)",
+        choices=tuple(ESTIMATORS),
+        default="rounds",
+        help="a row's time from its trials: rounds (default): the median over the rounds of "
+        "each one's least trial; min: the least of all; median: the median of all",
     )
     ap.add_argument(
         "--replay",
@@ -209,6 +207,10 @@ def main() -> int:
     else:  # every "host" a namespace of this machine: all of a run's ranks share its cores
         tcp = fit_tcp(tcp_rows, shm, cores, source="TCP fit run", sharing="all")
     seen = {(r["collective"], ranks_of(r), r["size"]) for r in tcp_rows}
+    share_rows = raw.get("share_fit", [])  # 2 x 2 at the fit's sizes (records since 2026-12-07)
+    if share_rows and args.model == "algorithms" and not args.in_run:
+        tcp = fit_sharing(tcp, share_rows, sharing="all")
+        seen |= {(r["collective"], ranks_of(r), r["size"]) for r in share_rows}
     if args.in_run and args.model == "algorithms":  # 4 ranks on the cores: from the check run
         sizes = {r["size"] for r in tcp_rows}
         shared = [r for r in check if r["layout"] != "2x1" and r["size"] in sizes]
@@ -273,9 +275,9 @@ def main() -> int:
     notes = [
         "Result: " + "; ".join(summaries) + f"; ring vs hierarchical at 2 x 2: the predicted "
         f"faster one measured faster at {agree}/{total} sizes.",
-        f"A row's time: the {settings['estimator']} over its {settings['trials']} trials of "
-        f"{settings['iters']} calls in each of {settings['rounds']} rounds (a round runs each "
-        "fit and check once, in turn) "
+        f"A row's time: {ESTIMATORS[settings['estimator']].replace('launches', 'rounds')}, of "
+        f"{settings['trials']} trials of {settings['iters']} calls in each of "
+        f"{settings['rounds']} rounds (a round runs each fit and check once, in turn) "
         "(pycollectives-bench trials_us; each trial the slowest rank's mean over its calls).",
         (
             f"Cache regime boundary of the TCP fit: {tcp.cache_bytes >> 10} KiB (the L2 per core); "
@@ -311,8 +313,9 @@ def main() -> int:
             "max(1, ranks / cores)) and the predictions multiply the check run's back."
             if args.model == "paths"
             else "the model prices all of a run's ranks on them (shm_model.share with the "
-            "shared-memory fit's contention; tcp_model's wait per handoff past the cores: 0 "
-            "unless --in-run fits it)."
+            "shared-memory fit's contention; tcp_model's contention and wait per handoff past "
+            "the cores fitted to a 2 x 2 hierarchical fit run at the fit's sizes (tcp_model."
+            "fit_sharing; records without it: 0, unless --in-run fits them to the check run))."
         ),
     ]
     if not args.no_write:

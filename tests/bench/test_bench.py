@@ -283,6 +283,39 @@ def test_bench_sweep_probes_the_first_call(interleave):
     assert "\n".join(said).count(f"# {note}") == 1, said
 
 
+class _OrderRunner(_FakeRunner):
+    """A _FakeRunner that records the element count of every call, in order."""
+
+    def __init__(self) -> None:
+        super().__init__("one")
+        self.order: list[int] = []
+
+    def bind(self, coll, inp, out, op, root):  # noqa: D102
+        def call() -> None:
+            self.order.append(inp.numel())
+
+        return call
+
+
+@pytest.mark.parametrize("interleave", ["0", "1"])
+def test_bench_interleave_one_runner(interleave):
+    """--interleave 1 with one backend (no --compare) goes round the sizes trial by trial, as
+    it does with peers: a size's trials are spread over the whole sweep (plan_costs.py's
+    fresh-communicator rounds rely on it); --interleave 0 runs a size's trials back to back."""
+    args = build_parser().parse_args(
+        ["-b", "1K", "-e", "4K", "-f", "4", "-n", "1", "-w", "1", "--trials", "2", "-c", "0",
+         "--interleave", interleave]
+    )  # fmt: skip
+    one = _OrderRunner()
+    rows = bench_collective([one], SPECS["all_reduce"], args, lambda _: None)
+    assert [(r.size, len(r.trials_us)) for r in rows] == [(1024, 2), (4096, 2)]
+    calls = [n * 4 for n in one.order[1:]]  # after the probe; float32 elements -> bytes
+    if interleave == "1":  # round 1: warmup + trial per size; round 2: rewarm + trial per size
+        assert calls == [1024, 1024, 4096, 4096, 1024, 1024, 4096, 4096], calls
+    else:
+        assert calls == [1024, 1024, 1024, 4096, 4096, 4096], calls
+
+
 def test_cpu_compare_targets_check_every_recorded_size(monkeypatch):
     """benchmarks/collectives/cpu_compare.py's targets(): each target is checked at every size recorded in
     its range (sizes taken from the rows) against pycollectives from the peer's own invocation
@@ -485,3 +518,30 @@ def test_bench_plot_flag_writes_the_plot(compare_runs):
     assert f"# wrote plot to {png}" in p.stdout, p.stdout
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_costs_rounds_estimator(monkeypatch):
+    """benchmarks/plan/plan_costs.py: merge_round adds each launch's trials, least trial and
+    calls by path to the first launch's row of a point, and the "rounds" estimator takes the
+    median over the launches of their least trials (a fresh communicator each: the machine
+    may land on a 4x slower one), where "min" takes the least of all."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks", "plan"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks", "common"))
+    plan_costs = importlib.import_module("plan_costs")
+
+    def launch(trials: list[float], path: str) -> list[dict]:
+        return [{"backend": "pycoll", "collective": "all_reduce", "nranks": 2, "size": 65536,
+                 "time_us": statistics.median(trials), "trials_us": trials, "paths": {path: 5}},
+                {"backend": "gloo", "collective": "all_reduce", "nranks": 2, "size": 65536,
+                 "time_us": 1.0, "trials_us": [1.0], "paths": {}}]  # fmt: skip
+
+    got: dict = {}
+    for trials, path in (([30.0, 29.0], "slots"), ([10.0, 9.0], "slots"), ([31.0, 28.0], "cma")):
+        plan_costs.merge_round(got, "fit", launch(trials, path))
+    (row,) = got.values()  # gloo's rows are not pycollectives'
+    assert row["round_mins"] == [29.0, 9.0, 28.0]
+    assert row["trials_us"] == [30.0, 29.0, 10.0, 9.0, 31.0, 28.0]
+    assert row["paths"] == {"slots": 10, "cma": 5}
+    assert plan_costs.least_of_trials([dict(row)], "rounds")[0]["time_us"] == 28.0
+    assert plan_costs.least_of_trials([dict(row)], "min")[0]["time_us"] == 9.0
+    assert plan_costs.least_of_trials([dict(row)], "median")[0]["time_us"] == 28.5
