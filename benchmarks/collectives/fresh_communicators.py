@@ -1,0 +1,160 @@
+"""How much of a collective's speed a communicator keeps for its life: the same ranks time
+the same all-reduces on --rounds fresh communicators, one after the other, and (control) on
+one communicator kept for as many rounds.
+
+    python benchmarks/collectives/fresh_communicators.py [--ranks 2] [--rounds 12] [--no-write]
+
+The same processes, pinned as `pycollectives-bench --bind auto` pins them (rank r on CPU
+r mod the CPUs), the same input tensors, single copy off (PYCOLL_CMA=0: the slots path at
+every size, so that no tuner's choice differs between communicators). A round: per size,
+--trials trials of --calls in-place float32 all-reduces after a barrier, each trial the
+slowest rank's mean per call; a round's figure per size is its least trial. "fresh": each
+round on a new communicator (pycollectives.init; the previous one closed: new shared
+segment, new slots); "kept": every round on the communicator made first. Where a round's
+figure moves from round to round under "fresh" and not under "kept", the communicator
+carries what decides it for its life (on the VM measured, docs/benchmarks.md: its
+shared memory's placement on the host, out of the guest's sight, is the likely cause;
+not proven). A benchmark that launches its ranks anew for each run (pycollectives-bench)
+draws a fresh communicator each time.
+Writes docs/data/fresh_communicators-DATE.json and, unless --no-write, its section of
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
+from _doc import cpu_model, emit_section, size_label  # noqa: E402
+
+BEGIN, END = "<!-- fresh_communicators:begin -->", "<!-- fresh_communicators:end -->"
+DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
+SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+
+
+def _round(pc, comm, bufs: dict, trials: int, calls: int) -> dict[int, float]:
+    """Per size: the least over `trials` of the slowest rank's mean time per call (us)."""
+    import torch
+
+    out = {}
+    for size, x in bufs.items():
+        for _ in range(5):
+            comm.all_reduce(x)
+        per = []
+        for _ in range(trials):
+            comm.barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                comm.all_reduce(x)
+            per.append((time.perf_counter() - t0) / calls * 1e6)
+        slowest = torch.tensor(per, dtype=torch.float64)
+        comm.all_reduce(slowest, op=pc.ReduceOp.MAX)
+        out[size] = min(slowest.tolist())
+    return out
+
+
+def _rank(rounds: int, trials: int, calls: int, out: str) -> None:
+    import torch
+
+    import pycollectives as pc
+
+    rank = int(os.environ["RANK"])
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    bufs = {size: torch.ones(size // 4) for size in SIZES}
+    got: dict[str, list[dict[int, float]]] = {"fresh": [], "kept": []}
+    for _ in range(rounds):
+        comm = pc.init()
+        got["fresh"].append(_round(pc, comm, bufs, trials, calls))
+        comm.close()
+    comm = pc.init()
+    for _ in range(rounds):
+        got["kept"].append(_round(pc, comm, bufs, trials, calls))
+    comm.close()
+    if rank == 0:
+        Path(out).write_text(json.dumps(got))
+
+
+def spread(per_round: list[dict], size: int) -> tuple[list[float], float]:
+    """(the rounds' figures at `size`, slowest / fastest)."""
+    vals = [r[size] if size in r else r[str(size)] for r in per_round]
+    return vals, max(vals) / min(vals)
+
+
+def main() -> int:
+    from pycollectives.launcher import spawn
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    os.environ["PYCOLL_CMA"] = "0"
+    load0, t0 = os.getloadavg(), time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rounds.json")
+        rc = spawn(_rank, args.ranks, (args.rounds, args.trials, args.calls, out),
+                   prog="fresh_communicators")  # fmt: skip
+        if rc != 0:
+            return rc
+        got = json.loads(Path(out).read_text())
+    load1 = os.getloadavg()
+    table = [
+        "| size | fresh: each round's figure (us) | fresh: slowest / fastest | "
+        "kept: each round's figure (us) | kept: slowest / fastest |",
+        "|---:|---|---:|---|---:|",
+    ]
+    ratios = {}
+    for size in SIZES:
+        fv, fr = spread(got["fresh"], size)
+        kv, kr = spread(got["kept"], size)
+        ratios[size] = (fr, kr)
+        table.append(f"| {size_label(size)} | {' '.join(f'{v:.0f}' for v in fv)} | {fr:.2f} | "
+                     f"{' '.join(f'{v:.0f}' for v in kv)} | {kr:.2f} |")  # fmt: skip
+    summary = (
+        f"all-reduce at {args.ranks} ranks, slowest / fastest of {args.rounds} rounds: fresh "
+        f"communicators median {statistics.median(f for f, _ in ratios.values()):.2f} over the "
+        f"sizes, one kept communicator {statistics.median(k for _, k in ratios.values()):.2f}"
+    )
+    date = datetime.date.today().isoformat()
+    notes = [
+        f"Result: {summary}.",
+        f"A round: per size {args.trials} trials of {args.calls} calls after a barrier, each "
+        "trial the slowest rank's mean per call; the round's figure its least trial. Single "
+        "copy off (PYCOLL_CMA=0): the slots path at every size.",
+        f"Load average at start {', '.join(f'{x:.2f}' for x in load0)}, at end "
+        f"{', '.join(f'{x:.2f}' for x in load1)}; {time.perf_counter() - t0:.0f} s in all.",
+    ]
+    if not args.no_write:
+        DATA.mkdir(exist_ok=True)
+        (DATA / f"fresh_communicators-{date}.json").write_text(json.dumps({
+            "summary": summary, "command": "python benchmarks/collectives/fresh_communicators.py "
+            + " ".join(sys.argv[1:]), "machine": f"{cpu_model()}, {os.cpu_count()} cores",
+            "date": date, "load_start": load0, "load_end": load1, "rounds": got,
+        }, indent=1) + "\n")  # fmt: skip
+    argv = " ".join(sys.argv[1:])
+    emit_section(
+        BEGIN,
+        END,
+        "Fresh communicators: the same calls on new communicators and on one kept",
+        f"`python benchmarks/collectives/fresh_communicators.py{' ' + argv if argv else ''}` "
+        f"(data: docs/data/fresh_communicators-{date}.json)",
+        notes,
+        table,
+        not args.no_write,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
