@@ -1,6 +1,7 @@
-"""How much of a collective's speed a communicator keeps for its life: the same ranks time
-the same all-reduces on --rounds fresh communicators, one after the other, and (control) on
-one communicator kept for as many rounds.
+"""Whether a collective's speed comes with its communicator or with the moment: the same
+ranks time the same all-reduces on --rounds fresh communicators, one after the other, then on
+one communicator kept for as many rounds, then (control, no pycollectives) pass 4 MiB between
+two processes through a fresh shared mapping per round.
 
     python benchmarks/collectives/fresh_communicators.py [--ranks 2] [--rounds 12] [--no-write]
 
@@ -10,12 +11,12 @@ every size, so that no tuner's choice differs between communicators). A round: p
 --trials trials of --calls in-place float32 all-reduces after a barrier, each trial the
 slowest rank's mean per call; a round's figure per size is its least trial. "fresh": each
 round on a new communicator (pycollectives.init; the previous one closed: new shared
-segment, new slots); "kept": every round on the communicator made first. Where a round's
-figure moves from round to round under "fresh" and not under "kept", the communicator
-carries what decides it for its life (on the VM measured, docs/benchmarks.md: its
-shared memory's placement on the host, out of the guest's sight, is the likely cause;
-not proven). A benchmark that launches its ranks anew for each run (pycollectives-bench)
-draws a fresh communicator each time.
+segment, new slots); "kept": every round on the communicator made first. The control
+(mapping_rounds): one process writes 4 MiB into a fresh shared mapping and raises a flag,
+the other, pinned to the second CPU, copies them out and answers. Where all three move
+alike from round to round, the machine, not the communicator, decides (on the VM measured,
+docs/benchmarks.md: it switches between a fast and a 3-6x slower state for seconds at a
+time; the cause, the host's placement of the guest's vCPUs or memory, is out of its sight).
 Writes docs/data/fresh_communicators-DATE.json and, unless --no-write, its section of
 docs/benchmarks.md.
 """
@@ -83,6 +84,55 @@ def _rank(rounds: int, trials: int, calls: int, out: str) -> None:
         Path(out).write_text(json.dumps(got))
 
 
+def mapping_rounds(rounds: int, size: int = 4 << 20, reps: int = 30) -> list[float]:
+    """The control without pycollectives: per round a fresh shared mapping, two processes
+    pinned to the first two CPUs; one writes `size` bytes into it and raises a flag, the
+    other copies them out and answers, `reps` times; the round's figure is the least time
+    (us) of a write and the peer's read."""
+    import mmap
+
+    import numpy as np
+
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    out = []
+    for _ in range(rounds):
+        m = mmap.mmap(-1, size + 4096, flags=mmap.MAP_SHARED)
+        flag = np.frombuffer(m, dtype=np.int64, count=1)
+        buf = np.frombuffer(m, dtype=np.uint8, count=size, offset=4096)
+        buf[:] = 1
+        pid = os.fork()
+        if pid == 0:  # the reader
+            try:
+                os.sched_setaffinity(0, {cpus[-1]})
+                mine = np.empty(size, np.uint8)
+                for i in range(reps):
+                    while flag[0] != 2 * i + 1:
+                        pass
+                    np.copyto(mine, buf)
+                    flag[0] = 2 * i + 2
+            finally:
+                os._exit(0)
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {cpus[0]})
+        src, best = np.ones(size, np.uint8), float("inf")
+        for i in range(reps):
+            t0 = time.perf_counter()
+            np.copyto(buf, src)
+            flag[0] = 2 * i + 1
+            deadline = t0 + 10
+            while flag[0] != 2 * i + 2:
+                if time.perf_counter() > deadline:
+                    os.kill(pid, 9)
+                    raise RuntimeError("fresh_communicators: the mapping's reader did not answer")
+            best = min(best, time.perf_counter() - t0)
+        os.waitpid(pid, 0)
+        os.sched_setaffinity(0, before)
+        del flag, buf
+        m.close()
+        out.append(best * 1e6)
+    return out
+
+
 def spread(per_round: list[dict], size: int) -> tuple[list[float], float]:
     """(the rounds' figures at `size`, slowest / fastest)."""
     vals = [r[size] if size in r else r[str(size)] for r in per_round]
@@ -108,6 +158,7 @@ def main() -> int:
         if rc != 0:
             return rc
         got = json.loads(Path(out).read_text())
+    mapped = mapping_rounds(args.rounds)
     load1 = os.getloadavg()
     table = [
         "| size | fresh: each round's figure (us) | fresh: slowest / fastest | "
@@ -121,10 +172,20 @@ def main() -> int:
         ratios[size] = (fr, kr)
         table.append(f"| {size_label(size)} | {' '.join(f'{v:.0f}' for v in fv)} | {fr:.2f} | "
                      f"{' '.join(f'{v:.0f}' for v in kv)} | {kr:.2f} |")  # fmt: skip
+    table += [
+        "",
+        "Control without pycollectives: 4 MiB written into a fresh shared mapping and read out by "
+        "a second process (numpy copies, a flag in the mapping; the least of 30 per mapping):",
+        "",
+        "| mappings (us, in order) | slowest / fastest |",
+        "|---|---:|",
+        f"| {' '.join(f'{v:.0f}' for v in mapped)} | {max(mapped) / min(mapped):.2f} |",
+    ]
     summary = (
         f"all-reduce at {args.ranks} ranks, slowest / fastest of {args.rounds} rounds: fresh "
         f"communicators median {statistics.median(f for f, _ in ratios.values()):.2f} over the "
-        f"sizes, one kept communicator {statistics.median(k for _, k in ratios.values()):.2f}"
+        f"sizes, one kept communicator {statistics.median(k for _, k in ratios.values()):.2f}; "
+        f"without pycollectives, 4 MiB through fresh shared mappings {max(mapped) / min(mapped):.2f}"
     )
     date = datetime.date.today().isoformat()
     notes = [
@@ -141,12 +202,13 @@ def main() -> int:
             "summary": summary, "command": "python benchmarks/collectives/fresh_communicators.py "
             + " ".join(sys.argv[1:]), "machine": f"{cpu_model()}, {os.cpu_count()} cores",
             "date": date, "load_start": load0, "load_end": load1, "rounds": got,
+            "mappings_us": mapped,
         }, indent=1) + "\n")  # fmt: skip
     argv = " ".join(sys.argv[1:])
     emit_section(
         BEGIN,
         END,
-        "Fresh communicators: the same calls on new communicators and on one kept",
+        "Fresh communicators, one kept, and shared memory without pycollectives: the machine's states",
         f"`python benchmarks/collectives/fresh_communicators.py{' ' + argv if argv else ''}` "
         f"(data: docs/data/fresh_communicators-{date}.json)",
         notes,

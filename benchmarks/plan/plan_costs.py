@@ -9,8 +9,9 @@ Two `pycollectives-bench --json` runs of all_reduce, reduce_scatter and all_gath
 run (--fit-ranks, 64 KiB to 16 MiB x4 apart) and a check run (--check-ranks, 64 KiB to
 16 MiB x2 apart), launched in turn --rounds times, each row's time by default the median
 over its launches of each one's least trial (the machine is shared: other processes only
-add time to a trial; and each launch is a fresh communicator, which on this VM runs the
-same calls up to 4x faster or slower for its whole life). The planner's model
+add time to a trial; and on this VM the cores' shared-memory traffic switches between a
+fast state and one 3-6x slower for seconds at a time, with or without pycollectives:
+benchmarks/collectives/fresh_communicators.py). The planner's model
 (strategies/plan/shm_model.py: per algorithm the bytes each rank copies, reduces and has
 the kernel copy and its handoffs, the cores' share when ranks outnumber them, the memory's
 bandwidth past the last-level cache, the path the code would take) is fitted to the first
@@ -87,8 +88,8 @@ def merge_round(got: dict[tuple, dict], key: str, rows: list[dict]) -> None:
 
 def measure(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[dict]]:
     """The fit run (--fit-ranks, 64 KiB to 16 MiB x4 apart) and the check run (--check-ranks,
-    x2 apart), --rounds times over in turn, each launch a fresh communicator (on this VM
-    its shared segment decides much of its speed: docs/benchmarks.md) whose trials go round
+    x2 apart), --rounds times over in turn, each launch a fresh communicator at another
+    moment (on this VM the machine's state for seconds decides much of its speed) whose trials go round
     its sizes (--interleave 1). Returns (fit rows, check rows, one entry per launch: what
     ran, the load average before and after, the CPUs' cache-line round trip)."""
     got: dict[tuple, dict] = {}
@@ -123,7 +124,7 @@ def round_trips(launches: list[dict]) -> str:
 
 
 def rounds_spread(rows: list[dict]) -> str:
-    """How far a point moves from one fresh communicator to the next: per row, its slowest
+    """How far a point moves from one launch to the next: per row, its slowest
     round's least trial over its fastest round's."""
     spans = [max(m) / min(m) for r in rows if len(m := r.get("round_mins") or []) >= 2]
     if not spans:

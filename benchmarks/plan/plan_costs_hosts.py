@@ -7,7 +7,7 @@ Two hosts made of network namespaces on one bridge (tests/support/netns.py), the
 project's `pycollectives-bench` run across them (benchmarks/common/_bench_hosts.py: one
 rank process per namespace, met the torchrun way), all_reduce, reduce_scatter and
 all_gather, in --rounds rounds, each of which runs every fit and check once in turn (each
-a fresh communicator: see plan_costs.py), each row's time by default the median over the
+at another moment: see plan_costs.py), each row's time by default the median over the
 rounds of each one's least trial. Fit runs, 64 KiB to --max x4 apart:
 
 - TCP: 2 hosts x 1 rank (strategies/plan/tcp_model.py: per algorithm the bytes each rank
