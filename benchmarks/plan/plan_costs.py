@@ -8,10 +8,11 @@
 Two `pycollectives-bench --json` runs of all_reduce, reduce_scatter and all_gather: a fit
 run (--fit-ranks, 64 KiB to 16 MiB x4 apart) and a check run (--check-ranks, 64 KiB to
 16 MiB x2 apart), launched in turn --rounds times, each row's time by default the median
-over its launches of each one's least trial (the machine is shared: other processes only
-add time to a trial; and on this VM the cores' shared-memory traffic switches between a
-fast state and one 3-6x slower for seconds at a time, with or without pycollectives:
-benchmarks/collectives/fresh_communicators.py). The planner's model
+of all its trials over the launches (on this VM the cores' shared-memory traffic switches
+between a fast state and one 3-6x slower for seconds at a time, with or without
+pycollectives: benchmarks/collectives/fresh_communicators.py; pooling the trials of launches
+spread over minutes weighs the states by how often the machine is in them, which the least
+trial of one launch, or a median of a few launches' least trials, does not). The planner's model
 (strategies/plan/shm_model.py: per algorithm the bytes each rank copies, reduces and has
 the kernel copy and its handoffs, the cores' share when ranks outnumber them, the memory's
 bandwidth past the last-level cache, the path the code would take) is fitted to the first
@@ -273,10 +274,10 @@ def main() -> int:
     )
     ap.add_argument(
         "--estimator",
-        choices=("rounds", "min", "median"),
-        default="rounds",
-        help="a row's time from its trials: rounds (default): the median over the launches of "
-        "each one's least trial; min: the least of all; median: the median of all",
+        choices=tuple(ESTIMATORS),
+        help="a row's time from its trials: median (default): the median of all its trials "
+        "over the launches; rounds: the median over the launches of each one's least trial; "
+        "min: the least of all (with --replay: default the record's)",
     )
     ap.add_argument(
         "--replay",
@@ -324,9 +325,15 @@ def main() -> int:
         cache = old.get("cache_bytes", cache)
         launches = old.get("launches", [])
         busy0 = old.get("busy_before")  # records since 2026-12-07 19:00
+        chosen = args.estimator
         for k, v in old.get("settings", {"trials": "7", "rounds": 1, "estimator": "min"}).items():
             setattr(args, k, v)  # the recorded run's, for the notes
+        if chosen and chosen != args.estimator:  # the rows' times again, by another estimator
+            args.estimator = chosen
+            fit_rows = least_of_trials(fit_rows, chosen)
+            check_rows = least_of_trials(check_rows, chosen)
     else:
+        args.estimator = args.estimator or "median"
         busy0 = busy_cores()
         fit_rows, check_rows, launches = measure(args)
         load1 = os.getloadavg()

@@ -7,8 +7,8 @@ Two hosts made of network namespaces on one bridge (tests/support/netns.py), the
 project's `pycollectives-bench` run across them (benchmarks/common/_bench_hosts.py: one
 rank process per namespace, met the torchrun way), all_reduce, reduce_scatter and
 all_gather, in --rounds rounds, each of which runs every fit and check once in turn (each
-at another moment: see plan_costs.py), each row's time by default the median over the
-rounds of each one's least trial. Fit runs, 64 KiB to --max x4 apart:
+at another moment: see plan_costs.py), each row's time by default the median of all its
+trials over the rounds. Fit runs, 64 KiB to --max x4 apart:
 
 - TCP: 2 hosts x 1 rank (strategies/plan/tcp_model.py: per algorithm the bytes each rank
   copies, reduces and has the kernel copy for TCP, its frames and ring steps, with the
@@ -159,9 +159,9 @@ def main() -> int:
     ap.add_argument(
         "--estimator",
         choices=tuple(ESTIMATORS),
-        default="rounds",
-        help="a row's time from its trials: rounds (default): the median over the rounds of "
-        "each one's least trial; min: the least of all; median: the median of all",
+        help="a row's time from its trials: median (default): the median of all its trials "
+        "over the rounds; rounds: the median over the rounds of each one's least trial; min: "
+        "the least of all (with --replay: default the record's)",
     )
     ap.add_argument(
         "--replay",
@@ -186,6 +186,7 @@ def main() -> int:
         ap.error("--in-run: only with --replay")
     args.no_write = args.no_write or args.in_run  # an analysis of a record: nothing written
     t0 = time.perf_counter()
+    chosen, args.estimator = args.estimator, args.estimator or "median"
     settings = {k: getattr(args, k) for k in ("max", "trials", "rounds", "iters", "estimator")}
     date = datetime.date.today().isoformat()
     cmd = "sudo python benchmarks/plan/plan_costs_hosts.py" + "".join(f" {a}" for a in sys.argv[1:])
@@ -196,6 +197,9 @@ def main() -> int:
             old[k] for k in ("raw", "runs", "settings", "date", "command")
         )
         cores = old.get("cores") or int(old["machine"].rsplit(", ", 1)[1].split()[0])
+        if chosen and chosen != settings["estimator"]:  # the rows' times by another estimator
+            settings = {**settings, "estimator": chosen}
+            raw = {k: least_of_trials(v, chosen) for k, v in raw.items()}
     else:
         raw, runs = measure(args)
     t_all = sum(r["seconds"] for r in runs)
