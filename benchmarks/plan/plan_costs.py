@@ -90,8 +90,8 @@ def merge_round(got: dict[tuple, dict], key: str, rows: list[dict]) -> None:
 def measure(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[dict]]:
     """The fit run (--fit-ranks, 64 KiB to 16 MiB x4 apart) and the check run (--check-ranks,
     x2 apart), --rounds times over in turn, each launch a fresh communicator at another
-    moment (on this VM the machine's state for seconds decides much of its speed) whose trials go round
-    its sizes (--interleave 1). Returns (fit rows, check rows, one entry per launch: what
+    moment (on this VM the machine's state for seconds decides much of its speed) whose
+    trials go round its sizes (--interleave 1). Returns (fit rows, check rows, one entry per launch: what
     ran, the load average before and after, the CPUs' cache-line round trip)."""
     got: dict[tuple, dict] = {}
     launches: list[dict] = []
