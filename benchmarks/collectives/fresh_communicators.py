@@ -26,12 +26,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import mmap
 import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
+import torch
+
+import pycollectives as pc
+from pycollectives.launcher import spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 from _doc import cpu_model, emit_section, size_label  # noqa: E402
@@ -41,10 +48,8 @@ DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
 SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 
 
-def _round(pc, comm, bufs: dict, trials: int, calls: int) -> dict[int, float]:
+def _round(comm: pc.Communicator, bufs: dict, trials: int, calls: int) -> dict[int, float]:
     """Per size: the least over `trials` of the slowest rank's mean time per call (us)."""
-    import torch
-
     out = {}
     for size, x in bufs.items():
         for _ in range(5):
@@ -63,10 +68,6 @@ def _round(pc, comm, bufs: dict, trials: int, calls: int) -> dict[int, float]:
 
 
 def _rank(rounds: int, trials: int, calls: int, out: str) -> None:
-    import torch
-
-    import pycollectives as pc
-
     rank = int(os.environ["RANK"])
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
@@ -74,11 +75,11 @@ def _rank(rounds: int, trials: int, calls: int, out: str) -> None:
     got: dict[str, list[dict[int, float]]] = {"fresh": [], "kept": []}
     for _ in range(rounds):
         comm = pc.init()
-        got["fresh"].append(_round(pc, comm, bufs, trials, calls))
+        got["fresh"].append(_round(comm, bufs, trials, calls))
         comm.close()
     comm = pc.init()
     for _ in range(rounds):
-        got["kept"].append(_round(pc, comm, bufs, trials, calls))
+        got["kept"].append(_round(comm, bufs, trials, calls))
     comm.close()
     if rank == 0:
         Path(out).write_text(json.dumps(got))
@@ -89,10 +90,6 @@ def mapping_rounds(rounds: int, size: int = 4 << 20, reps: int = 30) -> list[flo
     pinned to the first two CPUs; one writes `size` bytes into it and raises a flag, the
     other copies them out and answers, `reps` times; the round's figure is the least time
     (us) of a write and the peer's read."""
-    import mmap
-
-    import numpy as np
-
     cpus = sorted(os.sched_getaffinity(0))[:2]
     out = []
     for _ in range(rounds):
@@ -106,8 +103,10 @@ def mapping_rounds(rounds: int, size: int = 4 << 20, reps: int = 30) -> list[flo
                 os.sched_setaffinity(0, {cpus[-1]})
                 mine = np.empty(size, np.uint8)
                 for i in range(reps):
+                    deadline = time.perf_counter() + 10  # a writer gone: no orphan spinning
                     while flag[0] != 2 * i + 1:
-                        pass
+                        if time.perf_counter() > deadline:
+                            os._exit(1)
                     np.copyto(mine, buf)
                     flag[0] = 2 * i + 2
             finally:
@@ -134,14 +133,13 @@ def mapping_rounds(rounds: int, size: int = 4 << 20, reps: int = 30) -> list[flo
 
 
 def spread(per_round: list[dict], size: int) -> tuple[list[float], float]:
-    """(the rounds' figures at `size`, slowest / fastest)."""
-    vals = [r[size] if size in r else r[str(size)] for r in per_round]
+    """(the rounds' figures at `size`, slowest / fastest); per_round as read back from the
+    ranks' JSON (sizes as strings)."""
+    vals = [r[str(size)] for r in per_round]
     return vals, max(vals) / min(vals)
 
 
 def main() -> int:
-    from pycollectives.launcher import spawn
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=12)

@@ -13,6 +13,7 @@ import socket
 import statistics
 import subprocess
 import tempfile
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -29,12 +30,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def busy_cores(seconds: float = 2.0) -> float:
+def busy_cores(seconds: float = 2.0) -> float | None:
     """How many of this machine's CPUs other processes kept busy over the next `seconds`
     (/proc/stat: non-idle time over the interval; the caller sleeps through it), unlike the
-    load average, which still counts the runs of the minutes before. 0.0 where /proc/stat
+    load average, which still counts the runs of the minutes before. None where /proc/stat
     cannot be read."""
-    import time
 
     def sample() -> tuple[int, int] | None:
         try:
@@ -48,7 +48,7 @@ def busy_cores(seconds: float = 2.0) -> float:
     time.sleep(seconds)
     b = sample()
     if a is None or b is None or b[0] <= a[0]:
-        return 0.0
+        return None
     total, idle = b[0] - a[0], b[1] - a[1]
     return (os.cpu_count() or 1) * (total - idle) / total
 

@@ -55,7 +55,7 @@ COLLS = "all_reduce,reduce_scatter,all_gather"
 DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
 
 
-def least_of_trials(rows: list[dict], estimator: str) -> list[dict]:
+def row_times(rows: list[dict], estimator: str) -> list[dict]:
     """The pycoll rows with a time, each row's time_us from its trials: under "rounds" the
     median over its rounds of their least trial (round_mins: one per launch, each a fresh
     communicator), under "min" the least of all its trials (the least-disturbed trial: other
@@ -106,8 +106,8 @@ def measure(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[dict
                 launches.append({"round": rnd, "run": key, "nranks": n, "load_before": before,
                                  "load_after": os.getloadavg(),
                                  "cpu_round_trip_ns": data["metadata"].get("cpu_round_trip_ns")})  # fmt: skip
-    fit = least_of_trials([r for k, r in got.items() if k[0] == "fit"], args.estimator)
-    check = least_of_trials([r for k, r in got.items() if k[0] == "check"], args.estimator)
+    fit = row_times([r for k, r in got.items() if k[0] == "fit"], args.estimator)
+    check = row_times([r for k, r in got.items() if k[0] == "check"], args.estimator)
     return fit, check, launches
 
 
@@ -330,8 +330,8 @@ def main() -> int:
             setattr(args, k, v)  # the recorded run's, for the notes
         if chosen and chosen != args.estimator:  # the rows' times again, by another estimator
             args.estimator = chosen
-            fit_rows = least_of_trials(fit_rows, chosen)
-            check_rows = least_of_trials(check_rows, chosen)
+            fit_rows = row_times(fit_rows, chosen)
+            check_rows = row_times(check_rows, chosen)
     else:
         args.estimator = args.estimator or "median"
         busy0 = busy_cores()

@@ -58,9 +58,9 @@ from plan_costs import (  # noqa: E402
     check_table,
     constants_table,
     fitted_table,
-    least_of_trials,
     merge_round,
     ranks_of,
+    row_times,
     summarize,
 )
 
@@ -128,7 +128,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, list[dict]], list[dict]
                 run(fabric, key, name, factor)
     raw: dict[str, list[dict]] = {key: [] for key, _, _ in RUNS}
     for (key, *_), r in got.items():
-        raw[key] += least_of_trials([r], args.estimator)
+        raw[key] += row_times([r], args.estimator)
     return raw, runs
 
 
@@ -199,7 +199,7 @@ def main() -> int:
         cores = old.get("cores") or int(old["machine"].rsplit(", ", 1)[1].split()[0])
         if chosen and chosen != settings["estimator"]:  # the rows' times by another estimator
             settings = {**settings, "estimator": chosen}
-            raw = {k: least_of_trials(v, chosen) for k, v in raw.items()}
+            raw = {k: row_times(v, chosen) for k, v in raw.items()}
     else:
         raw, runs = measure(args)
     t_all = sum(r["seconds"] for r in runs)

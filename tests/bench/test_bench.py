@@ -542,6 +542,6 @@ def test_plan_costs_rounds_estimator(monkeypatch):
     assert row["round_mins"] == [29.0, 9.0, 28.0]
     assert row["trials_us"] == [30.0, 29.0, 10.0, 9.0, 31.0, 28.0]
     assert row["paths"] == {"slots": 10, "cma": 5}
-    assert plan_costs.least_of_trials([dict(row)], "rounds")[0]["time_us"] == 28.0
-    assert plan_costs.least_of_trials([dict(row)], "min")[0]["time_us"] == 9.0
-    assert plan_costs.least_of_trials([dict(row)], "median")[0]["time_us"] == 28.5
+    assert plan_costs.row_times([dict(row)], "rounds")[0]["time_us"] == 28.0
+    assert plan_costs.row_times([dict(row)], "min")[0]["time_us"] == 9.0
+    assert plan_costs.row_times([dict(row)], "median")[0]["time_us"] == 28.5
