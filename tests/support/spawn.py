@@ -137,8 +137,12 @@ def stacks_of(procs: list, ranks: list[int], stacks: str | None) -> str:
         native = _native_stacks([procs[r].pid for r in live])
     out = ""
     for r in live:
-        with open(files[r]) as f:
-            py = f.read().strip() or "(none dumped: the rank is stopped, or never ran Python again)"
+        try:
+            with open(files[r]) as f:
+                py = f.read().strip()
+        except FileNotFoundError:  # hung before it armed the dump (in its start-up)
+            py = "(no stack file: the rank hung before arming its dump)"
+        py = py or "(none dumped: the rank is stopped, or never ran Python again)"
         out += f"\n--- rank {r} (pid {procs[r].pid}): Python stacks ---\n{py}"
         if native:
             out += f"\n--- rank {r}: native stacks ---\n{native[procs[r].pid]}"
