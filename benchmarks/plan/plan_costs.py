@@ -43,12 +43,8 @@ from _doc import busy_cores, cpu_model, emit_section, run_bench, size_label  # n
 
 from pycollectives.strategies.plan.costs import core_share  # noqa: E402
 from pycollectives.strategies.plan.fitted import CostModel, fit_model, row_path  # noqa: E402
-from pycollectives.strategies.plan.shm_model import (  # noqa: E402
-    ShmModel,
-    fit_busiest,
-    fit_shm,
-    last_level_cache_bytes,
-)
+from pycollectives.strategies.plan.shm_fit import fit_busiest, fit_shm  # noqa: E402
+from pycollectives.strategies.plan.shm_model import ShmModel, last_level_cache_bytes  # noqa: E402
 
 BEGIN, END = "<!-- plan_costs:begin -->", "<!-- plan_costs:end -->"
 COLLS = "all_reduce,reduce_scatter,all_gather"
@@ -378,7 +374,9 @@ def main() -> int:
             f"and its handoffs (shm_model.work), on {cores} cores (N ranks past them: the "
             f"load of the busiest core, from N / {cores} towards ceil(N / {cores}) by the "
             "busiest core's weight, times the fitted contention per rank past the cores), "
-            f"past the {cache >> 20} MiB last-level cache the memory's bandwidth if slower; where the "
+            f"once the ranks' inputs and outputs together fill {shm.cache_share:g} of the "
+            f"{cache >> 20} MiB last-level cache (the share fitted) the memory's bandwidth if "
+            "slower; where the "
             "code may take single copy or the slots (its tuner times both), the faster."
         )
     table, out_rows, ratios = check_table(check_rows, predict, seen)

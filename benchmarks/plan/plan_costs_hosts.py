@@ -71,7 +71,7 @@ from pycollectives.strategies.plan.costs import (  # noqa: E402
     ring_vs_hierarchical,
 )
 from pycollectives.strategies.plan.fitted import fit_model  # noqa: E402
-from pycollectives.strategies.plan.shm_model import fit_shm  # noqa: E402
+from pycollectives.strategies.plan.shm_fit import fit_shm  # noqa: E402
 from pycollectives.strategies.plan.tcp_model import fit_sharing, fit_tcp  # noqa: E402
 
 BEGIN, END = "<!-- plan_costs_hosts:begin -->", "<!-- plan_costs_hosts:end -->"

@@ -30,7 +30,8 @@ from .costs import LinkCost, load_bench_json, ring_vs_hierarchical
 from .fitted import CostModel, fit_model
 from .inputs import Request, parse_request
 from .layout import Layout, Priced, Rejected, price
-from .shm_model import ShmModel, fit_shm
+from .shm_fit import fit_shm
+from .shm_model import ShmModel
 from .tcp_model import TcpModel, fit_tcp
 from .units import PlanInputError
 

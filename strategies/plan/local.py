@@ -23,7 +23,8 @@ from .costs import LinkCost, load_bench_json
 from .fitted import CostModel, _solve
 from .inputs import ModelSpec, Request, parse_request
 from .layout import Layout, Priced
-from .shm_model import ShmModel, fit_shm
+from .shm_fit import fit_shm
+from .shm_model import ShmModel
 from .units import PlanInputError
 
 __all__ = [

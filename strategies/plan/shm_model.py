@@ -37,18 +37,22 @@ n-th of the whole.) The time of a path is the longer of two:
   up to C ranks, else N/C (time-sharing) x (1 + contention (N-C)/C): a rank past the
   cores costs every rank a fitted `contention` / C more (a peer descheduled when a
   handoff waits for it, caches shared between ranks);
-- the memory's, once the ranks' buffers together (N S) fill the last-level cache: every
-  rank's traffic (a copy reads and writes each byte, a reduction reads two and writes
-  one) at one fitted memory bandwidth, which all ranks share.
+- the memory's, once the ranks' buffers together (footprint(): every rank's input and
+  output) fill their share of the last-level cache: every rank's traffic (a copy reads
+  and writes each byte, a reduction reads two and writes one) at one fitted memory
+  bandwidth, which all ranks share. The share of the cache is fitted (1, 1/2 or 1/4): a
+  VM's cache is shared with whatever else its host runs, and the slots, scratch and
+  code take their part.
 
-`fit_shm` fits the six constants (alpha, three bandwidths, contention, memory bandwidth)
-to measured rows, each priced by the path it took.
+`shm_fit.fit_shm` fits the constants (alpha, three bandwidths, contention, memory
+bandwidth, the cache's share, the busiest core's weight) to measured rows, each priced
+by the path it took.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from .units import PlanInputError
@@ -57,8 +61,7 @@ __all__ = [
     "ShmModel",
     "cma_band",
     "code_paths",
-    "fit_busiest",
-    "fit_shm",
+    "footprint",
     "last_level_cache_bytes",
     "share",
     "slot_bytes",
@@ -175,6 +178,15 @@ def code_paths(collective: str, n: int, size: float, oneshot_bytes: int = 32 * K
     return paths + ["oneshot" if small else "slots"]
 
 
+def footprint(collective: str, n: int, size: float) -> float:
+    """Bytes of the `n` ranks' buffers together in `collective` on a `size`-byte full
+    buffer: each rank's input and output (all-reduce S and S, reduce-scatter S and S/n,
+    all-gather S/n and S). Raises PlanInputError as work() does."""
+    _check(collective, n, size)
+    per_rank = 2 * size if collective == "all_reduce" else size + size / n
+    return n * per_rank
+
+
 def last_level_cache_bytes(default: int = 32 * MIB) -> int:
     """This machine's largest cache (Linux sysfs, cpu0), or `default` where none is read."""
     best = 0
@@ -197,7 +209,7 @@ class ShmModel:
     """Fitted constants (the module docstring): alpha (s per handoff), seconds per byte
     copied, reduced, copied by the kernel; the lockstep paths' contention per rank past the
     cores; seconds per byte of memory traffic past the cache; the machine's cores and
-    last-level cache."""
+    last-level cache, and the share of it the ranks' buffers get (fitted)."""
 
     alpha: float
     per_copy: float
@@ -210,6 +222,7 @@ class ShmModel:
     source: str = "fit"
     rows: int = 0
     busiest: float = 1.0  # share(): 1 unless fit_busiest has rows to fit it
+    cache_share: float = 1.0  # past_cache(): 1 unless fit_shm's rows say less
 
     transport = "shm"
 
@@ -232,10 +245,15 @@ class ShmModel:
             self.alpha * w.handoffs + busy
         )
 
+    def past_cache(self, collective: str, n: int, size: float) -> bool:
+        """Whether the ranks' buffers together (footprint()) fill their share of the
+        last-level cache (cache_share x cache_bytes)."""
+        return footprint(collective, n, size) >= self.cache_share * self.cache_bytes
+
     def memory_time(self, collective: str, path: str, n: int, size: float) -> float:
         """Seconds the memory takes for every rank's traffic (traffic()) once the ranks'
-        buffers together (n size) exceed the cache; 0 within it."""
-        if n * size < self.cache_bytes:
+        buffers fill their share of the cache (past_cache()); 0 within it."""
+        if not self.past_cache(collective, n, size):
             return 0.0
         return n * traffic(work(collective, path, n, size)) * self.per_traffic
 
@@ -279,6 +297,7 @@ class ShmModel:
             {"constant": "kernel copy bandwidth", "value": gbps(self.per_kernel), "unit": "GB/s"},
             {"constant": "contention per rank past the cores", "value": self.contention, "unit": ""},
             {"constant": "memory bandwidth past the cache", "value": gbps(self.per_traffic), "unit": "GB/s"},
+            {"constant": "share of the last-level cache the buffers get", "value": self.cache_share, "unit": ""},
             {"constant": "busiest core's weight (ranks not a multiple of the cores)", "value": self.busiest, "unit": ""},
         ]  # fmt: skip
 
@@ -287,136 +306,3 @@ def traffic(w: Work) -> float:
     """Bytes through memory of one rank's work: a copy reads and writes each byte, a
     two-input reduction reads two and writes one."""
     return 2 * w.copy + 3 * w.reduce + 2 * w.kernel
-
-
-def _lstsq_nonneg(a: list[list[float]], b: list[float]) -> list[float]:
-    """x >= 0 minimizing |a x - b|^2 (active set: a negative coefficient leaves and the
-    rest are solved again); a column of zeros gets 0."""
-    k = len(a[0])
-    active = [j for j in range(k) if any(row[j] for row in a)]
-    while active:
-        m = [[sum(r[i] * r[j] for r in a) for j in active] for i in active]
-        v = [sum(r[i] * y for r, y in zip(a, b, strict=True)) for i in active]
-        sol = _solve_linear(m, v)
-        if sol is not None and min(sol) >= 0:
-            x = [0.0] * k
-            for j, s in zip(active, sol, strict=True):
-                x[j] = s
-            return x
-        worst = active[min(range(len(active)), key=lambda i: sol[i] if sol else 0.0)]
-        active.remove(worst)
-    return [0.0] * k
-
-
-def _solve_linear(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None for a singular system."""
-    n = len(v)
-    aug = [row[:] + [y] for row, y in zip(m, v, strict=True)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(aug[r][c]))
-        if abs(aug[p][c]) < 1e-300:
-            return None
-        aug[c], aug[p] = aug[p], aug[c]
-        for r in range(n):
-            if r != c:
-                f = aug[r][c] / aug[c][c]
-                aug[r] = [x - f * y for x, y in zip(aug[r], aug[c], strict=True)]
-    return [aug[i][n] / aug[i][i] for i in range(n)]
-
-
-def fit_shm(
-    rows: list[dict[str, Any]],
-    cores: int | None,
-    cache_bytes: int | None = None,
-    min_bytes: int = 64 * KIB,
-    source: str = "fit",
-) -> ShmModel:
-    """A ShmModel fitted to bench rows (collective, nranks, size, time_us, paths: each row
-    priced by the path its calls took, fitted.row_path) of all_reduce, reduce_scatter,
-    all_gather at >= min_bytes on >= 2 ranks, minimizing squared relative errors. The rows
-    within the cache fit the cores' constants: linear in alpha and the three per-byte costs
-    for a given contention, which is searched (0, then 1/16 to 16 on a log grid); the rows
-    past it fit the memory's cost per byte of traffic; a per-byte cost no row resolves is
-    a copy's; rows at rank counts past the cores and not a multiple of them fit the busiest
-    core's weight alone (fit_busiest). cores: the machine's (None: no sharing).
-    cache_bytes: its last-level cache (default: this machine's). Raises PlanInputError with
-    fewer than two usable rows."""
-    from .fitted import row_path
-
-    cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
-    inside, past = [], []
-    for r in rows:
-        if r.get("backend", "pycoll") != "pycoll" or r.get("collective") not in COLLECTIVES:
-            continue
-        if r["size"] < min_bytes or not r.get("time_us") or r["nranks"] < 2:
-            continue
-        n, path = r["nranks"], row_path(r)
-        if path not in PATHS:  # a row without paths: the path the code takes outside the bands
-            path = code_paths(r["collective"], n, r["size"])[-1]
-        w = work(r["collective"], path, n, r["size"])
-        pt = (w, path, r["time_us"] * 1e-6)
-        (past if n * r["size"] >= cache else inside).append((n, pt))
-    # Rank counts past the cores and not a multiple of them are fit_busiest's (share()'s
-    # weight of the busiest core moves them alone), where the other rows suffice.
-    odd = [x for x in inside + past if cores and x[0] > cores and x[0] % cores]
-    if odd and len(inside) + len(past) - len(odd) >= 2:
-        inside = [x for x in inside if x not in odd]
-        past = [x for x in past if x not in odd]
-    if len(inside) + len(past) < 2:
-        raise PlanInputError(
-            f"fit_shm: {len(inside) + len(past)} usable rows (pycoll all_reduce/reduce_scatter/"
-            f"all_gather of >= {min_bytes} bytes on >= 2 ranks)"
-        )
-    best: tuple[float, float, list[float]] = (math.inf, 0.0, [0.0] * 4)
-    for i in range(41):  # contention 0, then 1/16 .. 16 log-spaced
-        cont = 0.0 if i == 0 else 16 ** ((i - 20) / 20)
-        a = [
-            [share(n, cores, cont) / t * x for x in (w.handoffs, w.copy, w.reduce, w.kernel)]
-            for n, (w, path, t) in inside
-        ]
-        if not a:
-            break
-        x = _lstsq_nonneg(a, [1.0] * len(a))
-        err = sum((sum(ai * xi for ai, xi in zip(r, x, strict=True)) - 1) ** 2 for r in a)
-        if err < best[0] - 1e-12:
-            best = (err, cont, x)
-    # The memory's cost per byte of traffic: t = n traffic p, least relative squares.
-    xs = [n * traffic(w) / t for n, (w, _, t) in past]
-    per_traffic = sum(xs) / sum(x * x for x in xs) if xs else 0.0
-    _, cont, (alpha, pc, pr, pk) = best
-    # A cost the rows leave unresolved (no rows of it, or noise): a copy's, never free.
-    pr, pk = pr or pc, pk or pc
-    n_rows = len(inside) + len(past)
-    what = f"{source}: shm, per algorithm, {n_rows} rows"
-    model = ShmModel(alpha, pc, pr, pk, cont, per_traffic, cores, cache, what, n_rows)
-    return fit_busiest(model, rows, min_bytes)
-
-
-def fit_busiest(model: ShmModel, rows: list[dict[str, Any]], min_bytes: int = 64 * KIB) -> ShmModel:
-    """`model` with its `busiest` (share()) fitted to the rows (as fit_shm takes them, each
-    priced by the path it took) whose rank count exceeds model.cores and is not a multiple
-    of it, the only ones it moves: the weight in 0, 0.05, .., 1 of least squared relative
-    error; the model unchanged (its busiest: 1 unless set) where there is no such row."""
-    from .fitted import row_path
-
-    c = model.cores
-    pts = []
-    for r in rows:
-        if r.get("backend", "pycoll") != "pycoll" or r.get("collective") not in COLLECTIVES:
-            continue
-        n = r["nranks"]
-        if not c or n <= c or n % c == 0 or r["size"] < min_bytes or not r.get("time_us"):
-            continue
-        path = row_path(r)
-        if path not in PATHS:
-            path = code_paths(r["collective"], n, r["size"])[-1]
-        pts.append((r["collective"], path, n, r["size"], r["time_us"] * 1e-6))
-    if not pts:
-        return model
-
-    def err(w: float) -> float:
-        m = replace(model, busiest=w)
-        return sum((m.path_time(coll, p, n, s) / t - 1) ** 2 for coll, p, n, s, t in pts)
-
-    w = min((i / 20 for i in range(21)), key=err)
-    return replace(model, busiest=w, source=f"{model.source}; busiest: {len(pts)} rows")

@@ -60,7 +60,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .shm_model import COLLECTIVES, ShmModel, _lstsq_nonneg, share, slot_bytes, traffic, work
+from .shm_fit import lstsq_nonneg
+from .shm_model import COLLECTIVES, ShmModel, share, slot_bytes, traffic, work
 from .units import PlanInputError
 
 __all__ = ["LinkWork", "TcpModel", "fit_sharing", "fit_tcp", "link_work"]
@@ -314,7 +315,7 @@ def fit_tcp(
             f"fit_tcp: {len(a)} usable rows (pycoll all_reduce/reduce_scatter/all_gather of "
             f">= {min_bytes} bytes across >= 2 hosts)"
         )
-    x = _lstsq_nonneg(a, b)
+    x = lstsq_nonneg(a, b)
     step, frame, net, pc, pr = x
     if shm is not None:
         pc, pr = shm.per_copy, shm.per_reduce
@@ -366,7 +367,7 @@ def fit_sharing(
         b.append(1.0 - m / c * busy / t)
     if not a:
         return model
-    cont, wait = _lstsq_nonneg(a, b)
+    cont, wait = lstsq_nonneg(a, b)
     return replace(
         model, contention=cont, per_wait=wait, source=f"{model.source}; sharing: {len(a)} rows"
     )

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from pycollectives.strategies.plan.inputs import PlanInputError
+from pycollectives.strategies.plan.shm_fit import fit_busiest, fit_shm
 from pycollectives.strategies.plan.shm_model import (
     ShmModel,
     cma_band,
     code_paths,
-    fit_busiest,
-    fit_shm,
+    footprint,
     share,
     slot_bytes,
     traffic,
@@ -174,6 +174,34 @@ def test_fit_busiest_from_ranks_not_a_multiple_of_the_cores():
     assert model.busiest == pytest.approx(0.35) and "busiest: 9 rows" in model.source
     assert fit_busiest(TRUTH, rows).busiest == pytest.approx(0.35)
     assert fit_busiest(TRUTH, _rows()) is TRUTH  # no row it moves
+
+
+def test_footprint_counts_every_rank_input_and_output():
+    assert footprint("all_reduce", 4, 8 * KIB) == 4 * 16 * KIB
+    assert footprint("reduce_scatter", 4, 8 * KIB) == 4 * (8 + 2) * KIB
+    assert footprint("all_gather", 2, 8 * KIB) == 2 * (8 + 4) * KIB
+    with pytest.raises(PlanInputError, match="collective"):
+        footprint("broadcast", 2, KIB)
+
+
+@pytest.mark.parametrize("cache_share", [1.0, 0.5, 0.25])
+def test_fit_finds_the_share_of_the_cache_the_buffers_get(cache_share):
+    """Rows made with the memory regime from a share of the cache: the fit takes that
+    share (the rows between the shares tell them apart) and the constants with it."""
+    truth = replace(TRUTH, cache_share=cache_share)
+    rows = []
+    for coll in ("all_reduce", "reduce_scatter", "all_gather"):
+        for n in (2, 4):
+            for size in (64 * KIB, 256 * KIB, 512 * KIB, MIB, 2 * MIB, 4 * MIB, 16 * MIB):
+                path = code_paths(coll, n, size)[-1]
+                t = truth.path_time(coll, path, n, size)
+                rows.append({"collective": coll, "nranks": n, "size": size,
+                             "time_us": t * 1e6, "paths": {path: 10}})  # fmt: skip
+    model = fit_shm(rows, cores=2, cache_bytes=8 * MIB)
+    assert model.cache_share == cache_share
+    assert model.per_traffic == pytest.approx(TRUTH.per_traffic, rel=1e-6)
+    assert model.per_copy == pytest.approx(TRUTH.per_copy, rel=1e-6)
+    assert model.past_cache("all_reduce", 2, MIB) == (cache_share < 1)  # 4 MiB of buffers
 
 
 def test_fit_without_rows_past_the_cores_or_the_cache():
