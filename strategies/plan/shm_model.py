@@ -245,10 +245,12 @@ class ShmModel:
             self.alpha * w.handoffs + busy
         )
 
-    def past_cache(self, collective: str, n: int, size: float) -> bool:
-        """Whether the ranks' buffers together (footprint()) fill their share of the
-        last-level cache (cache_share x cache_bytes)."""
-        return footprint(collective, n, size) >= self.cache_share * self.cache_bytes
+    def past_cache(self, collective: str, n: int, size: float, sharing: int | None = None) -> bool:
+        """Whether the buffers (footprint()) of `sharing` of the `n` ranks (default all:
+        those on this machine's cache) fill their share of the last-level cache
+        (cache_share x cache_bytes)."""
+        held = footprint(collective, n, size) * (sharing or n) / n
+        return held >= self.cache_share * self.cache_bytes
 
     def memory_time(self, collective: str, path: str, n: int, size: float) -> float:
         """Seconds the memory takes for every rank's traffic (traffic()) once the ranks'

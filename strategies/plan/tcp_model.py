@@ -41,8 +41,8 @@ two to rows with more ranks than cores (fit_tcp takes the shared-memory model's 
 and no wait).
 
 The within-host rings of the hierarchical schedules are priced with shm_model.work and the
-shared-memory model's constants; past its last-level cache, where all the ranks' buffers
-together exceed it, the time is the memory's for their traffic if that is longer (as in
+shared-memory model's constants; past its last-level cache, where the buffers of the ranks
+on a machine together fill its share of it (ShmModel.past_cache), the time is the memory's for their traffic if that is longer (as in
 shm_model, at its fitted bandwidth; fit_tcp then leaves those rows out where others suffice). The time is the ranks' CPU work (busy time) times
 shm_model.share() of the ranks that share the cores: on a cluster a host's own ranks on
 its cores; on one machine holding every "host" (network namespaces over veth, the test
@@ -198,10 +198,11 @@ class TcpModel:
     ) -> float:
         """Seconds the memory takes for the traffic (shm_model.traffic: a copy 2 bytes per
         byte, a reduction 3, a kernel copy 2) of the `sharing` ranks that share it, at the
-        shared-memory model's bandwidth past its cache, once their buffers together
-        (sharing x size) exceed that cache; 0 within it or without a shared-memory model."""
+        shared-memory model's bandwidth past its cache, once their buffers together fill its
+        share of it (ShmModel.past_cache); 0 within it or without a shared-memory model."""
         shm = self.shm
-        if shm is None or not shm.per_traffic or sharing * size < shm.cache_bytes:
+        n = hosts * per_host
+        if shm is None or not shm.per_traffic or not shm.past_cache(collective, n, size, sharing):
             return 0.0
         per_rank = 0.0
         parts = [link_work(collective, hosts, per_host, size)] if flat or hosts < 2 else [
@@ -296,7 +297,8 @@ def fit_tcp(
     b: list[float] = []
     usable = _usable(rows, min_bytes)
     if shm is not None and shm.per_traffic:  # rows past the cache: the memory's (shm's) time
-        inside = [r for r in usable if _ranks(r, sharing) * r["size"] < shm.cache_bytes]
+        inside = [r for r in usable if not shm.past_cache(
+            r["collective"], r["nranks"], r["size"], _ranks(r, sharing))]  # fmt: skip
         usable = inside if len(inside) >= 2 else usable
     for r in usable:
         hosts, per, flat = _layout(r)

@@ -11,7 +11,7 @@ import pytest
 
 from pycollectives.strategies.plan.cli import main
 from pycollectives.strategies.plan.inputs import PlanInputError
-from pycollectives.strategies.plan.shm_model import ShmModel, share, work
+from pycollectives.strategies.plan.shm_model import ShmModel, footprint, share, work
 from pycollectives.strategies.plan.tcp_model import TcpModel, fit_sharing, fit_tcp, link_work
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -176,4 +176,5 @@ def test_past_the_cache_the_memory_may_pace_it():
     rows = _rows(_tcp(shm, cores=2))
     got = fit_tcp(rows, shm, cores=2, sharing="all")
     assert got.per_net == pytest.approx(1 / 4e9, rel=1e-6)
-    assert got.rows == sum(2 * r["size"] < 4 * MIB for r in rows)
+    # within the cache: the 2 ranks' inputs and outputs under 4 MiB
+    assert got.rows == sum(footprint(r["collective"], 2, r["size"]) < 4 * MIB for r in rows)
