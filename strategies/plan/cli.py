@@ -31,7 +31,7 @@ from .fitted import CostModel, fit_model
 from .inputs import Request, parse_request
 from .layout import Layout, Priced, Rejected, price
 from .shm_fit import fit_shm
-from .shm_model import ShmModel
+from .shm_model import ShmModel, agreement_text
 from .tcp_model import TcpModel, fit_tcp
 from .units import PlanInputError
 
@@ -108,10 +108,12 @@ def report(
 ) -> str:
     """The text report: inputs as understood, the best `top` layouts, the rejected ones."""
     lines = ["# inputs as understood"] + [f"#   {k}: {v}" for k, v in req.echo().items()]
-    lines += [
-        f"#   link {k}: alpha {v.alpha * 1e6:.2f} us, {v.bandwidth / 1e9:.2f} GB/s ({v.source})"
-        for k, v in links.items()
-    ]
+    for k, v in links.items():
+        lines.append(
+            f"#   link {k}: alpha {v.alpha * 1e6:.2f} us, {v.bandwidth / 1e9:.2f} GB/s ({v.source})"
+        )
+        if agreed := agreement_text(getattr(v, "agreement", None)):
+            lines.append(f"#     priced against the rows it was fitted to: {agreed}")
     size = req.model.params() * 2.0  # a 16-bit gradient all-reduce of the whole model
     per_host = req.cluster.devices_per_host
     alg = ring_vs_hierarchical("all_reduce", size, per_host, links["intra"], links["inter"],
@@ -150,7 +152,8 @@ def report(
 def _link_json(link: LinkCost | CostModel | ShmModel | TcpModel) -> dict[str, Any]:
     if isinstance(link, ShmModel | TcpModel):
         return {"transport": link.transport, "cache_bytes": getattr(link, "cache_bytes", None), "alpha": link.alpha,
-                "beta": link.beta, "source": link.source, "fitted": link.describe()}  # fmt: skip
+                "beta": link.beta, "source": link.source, "fitted": link.describe(),
+                "agreement": link.agreement}  # fmt: skip
     if isinstance(link, CostModel):
         return {"transport": link.transport, "cache_bytes": link.cache_bytes,
                 **link.overall.__dict__, "fitted": link.describe()}  # fmt: skip

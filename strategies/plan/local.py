@@ -24,7 +24,7 @@ from .fitted import CostModel, _solve
 from .inputs import ModelSpec, Request, parse_request
 from .layout import Layout, Priced
 from .shm_fit import fit_shm
-from .shm_model import ShmModel
+from .shm_model import ShmModel, agreement_text
 from .units import PlanInputError
 
 __all__ = [
@@ -376,7 +376,12 @@ def local_request(
             else "as many cores as ranks: no collective costs for shared cores"
         ),
         f"memory per rank {mem / 2**30:.2f} GiB (MemAvailable / ranks)",
-        f"intra-host link: {links['intra'].source}",
+        f"intra-host link: {links['intra'].source}"
+        + (
+            f" (priced against those rows: {agreed})"
+            if (agreed := agreement_text(getattr(links["intra"], "agreement", None)))
+            else ""
+        ),
     ]
     return req, links, said
 

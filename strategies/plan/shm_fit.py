@@ -21,6 +21,7 @@ from .shm_model import (
     PATHS,
     ShmModel,
     Work,
+    agreement,
     code_paths,
     last_level_cache_bytes,
     share,
@@ -140,9 +141,11 @@ def fit_shm(
     weight from the rows at rank counts past the cores and not a multiple of them
     (fit_busiest), which the other constants are fitted without where the rest suffice.
     cores: the machine's (None: no sharing). cache_bytes: its last-level cache (default:
-    this machine's). Raises PlanInputError with fewer than two usable rows."""
+    this machine's). The model's `agreement` says how it prices every usable row, each by
+    the path it took (in-sample: a floor on its error elsewhere). Raises PlanInputError
+    with fewer than two usable rows."""
     cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
-    pts = _points(rows, min_bytes)
+    pts = every = _points(rows, min_bytes)
     # Rank counts past the cores and not a multiple of them are fit_busiest's (share()'s
     # weight of the busiest core moves them alone), where the other rows suffice.
     even = [p for p in pts if not (cores and p[1] > cores and p[1] % cores)]
@@ -156,7 +159,14 @@ def fit_shm(
     fits = [_fit_at(pts, cores, cache, CACHE_SHARES[0], source, least_inside=0)]
     fits += [m for s in CACHE_SHARES[1:] if (m := _fit_at(pts, cores, cache, s, source))]
     model = min(fits, key=lambda m: _error(m, pts))  # the first of equals: the largest share
-    return fit_busiest(model, rows, min_bytes)
+    model = fit_busiest(model, rows, min_bytes)
+    priced = [(_label(c, n, s), model.path_time(c, p, n, s) / t) for c, n, s, _, p, t in every]
+    return replace(model, agreement=agreement(priced))
+
+
+def _label(collective: str, n: int, size: float) -> str:
+    """A row as the agreement names it: "all_gather, 4 ranks, 1024 KiB"."""
+    return f"{collective}, {n} ranks, {size / KIB:.0f} KiB"
 
 
 def fit_busiest(model: ShmModel, rows: list[dict[str, Any]], min_bytes: int = 64 * KIB) -> ShmModel:

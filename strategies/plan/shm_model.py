@@ -59,6 +59,8 @@ from .units import PlanInputError
 
 __all__ = [
     "ShmModel",
+    "agreement",
+    "agreement_text",
     "cma_band",
     "code_paths",
     "footprint",
@@ -223,6 +225,7 @@ class ShmModel:
     rows: int = 0
     busiest: float = 1.0  # share(): 1 unless fit_busiest has rows to fit it
     cache_share: float = 1.0  # past_cache(): 1 unless fit_shm's rows say less
+    agreement: dict[str, Any] | None = None  # agreement(): how the fit prices its own rows
 
     transport = "shm"
 
@@ -302,6 +305,30 @@ class ShmModel:
             {"constant": "share of the last-level cache the buffers get", "value": self.cache_share, "unit": ""},
             {"constant": "busiest core's weight (ranks not a multiple of the cores)", "value": self.busiest, "unit": ""},
         ]  # fmt: skip
+
+
+def agreement(priced: list[tuple[str, float]]) -> dict[str, Any]:
+    """How a model prices measured rows, from (what, predicted / measured) per row: rows,
+    within_20pct (rows within 20%), median_abs_error, worst (what, ratio: the row farthest
+    from 1 by |log|). Empty rows: {"rows": 0}."""
+    if not priced:
+        return {"rows": 0}
+    errs = sorted(abs(x - 1) for _, x in priced)
+    mid = len(errs) // 2
+    med = errs[mid] if len(errs) % 2 else (errs[mid - 1] + errs[mid]) / 2
+    what, worst = max(priced, key=lambda p: abs(math.log(p[1])) if p[1] > 0 else math.inf)
+    return {"rows": len(priced), "within_20pct": sum(e <= 0.2 for e in errs),
+            "median_abs_error": med, "worst": {"row": what, "ratio": worst}}  # fmt: skip
+
+
+def agreement_text(a: dict[str, Any] | None) -> str:
+    """One line of agreement(): "k/n rows within 20%, median |error| e%, worst r x (row)",
+    or "" for none."""
+    if not a or not a.get("rows"):
+        return ""
+    w = a["worst"]
+    return (f"{a['within_20pct']}/{a['rows']} rows within 20%, median |error| "
+            f"{a['median_abs_error']:.0%}, worst {w['ratio']:.2f}x ({w['row']})")  # fmt: skip
 
 
 def traffic(w: Work) -> float:

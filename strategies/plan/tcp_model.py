@@ -61,10 +61,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .shm_fit import lstsq_nonneg
-from .shm_model import COLLECTIVES, ShmModel, share, slot_bytes, traffic, work
+from .shm_model import COLLECTIVES, ShmModel, agreement, share, slot_bytes, traffic, work
 from .units import PlanInputError
 
-__all__ = ["LinkWork", "TcpModel", "fit_sharing", "fit_tcp", "link_work"]
+__all__ = ["LinkWork", "TcpModel", "fit_sharing", "fit_tcp", "link_work", "tcp_agreement"]
 
 KIB = 1 << 10
 
@@ -133,6 +133,7 @@ class TcpModel:
     rows: int = 0
     contention: float = 0.0
     per_wait: float = 0.0
+    agreement: dict[str, Any] | None = None  # shm_model.agreement(): the fit on its own rows
 
     transport = "tcp"
 
@@ -323,7 +324,23 @@ def fit_tcp(
         pc, pr = shm.per_copy, shm.per_reduce
     pr = pr or pc
     what = f"{source}: tcp, per algorithm, {len(a)} rows"
-    return TcpModel(step, frame, net, pc, pr, shm, cores, what, len(a), cont)
+    model = TcpModel(step, frame, net, pc, pr, shm, cores, what, len(a), cont)
+    return replace(model, agreement=tcp_agreement(model, rows, min_bytes, sharing))
+
+
+def tcp_agreement(
+    model: TcpModel, rows: list[dict[str, Any]], min_bytes: int = 64 * KIB, sharing: str = "host"
+) -> dict[str, Any]:
+    """shm_model.agreement() of `model` on the usable rows across hosts (as fit_tcp takes
+    them, past the cache too), each by its schedule (_layout) on `sharing`'s ranks."""
+    priced = []
+    for r in _usable(rows, min_bytes):
+        hosts, per, flat = _layout(r)
+        coll, size, m = r["collective"], r["size"], _ranks(r, sharing)
+        t = (model.flat_time if flat else model.hierarchical_time)(coll, hosts, per, size, m)
+        what = f"{coll}, {hosts}x{per}{' ring' if flat else ''}, {size / KIB:.0f} KiB"
+        priced.append((what, t / (r["time_us"] * 1e-6)))
+    return agreement(priced)
 
 
 def _ranks(row: dict[str, Any], sharing: str) -> int:
@@ -350,8 +367,8 @@ def fit_sharing(
 ) -> TcpModel:
     """`model` with its contention and per_wait (module docstring) fitted to the rows whose
     ranks outnumber model.cores (sharing "all": a row's ranks share them; "host": a host's),
-    minimizing squared relative errors (non-negative); the model's own where no such row.
-    Raises PlanInputError for another sharing."""
+    minimizing squared relative errors (non-negative), its agreement then on `rows`; the
+    model itself where no such row. Raises PlanInputError for another sharing."""
     if sharing not in ("host", "all"):
         raise PlanInputError(f"fit_sharing: sharing={sharing!r} is not 'host' or 'all'")
     c = model.cores
@@ -370,6 +387,6 @@ def fit_sharing(
     if not a:
         return model
     cont, wait = lstsq_nonneg(a, b)
-    return replace(
-        model, contention=cont, per_wait=wait, source=f"{model.source}; sharing: {len(a)} rows"
-    )
+    what = f"{model.source}; sharing: {len(a)} rows"
+    model = replace(model, contention=cont, per_wait=wait, source=what)
+    return replace(model, agreement=tcp_agreement(model, rows, min_bytes, sharing))

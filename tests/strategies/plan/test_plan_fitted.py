@@ -133,9 +133,28 @@ def test_cli_prices_with_the_fitted_model(tmp_path, capsys):
     assert "shm, per algorithm" in out, out  # --bench-json: shm_model.fit_shm
     intra = json.loads(out_json.read_text())["links"]["intra"]
     assert intra["transport"] == "shm" and {"constant", "value"} <= set(intra["fitted"][0])
+    agreed = intra["agreement"]  # how the fit prices the rows it was fitted to, in both
+    assert agreed["rows"] > 0 and 0 <= agreed["within_20pct"] <= agreed["rows"]
+    assert f"rows it was fitted to: {agreed['within_20pct']}/{agreed['rows']} rows within" in out
     req = parse_request(json.loads(json.dumps({"layers": 4, "hidden": 64, "heads": 4,
         "vocab": 256, "seq": 32, "global_batch": 8, "hosts": 1, "devices_per_host": 4,
         "memory_per_device": "1GB", "intra_host": "10GB/s,1us", "inter_host": "1GB/s,10us",
         "flops": "100GFLOP/s"})))  # fmt: skip
     fits, _ = plan(req, {"intra": fit_model(_rows()), "inter": LinkCost(1e-5, 1e-9, "x")})
     assert fits and fits[0].step_s > 0
+
+
+def test_train_gpt_plan_says_how_its_bench_fit_prices_the_rows(tmp_path):
+    """local_request (train_gpt.py --plan --bench-json): the intra-host link it fits says
+    how it prices the rows it was fitted to, beside its source."""
+    import json
+
+    from pycollectives.strategies.plan.local import local_request
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"metadata": {}, "rows": _rows()}))
+    model = {"layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seq": 8}
+    _, links, said = local_request(model, 4, 2, 1, bench_json=str(path), collective=(0.0, 0.0))
+    agreed = links["intra"].agreement
+    line = next(x for x in said if x.startswith("intra-host link:"))
+    assert str(path) in line and f"{agreed['within_20pct']}/{agreed['rows']} rows within" in line

@@ -14,6 +14,8 @@ from pycollectives.strategies.plan.inputs import PlanInputError
 from pycollectives.strategies.plan.shm_fit import fit_busiest, fit_shm
 from pycollectives.strategies.plan.shm_model import (
     ShmModel,
+    agreement,
+    agreement_text,
     cma_band,
     code_paths,
     footprint,
@@ -202,6 +204,29 @@ def test_fit_finds_the_share_of_the_cache_the_buffers_get(cache_share):
     assert model.per_traffic == pytest.approx(TRUTH.per_traffic, rel=1e-6)
     assert model.per_copy == pytest.approx(TRUTH.per_copy, rel=1e-6)
     assert model.past_cache("all_reduce", 2, MIB) == (cache_share < 1)  # 4 MiB of buffers
+
+
+def test_agreement_summarizes_predicted_over_measured():
+    a = agreement([("a", 1.0), ("b", 0.5), ("c", 1.3), ("d", 1.1)])
+    assert a["rows"] == 4 and a["within_20pct"] == 2  # |error| 0 and 0.1
+    assert a["median_abs_error"] == pytest.approx(0.2)  # of 0, 0.1, 0.3, 0.5
+    assert a["worst"] == {"row": "b", "ratio": 0.5}  # 2x off beats 1.3x off
+    assert agreement_text(a) == "2/4 rows within 20%, median |error| 20%, worst 0.50x (b)"
+    assert agreement([]) == {"rows": 0} and agreement_text(None) == ""
+
+
+def test_the_fit_says_how_it_prices_its_own_rows():
+    rows = _rows()
+    model = fit_shm(rows, cores=2, cache_bytes=8 * MIB)
+    a = model.agreement
+    assert a["rows"] == len(rows) and a["within_20pct"] == len(rows)  # made by a ShmModel
+    assert a["median_abs_error"] == pytest.approx(0.0, abs=1e-6)
+    # a row measured 2x slower than the rest say is the worst, named
+    rows[5]["time_us"] *= 2
+    a = fit_shm(rows, cores=2, cache_bytes=8 * MIB).agreement
+    r = rows[5]
+    assert a["worst"]["row"] == f"{r['collective']}, {r['nranks']} ranks, {r['size'] >> 10} KiB"
+    assert a["worst"]["ratio"] < 0.8 and a["within_20pct"] < len(rows)
 
 
 def test_fit_without_rows_past_the_cores_or_the_cache():

@@ -100,6 +100,10 @@ def test_fit_recovers_its_constants():
     for k in ("per_step", "per_frame", "per_net", "per_copy", "per_reduce"):
         assert getattr(got, k) == pytest.approx(getattr(true, k), rel=1e-6), k
     assert got.rows == 15 and "tcp, per algorithm" in got.source
+    # it prices its own rows (exact here) as it says: every one within 20%, by its schedule
+    assert got.agreement["rows"] == 15 and got.agreement["within_20pct"] == 15
+    assert got.agreement["median_abs_error"] == pytest.approx(0.0, abs=1e-6)
+    assert got.agreement["worst"]["row"].split(", ")[1] == "2x1"
     # without a shared-memory model the copy and reduction rates are fitted as well
     alone = fit_tcp(_rows(true), None, cores=2, sharing="all")
     assert alone.per_net == pytest.approx(true.per_net, rel=1e-6)
