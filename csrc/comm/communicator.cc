@@ -36,7 +36,7 @@ CommConfig CommConfig::from_env() {
   c.stream_bytes = env_size("PYCOLL_STREAM_BYTES", c.stream_bytes, 0, size_t{1} << 60);
   c.cma_tune = env_size("PYCOLL_CMA_TUNE", 1, 0, 1) != 0;
   (void)env_size("PYCOLL_CMA", 1, 0, 1);
-  (void)env_size("PYCOLL_YIELD_US", 1000, 0, kMaxYieldUs);
+  c.yield_us = static_cast<uint32_t>(env_size("PYCOLL_YIELD_US", 1000, 0, kMaxYieldUs));
   const char* a = std::getenv("PYCOLL_ALGO");
   std::string algo = a ? a : "auto";
   if (algo == "auto" || algo.empty())
@@ -85,6 +85,7 @@ Communicator::Communicator(int rank, int n, const std::string& name, bool creato
       creator_(creator),
       fork_gen_(fork_generation()),
       stream_bytes_(cfg.stream_bytes),
+      yield_us_(cfg.yield_us),
       cma_tuner_(cfg.cma_tune) {
   if (n < 1) PYC_THROW(InvalidArgument, "pycollectives: init: world_size must be >= 1, not " << n);
   if (rank < 0 || rank >= n)

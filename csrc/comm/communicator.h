@@ -53,8 +53,11 @@ struct CommConfig {
   // Whether single copy is timed against the slots where it can win (CmaTuner);
   // a local choice.
   bool cma_tune = true;
+  // How long a wait yields before it sleeps, in microseconds (wait.h,
+  // WaitMonitor::yield_us); a local choice.
+  uint32_t yield_us = 1000;
   // PYCOLL_SLOT_BYTES, PYCOLL_NSLOTS, PYCOLL_ONESHOT_BYTES, PYCOLL_ALGO,
-  // PYCOLL_STREAM_BYTES, PYCOLL_CMA_TUNE
+  // PYCOLL_STREAM_BYTES, PYCOLL_CMA_TUNE, PYCOLL_YIELD_US
   static CommConfig from_env();
   // These settings with the segment's defaults for `world_size` ranks in
   // place of the zeros (what a creator makes, and what binds every host).
@@ -434,6 +437,7 @@ class Communicator final : public Links, public NetHost, public HierHost {
   SegmentHeader* hdr_ = nullptr;
   Algo algo_ = Algo::kAuto;
   size_t stream_bytes_ = 0;                        // CommConfig::stream_bytes
+  uint32_t yield_us_ = 1000;                       // CommConfig::yield_us
   std::vector<RankCtl*> ctls_;                     // see ctl()
   std::vector<std::unique_ptr<RankCtl>> mirrors_;  // other hosts' ranks, as last heard
   std::vector<std::unique_ptr<ShmSendConn>> shm_send_;

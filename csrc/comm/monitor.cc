@@ -43,6 +43,7 @@ OpMonitor::OpMonitor(Communicator& comm, const OpSig& sig, uint32_t seq, bool co
   // (by global rank: where every rank is on this host, contexts use those)
   if (comm.n_ == comm.nlocal_ && !comm.shares_cpu_.empty()) shares_cpu = comm.shares_cpu_.data();
   spin_only = comm.spin_only_;
+  yield_us = comm.yield_us_;
 }
 
 OpMonitor::~OpMonitor() {

@@ -41,8 +41,10 @@ namespace {
 // peers, mismatches, Ctrl-C) run every kSlowEvery while yielding too. A wait
 // whose rank has its CPUs to itself (WaitMonitor::spin_only) spins this long
 // instead of yielding.
-// Range-checked by CommConfig::from_env before any wait.
-std::chrono::microseconds yield_for() {
+// Read per communicator (CommConfig::from_env, range-checked there) into
+// WaitMonitor::yield_us; a wait without one reads the process's setting.
+std::chrono::microseconds yield_for(const WaitMonitor& mon) {
+  if (mon.yield_us >= 0) return std::chrono::microseconds(mon.yield_us);
   static const auto us =
       std::chrono::microseconds(env_size("PYCOLL_YIELD_US", 1000, 0, kMaxYieldUs));
   return us;
@@ -122,7 +124,7 @@ uint32_t wait_reached(Flag& c, uint32_t target, WaitMonitor& mon) {
     mon.check_fast();
     if (r % 16 != 0) continue;
     const auto now = std::chrono::steady_clock::now();
-    if (now - yielded > yield_for()) break;
+    if (now - yielded > yield_for(mon)) break;
     if (now >= slow_at) {
       mon.check_slow();
       slow_at = now + kSlowEvery;
@@ -176,7 +178,7 @@ void wait_until(FunctionRef<bool()> ready, WaitMonitor& mon) {
       sched_yield();
     if (ready()) return;
     if (mon.spin_only && r % 16 != 0) continue;
-    if (checks() - yielded > yield_for()) break;
+    if (checks() - yielded > yield_for(mon)) break;
   }
   const timespec nap{0, kPollNs};
   for (;;) {

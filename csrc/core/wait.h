@@ -35,6 +35,10 @@ class WaitMonitor {
   // apart): yielding cannot help a peer run, and hands the CPU to another
   // process for a whole time slice, so the wait spins where it would yield.
   bool spin_only = false;
+  // How long a wait yields before it sleeps, in microseconds: the
+  // communicator's (PYCOLL_YIELD_US when it was made); negative: the
+  // process's PYCOLL_YIELD_US (a wait outside a communicator's operation).
+  int64_t yield_us = -1;
   bool shares_cpu_with(int p) const { return p >= 0 && shares_cpu != nullptr && shares_cpu[p]; }
   // Called every few spins; must be cheap (one load).
   virtual void check_fast() = 0;

@@ -311,6 +311,13 @@ def test_liveness_does_not_wait_for_the_yield_phase(tmp_path, bind):
     assert kind == "CollectiveTimeout" and took < 2.0, (kind, msg, took)
 
 
+def test_the_yield_budget_is_each_communicators_own():
+    """PYCOLL_YIELD_US as each communicator was made: a 0.3 s wait costs rank 0 next to no
+    CPU where it sleeps at once, and about the wait where it yields throughout."""
+    (asleep, yielding), _ = run(jobs.job_yield_budget, 2, timeout=60)
+    assert asleep < 0.05 and yielding > max(0.1, 3 * asleep), (asleep, yielding)
+
+
 @pytest.mark.parametrize("n,victim,in_op", [(3, 1, False), (4, 2, True)])
 def test_a_stopped_rank_is_blamed_not_its_neighbour(n, victim, in_op):
     env = {"PYCOLL_ALGO": "ring"}

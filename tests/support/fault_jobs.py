@@ -219,6 +219,27 @@ def job_yield(rank: int, n: int, tmp: str) -> tuple:
         signal_done(f"{tmp}/timed_out")
 
 
+def job_yield_budget(rank: int, n: int) -> list[float]:
+    """Rank 0 waits ~0.3 s for rank 1 in an all-reduce on two communicators: one made with
+    PYCOLL_YIELD_US=0 (it sleeps once its spin is over), one split from it after the setting
+    became 10 s (it yields throughout). Returns this rank's CPU seconds in each call."""
+    os.environ["PYCOLL_YIELD_US"] = "0"
+    comm = pc.init(timeout=20)
+    os.environ["PYCOLL_YIELD_US"] = "10000000"
+    yielding = comm.split(0)  # the setting is read per communicator
+    cpu = []
+    for c in (comm, yielding):
+        c.barrier()
+        if rank == 1:
+            time.sleep(0.3)
+        t0 = time.process_time()
+        c.all_reduce(torch.ones(1000))
+        cpu.append(time.process_time() - t0)
+    yielding.close()
+    comm.close()
+    return cpu
+
+
 def job_close_pending(rank: int, n: int, tmp: str) -> tuple:
     """close() with work pending: work its peers come to finishes (a peer
     0.3 s late), work a peer stays away from is aborted after a second."""
