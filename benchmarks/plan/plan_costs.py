@@ -377,7 +377,11 @@ def main() -> int:
             f"once the ranks' inputs and outputs together fill {shm.cache_share:g} of the "
             f"{cache >> 20} MiB last-level cache (the share fitted) the memory's bandwidth if "
             "slower; where the "
-            "code may take single copy or the slots (its tuner times both), the faster."
+            "code may take single copy or the slots (its tuner times both), the faster; where "
+            "the ranks outnumber the cores, single copy only if the fit run's tuners took it in "
+            "half their calls there (here: "
+            + ("they did" if shm.cma_past_cores else "they did not: the slots")
+            + ")."
         )
     table, out_rows, ratios = check_table(check_rows, predict, seen)
     summary = summarize(

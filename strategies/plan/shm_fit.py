@@ -5,7 +5,8 @@ it took. The cores' constants (alpha and the three per-byte costs) are linear in
 within the cache for a given contention, which is searched; the memory's cost per byte of
 traffic comes from the rows past the cache; the share of the cache the ranks' buffers get
 is the one of 1, 1/2, 1/4 whose fit leaves the least error over all rows; the busiest
-core's weight from the rows it alone moves (rank counts past the cores, not a multiple).
+core's weight from the rows it alone moves (rank counts past the cores, not a multiple);
+whether single copy is priced past the cores from the path the rows' tuners took there.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .shm_model import (
 )
 from .units import PlanInputError
 
-__all__ = ["fit_busiest", "fit_shm", "lstsq_nonneg", "solve_linear"]
+__all__ = ["cma_past_cores", "fit_busiest", "fit_shm", "lstsq_nonneg", "solve_linear"]
 
 CACHE_SHARES = (1.0, 0.5, 0.25)  # fit_shm's candidates, the largest first (kept on a tie)
 Point = tuple[str, int, float, Work, str, float]  # collective, ranks, size, work, path, seconds
@@ -160,8 +161,33 @@ def fit_shm(
     fits += [m for s in CACHE_SHARES[1:] if (m := _fit_at(pts, cores, cache, s, source))]
     model = min(fits, key=lambda m: _error(m, pts))  # the first of equals: the largest share
     model = fit_busiest(model, rows, min_bytes)
+    model = replace(model, cma_past_cores=cma_past_cores(rows, cores, min_bytes))
     priced = [(_label(c, n, s), model.path_time(c, p, n, s) / t) for c, n, s, _, p, t in every]
     return replace(model, agreement=agreement(priced))
+
+
+def cma_past_cores(
+    rows: list[dict[str, Any]], cores: int | None, min_bytes: int = 64 * KIB
+) -> bool:
+    """Whether the rows' tuners took single copy in at least half of their calls where the
+    ranks outnumber the cores and it was in the running (code_paths); True without such
+    rows. Past the cores the two paths' order moves with the moment on a shared machine
+    (docs/benchmarks.md, "Single copy against the slots in turn"), and a kernel-copy rate
+    fitted where ranks had cores of their own prices single copy low there: the model
+    prices what the tuner mostly ran."""
+    cma = every = 0
+    for r in rows:
+        if r.get("backend", "pycoll") != "pycoll" or r.get("collective") not in COLLECTIVES:
+            continue
+        n, paths = r["nranks"], r.get("paths")
+        if not cores or n <= cores or r["size"] < min_bytes or not isinstance(paths, dict):
+            continue
+        if "cma" not in code_paths(r["collective"], n, r["size"]):
+            continue
+        calls = {k: v for k, v in paths.items() if isinstance(v, int)}
+        cma += calls.get("cma", 0)
+        every += sum(calls.values())
+    return every == 0 or 2 * cma >= every
 
 
 def _label(collective: str, n: int, size: float) -> str:

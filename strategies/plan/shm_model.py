@@ -225,6 +225,9 @@ class ShmModel:
     rows: int = 0
     busiest: float = 1.0  # share(): 1 unless fit_busiest has rows to fit it
     cache_share: float = 1.0  # past_cache(): 1 unless fit_shm's rows say less
+    # Whether single copy is priced where the ranks outnumber the cores (options()):
+    # fit_shm clears it where the fit run's tuner mostly ran the slots there.
+    cma_past_cores: bool = True
     agreement: dict[str, Any] | None = None  # agreement(): how the fit prices its own rows
 
     transport = "shm"
@@ -270,8 +273,12 @@ class ShmModel:
         )
 
     def options(self, collective: str, n: int, size: float) -> dict[str, float]:
-        """Seconds per path the code may take at (n, size) (code_paths)."""
-        return {p: self.path_time(collective, p, n, size) for p in code_paths(collective, n, size)}
+        """Seconds per path the code may take at (n, size) (code_paths), without single copy
+        where the ranks outnumber the cores and cma_past_cores is off."""
+        paths = code_paths(collective, n, size)
+        if not self.cma_past_cores and self.cores and n > self.cores and len(paths) > 1:
+            paths = [p for p in paths if p != "cma"]
+        return {p: self.path_time(collective, p, n, size) for p in paths}
 
     def path(self, collective: str, n: int, size: float) -> str:
         """The path priced at (n, size): the faster of those the code may take."""
@@ -304,6 +311,7 @@ class ShmModel:
             {"constant": "memory bandwidth past the cache", "value": gbps(self.per_traffic), "unit": "GB/s"},
             {"constant": "share of the last-level cache the buffers get", "value": self.cache_share, "unit": ""},
             {"constant": "busiest core's weight (ranks not a multiple of the cores)", "value": self.busiest, "unit": ""},
+            {"constant": "single copy priced past the cores (1 yes, 0 the slots)", "value": float(self.cma_past_cores), "unit": ""},
         ]  # fmt: skip
 
 

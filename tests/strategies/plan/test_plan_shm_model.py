@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pycollectives.strategies.plan.inputs import PlanInputError
-from pycollectives.strategies.plan.shm_fit import fit_busiest, fit_shm
+from pycollectives.strategies.plan.shm_fit import cma_past_cores, fit_busiest, fit_shm
 from pycollectives.strategies.plan.shm_model import (
     ShmModel,
     agreement,
@@ -204,6 +204,27 @@ def test_fit_finds_the_share_of_the_cache_the_buffers_get(cache_share):
     assert model.per_traffic == pytest.approx(TRUTH.per_traffic, rel=1e-6)
     assert model.per_copy == pytest.approx(TRUTH.per_copy, rel=1e-6)
     assert model.past_cache("all_reduce", 2, MIB) == (cache_share < 1)  # 4 MiB of buffers
+
+
+def test_single_copy_is_priced_past_the_cores_only_where_the_tuners_took_it():
+    """Past the cores (4 ranks on 2) the fit prices single copy only if the rows' tuners ran
+    it in at least half of their calls there; within the cores it is priced as before."""
+    rows = _rows()
+    band = [
+        r for r in rows if r["nranks"] == 4 and "cma" in code_paths(r["collective"], 4, r["size"])
+    ]
+    assert band
+    for r in band:
+        r["paths"] = {"slots": 7, "cma": 3} if r["paths"].get("slots") else {"cma": 10}
+    assert cma_past_cores(rows, cores=2)  # every band row ran once on each path: 3 + 10 of 20
+    for r in band:
+        r["paths"] = {"slots": 7, "cma": 3}
+    assert not cma_past_cores(rows, cores=2)
+    assert cma_past_cores(rows, cores=4) and cma_past_cores(rows, cores=None)  # none past
+    model = fit_shm(rows, cores=2, cache_bytes=8 * MIB)
+    assert not model.cma_past_cores
+    assert set(model.options("all_gather", 4, 4 * MIB)) == {"slots"}
+    assert "cma" in model.options("all_gather", 2, 4 * MIB)  # ranks within the cores
 
 
 def test_agreement_summarizes_predicted_over_measured():
