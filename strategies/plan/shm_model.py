@@ -9,7 +9,8 @@ On one host the communicator picks a path per call (csrc/comm/collectives.cc, di
 - single copy (CMA, csrc/algo/cma.cc) inside the size bands of cma_band()
   (csrc/comm/cma_choice.cc) where the rank's tuner timed it faster than the slots on two
   trials each: a coin toss where the two are close, so the model prices both and takes the
-  faster (`ShmModel.options` lists both);
+  faster (`ShmModel.options` lists both), except where the ranks outnumber the cores and the
+  fit run's tuners mostly ran the slots (`ShmModel.cma_past_cores`);
 - else the ring over the shared slots (csrc/algo/ring.cc), chunked by the slot size
   (PYCOLL_SLOT_BYTES, default 256 KiB up to 4 ranks).
 
