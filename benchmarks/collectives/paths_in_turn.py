@@ -34,32 +34,11 @@ from pycollectives.launcher import spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 from _doc import busy_cores, cpu_model, emit_section, size_label  # noqa: E402
+from _in_turn import buffers, call, parse_size, run_note  # noqa: E402
 
 BEGIN, END = "<!-- paths_in_turn:begin -->", "<!-- paths_in_turn:end -->"
 DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
 COLLS = ("all_reduce", "reduce_scatter", "all_gather")
-
-
-def parse_size(text: str) -> int:
-    """Bytes of "64K" or "4M"."""
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:].upper(), 1)
-    return int(text.rstrip("KMkm")) * mult
-
-
-def _buffers(coll: str, size: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    count = size // 4 - (size // 4) % n
-    if coll == "all_gather":
-        return torch.ones(count // n), torch.empty(count)
-    return torch.ones(count), torch.empty(count // n)
-
-
-def _call(comm: pc.Communicator, coll: str, b: tuple[torch.Tensor, torch.Tensor]) -> None:
-    if coll == "all_reduce":
-        comm.all_reduce(b[0])
-    elif coll == "reduce_scatter":
-        comm.reduce_scatter(b[1], b[0])
-    else:
-        comm.all_gather(b[1], b[0])
 
 
 def _rank(sizes: list[int], rounds: int, calls: int, tuned: int, out: str, session: bool) -> None:
@@ -71,11 +50,11 @@ def _rank(sizes: list[int], rounds: int, calls: int, tuned: int, out: str, sessi
     slots = cma.split(color=0)  # single copy is agreed per communicator
     n = cma.world_size
     comms = {"cma": cma, "slots": slots}
-    bufs = {(c, s): _buffers(c, s, n) for c in COLLS for s in sizes}
+    bufs = {(c, s): buffers(c, s, n) for c in COLLS for s in sizes}
     for key, b in bufs.items():
         for comm in comms.values():
             for _ in range(3):
-                _call(comm, key[0], b)
+                call(comm, key[0], b)
     got: dict[str, dict[str, list[float]]] = {}
     for rnd in range(rounds):
         for key, b in bufs.items():
@@ -83,7 +62,7 @@ def _rank(sizes: list[int], rounds: int, calls: int, tuned: int, out: str, sessi
                 cma.barrier()
                 t0 = time.perf_counter()
                 for _ in range(calls):
-                    _call(comms[name], key[0], b)
+                    call(comms[name], key[0], b)
                 x = torch.tensor([(time.perf_counter() - t0) / calls * 1e6], dtype=torch.float64)
                 cma.all_reduce(x, op=pc.ReduceOp.MAX)
                 got.setdefault(f"{key[0]}:{key[1]}", {}).setdefault(name, []).append(x.item())
@@ -94,7 +73,7 @@ def _rank(sizes: list[int], rounds: int, calls: int, tuned: int, out: str, sessi
     auto = cma.split(color=0)  # the default: the tuner times both paths
     for key, b in bufs.items():
         for _ in range(tuned):
-            _call(auto, key[0], b)
+            call(auto, key[0], b)
     tuning = {
         op: {str(k): v for k, v in classes.items()} for op, classes in auto.cma_tuning().items()
     }
@@ -157,13 +136,7 @@ def main() -> int:
         f"turn. The tuner: a default communicator after {args.tuned} calls of each case, rank 0's "
         "decision and the best per-byte time of each path's timed trials (one call each).",
         f"Paths taken: {json.dumps({n: r['paths'] for n, r in record.items()})}.",
-        f"Load average at start {', '.join(f'{x:.2f}' for x in load0)}, at end "
-        f"{', '.join(f'{x:.2f}' for x in load1)}; {time.perf_counter() - t0:.0f} s in all"
-        + (
-            f"; other processes kept {busy0:.2f} of the CPUs busy before it."
-            if busy0 is not None
-            else "."
-        ),
+        run_note(load0, load1, t0, busy0),
     ]
     if not args.no_write:
         DATA.mkdir(exist_ok=True)

@@ -39,34 +39,11 @@ from pycollectives.launcher import spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 from _doc import busy_cores, cpu_model, emit_section, size_label  # noqa: E402
+from _in_turn import buffers, call, parse_size, run_note  # noqa: E402
 
 BEGIN, END = "<!-- yield_budget:begin -->", "<!-- yield_budget:end -->"
 DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
 CASES = "all_reduce:16,all_reduce:64K,all_reduce:2M,reduce_scatter:2M,all_gather:2M"
-
-
-def parse_size(text: str) -> int:
-    """Bytes of "16", "64K" or "2M"."""
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:].upper(), 1)
-    return int(text.rstrip("KMkm")) * mult
-
-
-def _call(comm: pc.Communicator, coll: str, bufs: tuple) -> None:
-    inp, out = bufs
-    if coll == "all_reduce":
-        comm.all_reduce(inp)
-    elif coll == "reduce_scatter":
-        comm.reduce_scatter(out, inp)
-    else:
-        comm.all_gather(out, inp)
-
-
-def _buffers(coll: str, size: int, n: int) -> tuple:
-    count = max(size // 4, n)
-    count -= count % n
-    if coll == "all_gather":
-        return torch.ones(count // n), torch.empty(count)
-    return torch.ones(count), torch.empty(count // n)
 
 
 def _cpu_s() -> float:
@@ -84,12 +61,12 @@ def _rank(
         os.environ["PYCOLL_YIELD_US"] = str(b)
         comms[b] = first.split(color=0)
     n = first.world_size
-    bufs = {case: _buffers(case[0], case[1], n) for case in cases}
+    bufs = {case: buffers(case[0], case[1], n) for case in cases}
     got: dict[str, dict[str, list[list[float]]]] = {}
     for case in cases:
         for c in comms.values():
             for _ in range(5):  # warm up, and let each communicator's tuner decide
-                _call(c, case[0], bufs[case])
+                call(c, case[0], bufs[case])
     for rnd in range(rounds):
         for case in cases:
             order = budgets[rnd % len(budgets) :] + budgets[: rnd % len(budgets)]
@@ -98,7 +75,7 @@ def _rank(
                 first.barrier()
                 cpu0, t0 = _cpu_s(), time.perf_counter()
                 for _ in range(calls):
-                    _call(c, case[0], bufs[case])
+                    call(c, case[0], bufs[case])
                 wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
                 x = torch.tensor([wall / calls * 1e6, cpu / calls * 1e6], dtype=torch.float64)
                 slowest = x[:1].clone()
@@ -181,13 +158,7 @@ def main() -> int:
         f"per call ({args.calls} calls after a barrier), us; in brackets the CPU time all ranks "
         "used per call, us (the yields' share of it shows there).",
         f"Paths taken per budget's communicator: {json.dumps(got['paths'])}.",
-        f"Load average at start {', '.join(f'{x:.2f}' for x in load0)}, at end "
-        f"{', '.join(f'{x:.2f}' for x in load1)}; {time.perf_counter() - t0:.0f} s in all"
-        + (
-            f"; other processes kept {busy0:.2f} of the CPUs busy before it."
-            if busy0 is not None
-            else "."
-        ),
+        run_note(load0, load1, t0, busy0),
     ]
     if not args.no_write:
         DATA.mkdir(exist_ok=True)
