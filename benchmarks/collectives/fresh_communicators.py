@@ -24,7 +24,6 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import mmap
 import os
@@ -41,10 +40,8 @@ import pycollectives as pc
 from pycollectives.launcher import spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
-from _doc import cpu_model, emit_section, size_label  # noqa: E402
+from _doc import publish, run_note, size_label  # noqa: E402
 
-BEGIN, END = "<!-- fresh_communicators:begin -->", "<!-- fresh_communicators:end -->"
-DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
 SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 
 
@@ -185,34 +182,18 @@ def main() -> int:
         f"sizes, one kept communicator {statistics.median(k for _, k in ratios.values()):.2f}; "
         f"without pycollectives, 4 MiB through fresh shared mappings {max(mapped) / min(mapped):.2f}"
     )
-    date = datetime.date.today().isoformat()
     notes = [
         f"Result: {summary}.",
         f"A round: per size {args.trials} trials of {args.calls} calls after a barrier, each "
         "trial the slowest rank's mean per call; the round's figure its least trial. Single "
         "copy off (PYCOLL_CMA=0): the slots path at every size.",
-        f"Load average at start {', '.join(f'{x:.2f}' for x in load0)}, at end "
-        f"{', '.join(f'{x:.2f}' for x in load1)}; {time.perf_counter() - t0:.0f} s in all.",
+        run_note(load0, load1, t0),
     ]
-    if not args.no_write:
-        DATA.mkdir(exist_ok=True)
-        (DATA / f"fresh_communicators-{date}.json").write_text(json.dumps({
-            "summary": summary, "command": "python benchmarks/collectives/fresh_communicators.py "
-            + " ".join(sys.argv[1:]), "machine": f"{cpu_model()}, {os.cpu_count()} cores",
-            "date": date, "load_start": load0, "load_end": load1, "rounds": got,
-            "mappings_us": mapped,
-        }, indent=1) + "\n")  # fmt: skip
-    argv = " ".join(sys.argv[1:])
-    emit_section(
-        BEGIN,
-        END,
-        "Fresh communicators, one kept, and shared memory without pycollectives: the machine's states",
-        f"`python benchmarks/collectives/fresh_communicators.py{' ' + argv if argv else ''}` "
-        f"(data: docs/data/fresh_communicators-{date}.json)",
-        notes,
-        table,
-        not args.no_write,
-    )
+    record = {"summary": summary, "load_start": load0, "load_end": load1, "rounds": got,
+              "mappings_us": mapped}  # fmt: skip
+    publish("fresh_communicators",
+            "Fresh communicators, one kept, and shared memory without pycollectives: the machine's states",
+            notes, table, record, not args.no_write)  # fmt: skip
     return 0
 
 

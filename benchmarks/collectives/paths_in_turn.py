@@ -18,7 +18,6 @@ docs/data/paths_in_turn-DATE.json and, unless --no-write, its section of docs/be
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -30,14 +29,13 @@ from pathlib import Path
 import torch
 
 import pycollectives as pc
+from pycollectives.bench.specs import parse_size
 from pycollectives.launcher import spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
-from _doc import busy_cores, cpu_model, emit_section, size_label  # noqa: E402
-from _in_turn import buffers, call, parse_size, run_note  # noqa: E402
+from _doc import busy_cores, publish, run_note, size_label  # noqa: E402
+from _in_turn import buffers, call  # noqa: E402
 
-BEGIN, END = "<!-- paths_in_turn:begin -->", "<!-- paths_in_turn:end -->"
-DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
 COLLS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
@@ -129,7 +127,6 @@ def main() -> int:
                     f"{steady} | {tun.get('decided') or '-'} |"
                 )
     load1 = os.getloadavg()
-    date = datetime.date.today().isoformat()
     notes = [
         f"Per rank count one launch; per case the median over {args.rounds} rounds of the "
         f"slowest rank's mean per call ({args.calls} calls after a barrier), the two paths in "
@@ -138,24 +135,9 @@ def main() -> int:
         f"Paths taken: {json.dumps({n: r['paths'] for n, r in record.items()})}.",
         run_note(load0, load1, t0, busy0),
     ]
-    if not args.no_write:
-        DATA.mkdir(exist_ok=True)
-        (DATA / f"paths_in_turn-{date}.json").write_text(json.dumps({
-            "command": "python benchmarks/collectives/paths_in_turn.py " + " ".join(sys.argv[1:]),
-            "machine": f"{cpu_model()}, {os.cpu_count()} cores", "date": date,
-            "load_start": load0, "load_end": load1, "busy_before": busy0, "runs": record,
-        }, indent=1) + "\n")  # fmt: skip
-    argv = " ".join(sys.argv[1:])
-    emit_section(
-        BEGIN,
-        END,
-        "Single copy against the slots in turn, and the tuner's trials",
-        f"`python benchmarks/collectives/paths_in_turn.py{' ' + argv if argv else ''}` "
-        f"(data: docs/data/paths_in_turn-{date}.json)",
-        notes,
-        table,
-        not args.no_write,
-    )
+    publish("paths_in_turn", "Single copy against the slots in turn, and the tuner's trials",
+            notes, table, {"load_start": load0, "load_end": load1, "busy_before": busy0,
+                           "runs": record}, not args.no_write)  # fmt: skip
     return 0
 
 

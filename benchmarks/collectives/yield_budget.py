@@ -22,7 +22,6 @@ and, unless --no-write, its section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import resource
@@ -35,14 +34,13 @@ from pathlib import Path
 import torch
 
 import pycollectives as pc
+from pycollectives.bench.specs import parse_size
 from pycollectives.launcher import spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
-from _doc import busy_cores, cpu_model, emit_section, size_label  # noqa: E402
-from _in_turn import buffers, call, parse_size, run_note  # noqa: E402
+from _doc import busy_cores, publish, run_note, size_label  # noqa: E402
+from _in_turn import buffers, call  # noqa: E402
 
-BEGIN, END = "<!-- yield_budget:begin -->", "<!-- yield_budget:end -->"
-DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
 CASES = "all_reduce:16,all_reduce:64K,all_reduce:2M,reduce_scatter:2M,all_gather:2M"
 
 
@@ -151,7 +149,6 @@ def main() -> int:
             for k, v in medians.items()
         )
     )
-    date = datetime.date.today().isoformat()
     notes = [
         f"Result: {summary}.",
         f"Per case and budget: the median over {args.rounds} rounds of the slowest rank's mean "
@@ -160,25 +157,10 @@ def main() -> int:
         f"Paths taken per budget's communicator: {json.dumps(got['paths'])}.",
         run_note(load0, load1, t0, busy0),
     ]
-    if not args.no_write:
-        DATA.mkdir(exist_ok=True)
-        (DATA / f"yield_budget-{date}.json").write_text(json.dumps({
-            "summary": summary, "command": "python benchmarks/collectives/yield_budget.py "
-            + " ".join(sys.argv[1:]), "machine": f"{cpu_model()}, {os.cpu_count()} cores",
-            "date": date, "load_start": load0, "load_end": load1, "busy_before": busy0,
-            "rounds": got["rounds"], "paths": got["paths"], "medians": medians,
-        }, indent=1) + "\n")  # fmt: skip
-    argv = " ".join(sys.argv[1:])
-    emit_section(
-        BEGIN,
-        END,
-        "Yielding or sleeping: how long a waiting rank yields (PYCOLL_YIELD_US)",
-        f"`python benchmarks/collectives/yield_budget.py{' ' + argv if argv else ''}` "
-        f"(data: docs/data/yield_budget-{date}.json)",
-        notes,
-        table,
-        not args.no_write,
-    )
+    record = {"summary": summary, "load_start": load0, "load_end": load1, "busy_before": busy0,
+              "rounds": got["rounds"], "paths": got["paths"], "medians": medians}  # fmt: skip
+    publish("yield_budget", "Yielding or sleeping: how long a waiting rank yields (PYCOLL_YIELD_US)",
+            notes, table, record, not args.no_write)  # fmt: skip
     return 0
 
 

@@ -12,6 +12,7 @@ import platform
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -151,6 +152,46 @@ def emit_section(
     print(text)
     if write:
         write_section(text + "\n", begin, end)
+
+
+def publish(
+    name: str, title: str, notes: list[str], tables: list[str], record: dict, write: bool
+) -> None:
+    """A script's record and section under one `name`: writes docs/data/NAME-DATE.json (the
+    command, machine and date, then `record`) and, through emit_section, the section between
+    <!-- NAME:begin --> and <!-- NAME:end -->; with `write` false only prints the section."""
+    date = datetime.date.today().isoformat()
+    script = Path(sys.argv[0]).resolve()
+    script_name = (
+        script.relative_to(DOC.parents[1]) if script.is_relative_to(DOC.parents[1]) else script
+    )
+    argv = " ".join(sys.argv[1:])
+    command = f"python {script_name}{' ' + argv if argv else ''}"
+    if write:
+        data = DOC.parent / "data"
+        data.mkdir(exist_ok=True)
+        head = {
+            "command": command,
+            "machine": f"{cpu_model()}, {os.cpu_count()} cores",
+            "date": date,
+        }
+        (data / f"{name}-{date}.json").write_text(json.dumps({**head, **record}, indent=1) + "\n")
+    emit_section(f"<!-- {name}:begin -->", f"<!-- {name}:end -->", title,
+                 f"`{command}` (data: docs/data/{name}-{date}.json)", notes, tables, write)  # fmt: skip
+
+
+def run_note(load0: tuple, load1: tuple, t0: float, busy0: float | None = None) -> str:
+    """The load averages at start and end, the seconds since `t0` (perf_counter) and the
+    other processes' CPU use before the run (busy_cores, where measured), as a note line."""
+    busy = (
+        f"; other processes kept {busy0:.2f} of the CPUs busy before it."
+        if busy0 is not None
+        else "."
+    )
+    return (
+        f"Load average at start {', '.join(f'{x:.2f}' for x in load0)}, at end "
+        f"{', '.join(f'{x:.2f}' for x in load1)}; {time.perf_counter() - t0:.0f} s in all{busy}"
+    )
 
 
 def write_section(section: str, begin: str, end: str, path: Path = DOC) -> None:

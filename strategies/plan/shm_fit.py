@@ -72,14 +72,21 @@ def solve_linear(m: list[list[float]], v: list[float]) -> list[float] | None:
     return [aug[i][n] / aug[i][i] for i in range(n)]
 
 
+def _usable(r: dict[str, Any], min_bytes: int) -> bool:
+    """A pycoll all_reduce, reduce_scatter or all_gather row of >= min_bytes on >= 2 ranks."""
+    return (
+        r.get("backend", "pycoll") == "pycoll"
+        and r.get("collective") in COLLECTIVES
+        and r["size"] >= min_bytes
+        and r["nranks"] >= 2
+    )
+
+
 def _points(rows: list[dict[str, Any]], min_bytes: int) -> list[Point]:
-    """The usable rows (pycoll all_reduce, reduce_scatter, all_gather of >= min_bytes on
-    >= 2 ranks, with a time), each with the work of the path it took."""
+    """The usable rows (_usable, with a time), each with the work of the path it took."""
     pts = []
     for r in rows:
-        if r.get("backend", "pycoll") != "pycoll" or r.get("collective") not in COLLECTIVES:
-            continue
-        if r["size"] < min_bytes or not r.get("time_us") or r["nranks"] < 2:
+        if not _usable(r, min_bytes) or not r.get("time_us"):
             continue
         coll, n, size, path = r["collective"], r["nranks"], r["size"], row_path(r)
         if path not in PATHS:  # a row without paths: the path the code takes outside the bands
@@ -177,10 +184,8 @@ def cma_past_cores(
     prices what the tuner mostly ran."""
     cma = every = 0
     for r in rows:
-        if r.get("backend", "pycoll") != "pycoll" or r.get("collective") not in COLLECTIVES:
-            continue
         n, paths = r["nranks"], r.get("paths")
-        if not cores or n <= cores or r["size"] < min_bytes or not isinstance(paths, dict):
+        if not _usable(r, min_bytes) or not cores or n <= cores or not isinstance(paths, dict):
             continue
         if "cma" not in code_paths(r["collective"], n, r["size"]):
             continue
@@ -201,23 +206,12 @@ def fit_busiest(model: ShmModel, rows: list[dict[str, Any]], min_bytes: int = 64
     of it, the only ones it moves: the weight in 0, 0.05, .., 1 of least squared relative
     error; the model unchanged (its busiest: 1 unless set) where there is no such row."""
     c = model.cores
-    pts = []
-    for r in rows:
-        if r.get("backend", "pycoll") != "pycoll" or r.get("collective") not in COLLECTIVES:
-            continue
-        n = r["nranks"]
-        if not c or n <= c or n % c == 0 or r["size"] < min_bytes or not r.get("time_us"):
-            continue
-        path = row_path(r)
-        if path not in PATHS:
-            path = code_paths(r["collective"], n, r["size"])[-1]
-        pts.append((r["collective"], path, n, r["size"], r["time_us"] * 1e-6))
+    pts = [p for p in _points(rows, min_bytes) if c and p[1] > c and p[1] % c]
     if not pts:
         return model
 
     def err(w: float) -> float:
-        m = replace(model, busiest=w)
-        return sum((m.path_time(coll, p, n, s) / t - 1) ** 2 for coll, p, n, s, t in pts)
+        return _error(replace(model, busiest=w), pts)
 
     w = min((i / 20 for i in range(21)), key=err)
     return replace(model, busiest=w, source=f"{model.source}; busiest: {len(pts)} rows")
